@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Both create/refresh .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch goes in first and on its own: deepspeed builds against the installed torch, and a
+# resolver left alone may pick a multi-GB CUDA build. On a GPU cluster set TORCH_SPEC to the
+# CUDA build you want (e.g. TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>").
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: demo test env clean-env
+
+env: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+# DEMO_INPUT="a.txt b.jsonl" and VOCAB=path/to/vocab.txt are optional.
+demo: $(STAMP)
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m megatron_pmlm.demo \
+		$(if $(DEMO_INPUT),--input $(DEMO_INPUT)) $(if $(VOCAB),--vocab-file $(VOCAB)) $(DEMO_ARGS)
+
+test: $(STAMP)
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+clean-env:
+	rm -rf $(VENV)

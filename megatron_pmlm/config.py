@@ -1,0 +1,154 @@
+"""Configuration dataclasses with the paper's values as defaults (UniLMv2 §4.1, Table 7).
+
+Every component reads its settings from one of these; the command line overrides fields by name
+(see `add_dataclass_arguments`). Invalid values fail here, in `__post_init__`, with a message naming
+the field, rather than deep inside torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value a user supplied is invalid; the message names it."""
+
+
+@dataclass
+class ModelConfig:
+    """BERT architecture plus UniLMv2's shared relative position bias (SPEC §5)."""
+
+    vocab_size: int = 30522
+    """WordPiece vocabulary size (bert-base-uncased: 30,522)."""
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_attention_heads: int = 12
+    ffn_hidden_size: int = 3072
+    max_position_embeddings: int = 512
+    """Longest input (before the appended pseudo-mask tokens, which reuse their twins' positions)."""
+    type_vocab_size: int = 2
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    layernorm_epsilon: float = 1e-12
+    init_std: float = 0.02
+    rel_pos: bool = True
+    """Relative position bias on; False gives exactly BERT (the paper's "- rel pos")."""
+    rel_pos_bins: int = 32
+    max_rel_pos: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                     "ffn_hidden_size", "max_position_embeddings", "type_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"model config: hidden_size {self.hidden_size} is not divisible by "
+                f"num_attention_heads {self.num_attention_heads}")
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model config: {name} must be in [0, 1), got {getattr(self, name)}")
+        if self.rel_pos and (self.rel_pos_bins < 4 or self.rel_pos_bins % 2):
+            raise ConfigError(f"model config: rel_pos_bins must be an even number >= 4, got {self.rel_pos_bins}")
+        if self.rel_pos and self.max_rel_pos <= self.rel_pos_bins // 4:
+            raise ConfigError(
+                f"model config: max_rel_pos ({self.max_rel_pos}) must exceed the exact range "
+                f"rel_pos_bins/4 ({self.rel_pos_bins // 4})")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The paper's BASE model (~110M parameters).
+    "base": dict(num_layers=12, hidden_size=768, num_attention_heads=12, ffn_hidden_size=3072),
+    # The LARGE shape (24/1024/16/4096, ~335M parameters).
+    "large": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, ffn_hidden_size=4096),
+    # For tests and the CPU demo: seconds per hundred steps on two cores.
+    "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+                 max_position_embeddings=128),
+}
+
+
+def model_config_from_preset(preset: str, **overrides: Any) -> ModelConfig:
+    """The preset's ModelConfig with `overrides` (None values ignored) applied."""
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    values = dict(PRESETS[preset])
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(ModelConfig)}
+    if unknown:
+        raise ConfigError(f"unknown model config field(s): {', '.join(sorted(unknown))}")
+    return ModelConfig(**values)
+
+
+@dataclass
+class MaskingConfig:
+    """Blockwise masking, Algorithm 1 of UniLMv2, and BERT's 80/10/10 corruption."""
+
+    mask_prob: float = 0.15
+    """Stop sampling blocks once this fraction of the maskable tokens is masked."""
+    block_prob: float = 0.4
+    """Probability that a sampled step is an n-gram block rather than a single token."""
+    min_block_len: int = 2
+    max_block_len: int = 6
+    replace_with_mask_prob: float = 0.8
+    replace_with_random_prob: float = 0.1
+    """The rest (0.1 by default) keeps the original token."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.mask_prob < 1.0:
+            raise ConfigError(f"masking config: mask_prob must be in (0, 1), got {self.mask_prob}")
+        if not 0.0 <= self.block_prob <= 1.0:
+            raise ConfigError(f"masking config: block_prob must be in [0, 1], got {self.block_prob}")
+        if not 1 <= self.min_block_len <= self.max_block_len:
+            raise ConfigError(
+                f"masking config: need 1 <= min_block_len <= max_block_len, got "
+                f"{self.min_block_len}..{self.max_block_len}")
+        if self.replace_with_mask_prob < 0 or self.replace_with_random_prob < 0 or \
+                self.replace_with_mask_prob + self.replace_with_random_prob > 1.0:
+            raise ConfigError(
+                "masking config: replace_with_mask_prob and replace_with_random_prob must be "
+                "non-negative and sum to at most 1")
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                            skip: tuple[str, ...] = ()) -> None:
+    """Add `--field-name` options for every field of `cls` (defaults None = keep the dataclass's)."""
+    group = parser.add_argument_group(cls.__name__)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + prefix + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, type=_parse_bool, default=None, metavar="{true,false}")
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
+            group.add_argument(flag, type=kind, default=None)
+
+
+def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
+    """The fields of `cls` the user set on the command line."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(args, (prefix + f.name).replace("-", "_"), None)
+        if value is not None:
+            out[f.name] = value
+    return out
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+__all__ = ["ConfigError", "ModelConfig", "MaskingConfig", "PRESETS", "model_config_from_preset",
+           "add_dataclass_arguments", "dataclass_overrides"]

@@ -1,0 +1,285 @@
+"""The PMLM model: BERT (post-LayerNorm) + UniLMv2's shared relative position bias + tied MLM head.
+
+One definition for every tensor-parallel layout: layers come from a `ParallelLayers` provider and
+attention heads are counted per partition. Module names follow Hugging Face's BertForMaskedLM
+(`bert.embeddings.word_embeddings`, `bert.encoder.layer.N.attention.self.query`, `cls.predictions`)
+plus `bert.rel_pos_bias.weight` [heads, bins], so checkpoints map to HF one to one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ConfigError, ModelConfig
+from .layout import IGNORE_INDEX, MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed
+from .objectives import Objective, get_objective
+from .parallel_layers import LocalLayers, ParallelLayers
+
+
+def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int = 32,
+                             max_distance: int = 128) -> torch.Tensor:
+    """T5's bidirectional bucketing of key - query distances (SPEC §5).
+
+    Half the buckets per direction (keys after the query are offset by num_buckets/2); within a
+    direction distances below num_buckets/4 are exact, larger ones log-spaced up to max_distance.
+    """
+    half = num_buckets // 2
+    bucket = (relative_position > 0).long() * half
+    distance = relative_position.abs()
+    max_exact = half // 2
+    # clamp(min=1) only keeps log() finite for the small distances that take the exact branch.
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (half - max_exact)).long()
+    large = large.clamp(max=half - 1)
+    return bucket + torch.where(distance < max_exact, distance, large)
+
+
+class RelativePositionBias(nn.Module):
+    """A learned bias per (head, distance bucket), computed once per forward and shared by all layers.
+
+    `weight` is [heads, bins] like the released UniLMv2 code's bias-free Linear; under tensor
+    parallelism each rank holds its heads' rows.
+    """
+
+    def __init__(self, num_heads: int, num_buckets: int, max_distance: int):
+        super().__init__()
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """[B, heads, T, T] from position ids, so appended tokens get their twins' distances."""
+        relative = position_ids[:, None, :] - position_ids[:, :, None]  # key - query
+        buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
+        return F.embedding(buckets, self.weight.t()).permute(0, 3, 1, 2)
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.word_embeddings = layers.vocab_embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids, position_ids, token_type_ids):
+        embeddings = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+                      + self.token_type_embeddings(token_type_ids))
+        return self.dropout(self.LayerNorm(embeddings))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.heads_per_partition = config.num_attention_heads // layers.tensor_parallel_size
+        self.head_dim = config.head_dim
+        self.query = layers.column_linear(config.hidden_size, config.hidden_size)
+        self.key = layers.column_linear(config.hidden_size, config.hidden_size)
+        self.value = layers.column_linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_dropout
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.heads_per_partition, self.head_dim).transpose(1, 2)
+
+    def forward(self, hidden: torch.Tensor, attention_bias: torch.Tensor) -> torch.Tensor:
+        query = self._split_heads(self.query(hidden))
+        key = self._split_heads(self.key(hidden))
+        value = self._split_heads(self.value(hidden))
+        context = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_bias,
+            dropout_p=self.dropout_p if self.training else 0.0)
+        batch, _, length, _ = context.shape
+        return context.transpose(1, 2).reshape(batch, length, -1)
+
+
+class BertSelfOutput(nn.Module):
+    """Projection + dropout + residual + post-LayerNorm (used after attention and after the FFN)."""
+
+    def __init__(self, config: ModelConfig, layers: ParallelLayers, in_features: int):
+        super().__init__()
+        self.dense = layers.row_linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.self = BertSelfAttention(config, layers)
+        self.output = BertSelfOutput(config, layers, config.hidden_size)
+
+    def forward(self, hidden, attention_bias):
+        return self.output(self.self(hidden, attention_bias), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.dense = layers.column_linear(config.hidden_size, config.ffn_hidden_size)
+
+    def forward(self, hidden):
+        return F.gelu(self.dense(hidden))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.attention = BertAttention(config, layers)
+        self.intermediate = BertIntermediate(config, layers)
+        self.output = BertSelfOutput(config, layers, config.ffn_hidden_size)
+
+    def forward(self, hidden, attention_bias):
+        attended = self.attention(hidden, attention_bias)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, layers) for _ in range(config.num_layers))
+
+    def forward(self, hidden, attention_bias):
+        for layer in self.layer:
+            hidden = layer(hidden, attention_bias)
+        return hidden
+
+
+class BertModel(nn.Module):
+    """Embeddings, the shared relative position bias, and the encoder stack."""
+
+    def __init__(self, config: ModelConfig, layers: ParallelLayers | None = None,
+                 attention_rule: AttentionRule = pmlm_attention_allowed):
+        super().__init__()
+        layers = layers or LocalLayers()
+        if config.num_attention_heads % layers.tensor_parallel_size:
+            raise ConfigError(
+                f"num_attention_heads {config.num_attention_heads} is not divisible by the tensor "
+                f"parallel size {layers.tensor_parallel_size}")
+        self.config = config
+        self.attention_rule = attention_rule
+        self.embeddings = BertEmbeddings(config, layers)
+        self.rel_pos_bias = (RelativePositionBias(
+            config.num_attention_heads // layers.tensor_parallel_size, config.rel_pos_bins,
+            config.max_rel_pos) if config.rel_pos else None)
+        self.encoder = BertEncoder(config, layers)
+
+    def attention_bias(self, position_ids, roles, steps, dtype) -> torch.Tensor:
+        """Additive [B, heads or 1, T, T] bias: relative positions plus -inf where attention is not allowed."""
+        allowed = self.attention_rule(roles, steps)[:, None]
+        blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+        if self.rel_pos_bias is None:
+            return blocked
+        return self.rel_pos_bias(position_ids).to(dtype) + blocked
+
+    def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
+        hidden = self.embeddings(input_ids, position_ids, token_type_ids)
+        bias = self.attention_bias(position_ids, roles, steps, hidden.dtype)
+        return self.encoder(hidden, bias)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+    def forward(self, hidden):
+        return self.LayerNorm(F.gelu(self.dense(hidden)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """dense + GELU + LayerNorm, then the decoder tied to the word embeddings, plus an output bias."""
+
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size // layers.tensor_parallel_size))
+        self.layers = layers
+
+    def forward(self, hidden, word_embedding_weight):
+        return self.layers.tied_logits(self.transform(hidden), word_embedding_weight) + self.bias
+
+
+class BertOnlyMLMHead(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config, layers)
+
+
+@dataclass
+class PMLMLosses:
+    """The scalar losses of one batch and the counts needed to aggregate accuracy."""
+
+    loss: torch.Tensor
+    loss_ae: torch.Tensor
+    loss_par: torch.Tensor
+    ae_correct: torch.Tensor
+    ae_count: torch.Tensor
+    par_correct: torch.Tensor
+    par_count: torch.Tensor
+
+
+class PMLMForPreTraining(nn.Module):
+    """BERT + tied MLM head; forward returns L = L_AE + L_PAR for the chosen objective."""
+
+    def __init__(self, config: ModelConfig, objective: Objective | str = "ae+par",
+                 layers: ParallelLayers | None = None,
+                 attention_rule: AttentionRule = pmlm_attention_allowed):
+        super().__init__()
+        self.layers = layers or LocalLayers()
+        self.config = config
+        self.objective = get_objective(objective) if isinstance(objective, str) else objective
+        self.bert = BertModel(config, self.layers, attention_rule)
+        self.cls = BertOnlyMLMHead(config, self.layers)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """BERT's initialisation: N(0, init_std) weights, zero biases, unit LayerNorm."""
+        std = self.config.init_std
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, RelativePositionBias):
+            nn.init.normal_(module.weight, std=std)
+        elif hasattr(module, "weight") and isinstance(module.weight, torch.Tensor) and module.weight.dim() == 2:
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
+
+    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> PMLMLosses:
+        hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        losses = {}
+        for name, role, enabled in (("ae", MASKED, self.objective.autoencoding),
+                                    ("par", PSEUDO, self.objective.pseudo_masked)):
+            selected = (roles == role) & (labels != IGNORE_INDEX) if enabled else torch.zeros_like(roles, dtype=torch.bool)
+            # Only the predicted slots go through the head: the vocabulary projection is the
+            # largest matmul of the model and most positions carry no label.
+            logits = self.mlm_logits(hidden[selected])
+            targets = labels[selected]
+            token_losses = self.layers.cross_entropy(logits, targets)
+            count = selected.sum()
+            losses[f"loss_{name}"] = token_losses.sum() / count.clamp(min=1)
+            losses[f"{name}_correct"] = (self.layers.predicted_ids(logits) == targets).sum()
+            losses[f"{name}_count"] = count
+        return PMLMLosses(loss=losses["loss_ae"] + losses["loss_par"], **losses)
+
+    def forward_batch(self, batch: PMLMBatch) -> PMLMLosses:
+        return self(*batch.as_tuple())
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Trainable parameters, counting tied weights once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
