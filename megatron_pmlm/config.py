@@ -23,6 +23,10 @@ class ModelConfig:
 
     vocab_size: int = 30522
     """WordPiece vocabulary size (bert-base-uncased: 30,522)."""
+    padded_vocab_size: int = 0
+    """Rows of the embedding/softmax (0: vocab_size). Padding (Megatron's
+    --make-vocab-size-divisible-by) only makes matmuls efficient and splittable: padded entries are
+    zero-initialised and masked out of the softmax, so losses do not depend on it."""
     hidden_size: int = 768
     num_layers: int = 12
     num_attention_heads: int = 12
@@ -44,6 +48,9 @@ class ModelConfig:
                      "ffn_hidden_size", "max_position_embeddings", "type_vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.padded_vocab_size and self.padded_vocab_size < self.vocab_size:
+            raise ConfigError(f"model config: padded_vocab_size {self.padded_vocab_size} is smaller than "
+                              f"vocab_size {self.vocab_size}")
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"model config: hidden_size {self.hidden_size} is not divisible by "
@@ -57,6 +64,10 @@ class ModelConfig:
             raise ConfigError(
                 f"model config: max_rel_pos ({self.max_rel_pos}) must exceed the exact range "
                 f"rel_pos_bins/4 ({self.rel_pos_bins // 4})")
+
+    @property
+    def embedding_rows(self) -> int:
+        return self.padded_vocab_size or self.vocab_size
 
     @property
     def head_dim(self) -> int:

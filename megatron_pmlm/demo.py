@@ -1,23 +1,27 @@
-"""`make demo`: corpus -> WordPiece vocabulary -> a tiny PMLM pre-trained on DeepSpeed, on the CPU.
+"""`make demo`: the whole pipeline, small, on the CPU.
 
     python -m megatron_pmlm.demo [--input FILE ...] [--vocab-file VOCAB] [--output-dir outputs/demo]
 
-Without --input the corpus is the documentation text every CPython ships (`pydoc_data.topics`,
-~465 KB of English). Without --vocab-file a WordPiece vocabulary is trained on the corpus.
+1. corpus: the documentation text every CPython ships (`pydoc_data.topics`, ~465 KB of English),
+   or --input files;
+2. `data_prep.preprocess`: sentences tokenized into a Megatron .bin/.idx (training a WordPiece
+   vocabulary on the corpus unless --vocab-file is given);
+3. `data_prep.build_samples`: `[SOS] S1 [EOS] S2 [EOS]` samples with precomputed block masks;
+4. `megatron_pmlm.pretrain` under torchrun, 2 processes, DeepSpeed ZeRO-2: a tiny PMLM trains,
+   stops half way with a checkpoint (--exit-interval), then resumes from it to the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
-
-from .pretrain import main as pretrain_main
-from .text_data import read_text_documents
-from .tokenizer import train_wordpiece
 
 
 def write_pydoc_corpus(path: Path) -> int:
@@ -32,71 +36,106 @@ def write_pydoc_corpus(path: Path) -> int:
     return len(text.encode("utf-8"))
 
 
+def _run(step: str, command: list[str], env: dict | None = None) -> None:
+    print(f"\n$ {' '.join(command)}", flush=True)
+    result = subprocess.run(command, env={**os.environ, **(env or {})})
+    if result.returncode:
+        raise SystemExit(f"demo: {step} failed (exit code {result.returncode})")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.demo", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", help="plain-text files (documents separated by blank lines)")
+    parser.add_argument("--input", nargs="+", help="text files (documents separated by blank lines) or JSONL")
     parser.add_argument("--vocab-file", help="use this WordPiece vocab.txt instead of training one")
     parser.add_argument("--output-dir", default="outputs/demo")
     parser.add_argument("--vocab-size", type=int, default=8000)
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--objective", default="ae+par")
+    parser.add_argument("--nproc", type=int, default=2, help="training processes (data parallel)")
     args = parser.parse_args(argv)
     started = time.time()
-
-    out = Path(args.output_dir)
+    python = sys.executable
+    out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.train_iters < 4:
+        parser.error("--train-iters must be at least 4")
+
     if args.input:
-        missing = [p for p in args.input if not Path(p).is_file()]
+        missing = [p for p in args.input if not Path(p).exists()]
         if missing:
-            print(f"error: input file(s) not found: {', '.join(missing)}", file=sys.stderr)
+            print(f"error: input not found: {', '.join(missing)}", file=sys.stderr)
             return 2
-        corpus_files = list(args.input)
-        print(f"[1/3] corpus: {len(corpus_files)} input file(s), "
-              f"{sum(Path(p).stat().st_size for p in corpus_files) / 1e6:.2f} MB")
+        inputs = list(args.input)
+        print(f"[1/4] corpus: {len(inputs)} input(s)")
     else:
         corpus = out / "corpus.txt"
         size = write_pydoc_corpus(corpus)
-        corpus_files = [str(corpus)]
-        print(f"[1/3] corpus: pydoc_data.topics -> {corpus} ({size / 1e3:.0f} KB)")
+        inputs = [str(corpus)]
+        print(f"[1/4] corpus: pydoc_data.topics -> {corpus} ({size / 1e3:.0f} KB)")
 
-    if args.vocab_file:
-        vocab = Path(args.vocab_file)
-        if not vocab.is_file():
-            print(f"error: vocabulary file not found: {vocab}", file=sys.stderr)
-            return 2
-        print(f"[2/3] vocabulary: {vocab}")
-    else:
-        vocab = train_wordpiece(read_text_documents(corpus_files), args.vocab_size, out)
-        print(f"[2/3] vocabulary: trained WordPiece ({args.vocab_size} entries) -> {vocab}")
+    print("[2/4] tokenizing into a Megatron indexed dataset (data_prep.preprocess)")
+    prefix = out / "corpus"
+    vocab_args = ["--vocab-file", args.vocab_file] if args.vocab_file else ["--train-vocab", str(args.vocab_size)]
+    _run("preprocess", [python, "-m", "data_prep.preprocess", "--input", *inputs, "--output-prefix", str(prefix),
+                        *vocab_args, "--workers", "2", "--overwrite"])
 
-    history_file = out / "history.json"
-    checkpoint_dir = out / "checkpoints"
-    print(f"[3/3] pre-training a tiny PMLM ({args.objective}) for {args.train_iters} steps on DeepSpeed")
-    status = pretrain_main([
-        "--preset", "tiny", "--objective", args.objective, "--vocab-file", str(vocab),
-        "--text-data", *corpus_files, "--seq-length", "128", "--micro-batch-size", "16",
-        "--global-batch-size", "16", "--train-iters", str(args.train_iters), "--lr", "1e-3",
-        "--lr-warmup-iters", str(max(1, args.train_iters // 10)), "--log-interval",
-        str(max(1, args.train_iters // 10)), "--eval-interval", str(max(1, args.train_iters // 2)),
-        "--eval-iters", "4", "--valid-fraction", "0.05", "--seed", "1234",
-        "--save", str(checkpoint_dir), "--history-json", str(history_file)])
-    if status:
-        return status
+    print("[3/4] building samples with precomputed block masks (data_prep.build_samples)")
+    samples = out / "samples"
+    _run("build_samples", [python, "-m", "data_prep.build_samples", "--data-path", str(prefix), "--output",
+                           str(samples), "--seq-length", "128", "--split", "95,5,0", "--mask-epochs", "4",
+                           "--seed", "1234", "--overwrite"])
 
-    history = [h for h in json.loads(history_file.read_text()) if "loss" in h]
-    first, last = history[0], history[-1]
+    half = args.train_iters // 2
+    print(f"[4/4] pre-training a tiny PMLM ({args.objective}) on DeepSpeed ZeRO-2 with {args.nproc} processes: "
+          f"stop at iteration {half} with a checkpoint, then resume to {args.train_iters}")
+    checkpoints, tensorboard = out / "checkpoints", out / "tensorboard"
+    common = ["-m", "megatron_pmlm.pretrain", "--preset", "tiny", "--objective", args.objective,
+              "--data-path", str(samples), "--micro-batch-size", "8", "--global-batch-size", str(8 * args.nproc),
+              "--train-iters", str(args.train_iters), "--lr", "1e-3",
+              "--lr-warmup-iters", str(max(1, args.train_iters // 10)),
+              "--log-interval", str(max(1, args.train_iters // 10)), "--eval-interval", str(half),
+              "--eval-iters", "4", "--zero-stage", "2", "--save", str(checkpoints), "--load", str(checkpoints),
+              "--tensorboard-dir", str(tensorboard)]
+    launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
+    if checkpoints.exists():
+        import shutil
+
+        shutil.rmtree(checkpoints)  # the demo starts from scratch every time
+    histories = []
+    for phase, extra in (("first half", ["--exit-interval", str(half)]), ("resumed", [])):
+        history = out / f"history_{phase.split()[0]}.json"
+        _run(f"pre-training ({phase})", [*launcher, "--master-port", str(_free_port()), *common, *extra,
+                                        "--history-json", str(history)], env)
+        histories.append(json.loads(history.read_text()))
+
+    train = [h for history in histories for h in history if "loss" in h]
+    valid = [h for history in histories for h in history if "valid_loss" in h]
+    first, last = train[0], train[-1]
     print("\nlosses (training, averaged over a log interval):")
     for key in ("loss_ae", "loss_par"):
         if first[key] or last[key]:
             print(f"  {key:<9} {first[key]:.3f} at iteration {first['iteration']} -> "
                   f"{last[key]:.3f} at iteration {last['iteration']}")
+    for record in valid:
+        print(f"  validation at iteration {record['iteration']}: loss {record['valid_loss']:.3f}, "
+              f"mlm_acc {record['valid_mlm_acc']:.3f}")
+    print(f"\nthe run stopped at iteration {half} with checkpoint {checkpoints / f'iter_{half:07d}'}, "
+          f"then resumed from it (--load) and trained iterations {half + 1}-{args.train_iters}")
     falling = all(last[k] < first[k] for k in ("loss_ae", "loss_par") if first[k])
-    print(f"\n{'the losses fell' if falling else 'WARNING: the losses did not fall'}; "
-          f"demo took {time.time() - started:.0f} s")
-    print(f"outputs under {out.resolve()}:")
-    print(f"  vocabulary   {Path(vocab).resolve()}")
-    print(f"  metrics      {history_file.resolve()}")
-    print(f"  checkpoint   {checkpoint_dir.resolve()} (DeepSpeed format)")
+    print(f"{'the losses fell' if falling else 'WARNING: the losses did not fall'}; demo took {time.time() - started:.0f} s")
+    print(f"outputs under {out}:")
+    print(f"  tokenized corpus   {prefix}.bin / .idx")
+    print(f"  samples + masks    {samples}  (python -m data_prep.inspect {samples} --sample 0)")
+    print(f"  checkpoints        {checkpoints} (DeepSpeed, latest: {(checkpoints / 'latest').read_text().strip()})")
+    print(f"  TensorBoard        {tensorboard} (tensorboard --logdir {tensorboard}; "
+          f"python tools/plot_curves.py {tensorboard} -o curves.png)")
     return 0 if falling else 1
 
 

@@ -9,10 +9,12 @@ plus `bert.rel_pos_bias.weight` [heads, bins], so checkpoints map to HF one to o
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from .config import ConfigError, ModelConfig
@@ -62,7 +64,7 @@ class RelativePositionBias(nn.Module):
 class BertEmbeddings(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers):
         super().__init__()
-        self.word_embeddings = layers.vocab_embedding(config.vocab_size, config.hidden_size)
+        self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
@@ -147,10 +149,15 @@ class BertEncoder(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config, layers) for _ in range(config.num_layers))
+        self.checkpoint_activations = False
+        """Recompute each layer in the backward pass instead of storing its activations."""
 
     def forward(self, hidden, attention_bias):
         for layer in self.layer:
-            hidden = layer(hidden, attention_bias)
+            if self.checkpoint_activations and self.training:
+                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_bias, use_reentrant=False)
+            else:
+                hidden = layer(hidden, attention_bias)
         return hidden
 
 
@@ -173,18 +180,25 @@ class BertModel(nn.Module):
             config.max_rel_pos) if config.rel_pos else None)
         self.encoder = BertEncoder(config, layers)
 
-    def attention_bias(self, position_ids, roles, steps, dtype) -> torch.Tensor:
-        """Additive [B, heads or 1, T, T] bias: relative positions plus -inf where attention is not allowed."""
-        allowed = self.attention_rule(roles, steps)[:, None]
-        blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
-        if self.rel_pos_bias is None:
-            return blocked
-        return self.rel_pos_bias(position_ids).to(dtype) + blocked
+    def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
+        """Embeddings and the attention bias every layer shares."""
+        hidden = self.embeddings(input_ids, position_ids, token_type_ids)
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
+        return hidden, bias
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
-        hidden = self.embeddings(input_ids, position_ids, token_type_ids)
-        bias = self.attention_bias(position_ids, roles, steps, hidden.dtype)
-        return self.encoder(hidden, bias)
+        return self.encoder(*self.embed(input_ids, position_ids, token_type_ids, roles, steps))
+
+
+def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
+                   position_ids, roles, steps, dtype) -> torch.Tensor:
+    """Additive [B, heads or 1, T, T] bias: relative positions plus -inf where attention is not allowed."""
+    allowed = attention_rule(roles, steps)[:, None]
+    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+    if rel_pos_bias is None:
+        return blocked
+    # Contiguous: SDPA's fused kernels and pipeline sends want a plain [B, heads, T, T] layout.
+    return (rel_pos_bias(position_ids).to(dtype) + blocked).contiguous()
 
 
 class BertPredictionHeadTransform(nn.Module):
@@ -203,11 +217,20 @@ class BertLMPredictionHead(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
-        self.bias = nn.Parameter(torch.zeros(config.vocab_size // layers.tensor_parallel_size))
+        self.bias = nn.Parameter(torch.zeros(config.embedding_rows // layers.tensor_parallel_size))
+        self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
         self.layers = layers
 
     def forward(self, hidden, word_embedding_weight):
-        return self.layers.tied_logits(self.transform(hidden), word_embedding_weight) + self.bias
+        logits = self.layers.tied_logits(self.transform(hidden), word_embedding_weight) + self.bias
+        return logits + self.padding_logit_bias
+
+
+def padding_logit_bias(config: ModelConfig, layers: ParallelLayers) -> torch.Tensor:
+    """0 for real tokens, -inf for vocabulary padding, over this rank's slice of the vocabulary."""
+    per_rank = config.embedding_rows // layers.tensor_parallel_size
+    token_ids = torch.arange(per_rank) + getattr(layers, "tensor_parallel_rank", 0) * per_rank
+    return torch.zeros(per_rank).masked_fill(token_ids >= config.vocab_size, float("-inf"))
 
 
 class BertOnlyMLMHead(nn.Module):
@@ -228,58 +251,92 @@ class PMLMLosses:
     par_correct: torch.Tensor
     par_count: torch.Tensor
 
+    def metrics(self) -> torch.Tensor:
+        """[loss, loss_ae, loss_par, ae_correct, ae_count], detached, for logging."""
+        return torch.stack([self.loss.detach().float(), self.loss_ae.detach().float(),
+                            self.loss_par.detach().float(), self.ae_correct.float(), self.ae_count.float()])
+
 
 class PMLMForPreTraining(nn.Module):
     """BERT + tied MLM head; forward returns L = L_AE + L_PAR for the chosen objective."""
 
     def __init__(self, config: ModelConfig, objective: Objective | str = "ae+par",
                  layers: ParallelLayers | None = None,
-                 attention_rule: AttentionRule = pmlm_attention_allowed):
+                 attention_rule: AttentionRule = pmlm_attention_allowed, init_seed: int = 0):
         super().__init__()
         self.layers = layers or LocalLayers()
         self.config = config
         self.objective = get_objective(objective) if isinstance(objective, str) else objective
         self.bert = BertModel(config, self.layers, attention_rule)
         self.cls = BertOnlyMLMHead(config, self.layers)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        """BERT's initialisation: N(0, init_std) weights, zero biases, unit LayerNorm."""
-        std = self.config.init_std
-        if isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-        elif isinstance(module, RelativePositionBias):
-            nn.init.normal_(module.weight, std=std)
-        elif hasattr(module, "weight") and isinstance(module.weight, torch.Tensor) and module.weight.dim() == 2:
-            nn.init.normal_(module.weight, std=std)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+        initialize_weights(self, config, init_seed, getattr(self.layers, "tensor_parallel_rank", 0),
+                           self.layers.tensor_parallel_size)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> PMLMLosses:
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
-        losses = {}
-        for name, role, enabled in (("ae", MASKED, self.objective.autoencoding),
-                                    ("par", PSEUDO, self.objective.pseudo_masked)):
-            selected = (roles == role) & (labels != IGNORE_INDEX) if enabled else torch.zeros_like(roles, dtype=torch.bool)
-            # Only the predicted slots go through the head: the vocabulary projection is the
-            # largest matmul of the model and most positions carry no label.
-            logits = self.mlm_logits(hidden[selected])
-            targets = labels[selected]
-            token_losses = self.layers.cross_entropy(logits, targets)
-            count = selected.sum()
-            losses[f"loss_{name}"] = token_losses.sum() / count.clamp(min=1)
-            losses[f"{name}_correct"] = (self.layers.predicted_ids(logits) == targets).sum()
-            losses[f"{name}_count"] = count
-        return PMLMLosses(loss=losses["loss_ae"] + losses["loss_par"], **losses)
+        return pmlm_losses(hidden, roles, labels, self.objective, self.mlm_logits, self.layers)
 
     def forward_batch(self, batch: PMLMBatch) -> PMLMLosses:
         return self(*batch.as_tuple())
 
 
+def pmlm_losses(hidden: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor, objective: Objective,
+                mlm_logits, layers: ParallelLayers) -> PMLMLosses:
+    """L = L_AE (at [M] slots) + L_PAR (at [P] slots), each a mean over its predicted tokens."""
+    losses = {}
+    for name, role, enabled in (("ae", MASKED, objective.autoencoding),
+                                ("par", PSEUDO, objective.pseudo_masked)):
+        selected = (roles == role) & (labels != IGNORE_INDEX)
+        if not enabled:
+            selected = torch.zeros_like(selected)
+        # Only the predicted slots go through the head: the vocabulary projection is the largest
+        # matmul of the model and most positions carry no label.
+        logits = mlm_logits(hidden[selected])
+        targets = labels[selected]
+        count = selected.sum()
+        losses[f"loss_{name}"] = layers.cross_entropy(logits, targets).sum() / count.clamp(min=1)
+        losses[f"{name}_correct"] = (layers.predicted_ids(logits) == targets).sum()
+        losses[f"{name}_count"] = count
+    return PMLMLosses(loss=losses["loss_ae"] + losses["loss_par"], **losses)
+
+
 def count_parameters(model: nn.Module) -> int:
     """Trainable parameters, counting tied weights once."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def initialize_weights(model: nn.Module, config: ModelConfig, seed: int, tensor_parallel_rank: int = 0,
+                       tensor_parallel_size: int = 1, canonical_name=lambda name: name) -> None:
+    """BERT's initialisation (N(0, init_std) matrices, zero biases, unit LayerNorm), identical for
+    every parallel layout: each full tensor is drawn from a generator keyed by (seed, parameter
+    name) and this rank keeps its tensor-parallel slice. So TP=2 or a pipeline built with the same
+    seed starts from exactly the TP=1 weights, and no two TP ranks draw correlated shards.
+    Vocabulary padding rows start at zero whatever the padding.
+    """
+    from .parallel_layers import tensor_parallel_split_dim
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            canonical = canonical_name(name)
+            if "LayerNorm" in canonical:
+                param.fill_(1.0 if canonical.endswith("weight") else 0.0)
+                continue
+            if param.dim() < 2:  # biases (the relative-position table is [heads, bins], a matrix)
+                param.zero_()
+                continue
+            dim = tensor_parallel_split_dim(canonical) if tensor_parallel_size > 1 else None
+            shape = list(param.shape)
+            if dim is not None:
+                shape[dim] *= tensor_parallel_size
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(canonical.encode()))
+            if canonical.endswith("word_embeddings.weight"):
+                full = torch.zeros(shape)
+                full[:config.vocab_size].normal_(0.0, config.init_std, generator=generator)
+            else:
+                full = torch.empty(shape).normal_(0.0, config.init_std, generator=generator)
+            if dim is not None:
+                full = full.chunk(tensor_parallel_size, dim=dim)[tensor_parallel_rank]
+            param.copy_(full)

@@ -19,6 +19,7 @@ from torch import nn
 
 class ParallelLayers(Protocol):
     tensor_parallel_size: int
+    tensor_parallel_rank: int
 
     def vocab_embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
         """Token embedding, split along the vocabulary; its `.weight` is also the tied softmax."""
@@ -43,6 +44,7 @@ class LocalLayers:
     """Tensor parallel size 1: ordinary torch modules."""
 
     tensor_parallel_size = 1
+    tensor_parallel_rank = 0
 
     def vocab_embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, embedding_dim)
@@ -61,3 +63,133 @@ class LocalLayers:
 
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+
+class MegatronCoreLayers:
+    """Tensor parallel size > 1 (or 1): megatron-core's parallel layers over its TP group.
+
+    Requires `megatron.core.parallel_state` to be initialised (see `distributed.py`). Parameter
+    names and per-rank shapes follow `TENSOR_PARALLEL_SPLITS`, which is also what checkpoint
+    conversion uses to merge shards.
+    """
+
+    def __init__(self, init_std: float = 0.02, params_dtype=None):
+        from megatron.core import parallel_state
+        from megatron.core.model_parallel_config import ModelParallelConfig
+
+        self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
+        self.tensor_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
+        self._config = ModelParallelConfig(
+            tensor_model_parallel_size=self.tensor_parallel_size,
+            use_cpu_initialization=not torch.cuda.is_available(),
+            params_dtype=params_dtype or torch.float32,
+            perform_initialization=True)
+        self._init = lambda weight: nn.init.normal_(weight, std=init_std)
+
+    def vocab_embedding(self, num_embeddings: int, embedding_dim: int) -> nn.Module:
+        from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+        return VocabParallelEmbedding(num_embeddings, embedding_dim, init_method=self._init,
+                                      config=self._config)
+
+    def column_linear(self, in_features: int, out_features: int) -> nn.Module:
+        return _column_parallel_linear_class()(in_features, out_features, config=self._config,
+                                               init_method=self._init, bias=True, gather_output=False)
+
+    def row_linear(self, in_features: int, out_features: int) -> nn.Module:
+        return _row_parallel_linear_class()(in_features, out_features, config=self._config,
+                                            init_method=self._init, bias=True, input_is_parallel=True,
+                                            skip_bias_add=False)
+
+    def tied_logits(self, hidden: torch.Tensor, embedding_weight: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+        return F.linear(copy_to_tensor_model_parallel_region(hidden), embedding_weight)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits.float(), labels)
+
+    def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
+        """Argmax over the split vocabulary: each rank's best (score, id), then the best of those."""
+        from megatron.core import parallel_state
+
+        local_best, local_index = logits.detach().float().max(dim=-1)
+        global_index = local_index + self.tensor_parallel_rank * logits.shape[-1]
+        candidates = torch.stack([local_best, global_index.float()])
+        gathered = [torch.empty_like(candidates) for _ in range(self.tensor_parallel_size)]
+        torch.distributed.all_gather(gathered, candidates,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+        stacked = torch.stack(gathered)  # [tp, 2, n]
+        winner = stacked[:, 0].argmax(dim=0)
+        return stacked[:, 1].gather(0, winner[None])[0].long()
+
+
+def _column_parallel_linear_class():
+    """ColumnParallelLinear returning just the output tensor (same parameter names)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    class ColumnLinear(ColumnParallelLinear):
+        def forward(self, input_):  # noqa: D102 - megatron returns (output, bias)
+            return super().forward(input_)[0]
+
+    return ColumnLinear
+
+
+def _row_parallel_linear_class():
+    from megatron.core.tensor_parallel import RowParallelLinear
+
+    class RowLinear(RowParallelLinear):
+        def forward(self, input_):  # noqa: D102
+            return super().forward(input_)[0]
+
+    return RowLinear
+
+
+# How each parameter is split across tensor-parallel ranks: name suffix -> dimension (None:
+# replicated). Column-parallel outputs, the vocabulary and the attention heads are split;
+# row-parallel inputs are split along dim 1 and their biases replicated.
+TENSOR_PARALLEL_SPLITS: tuple[tuple[str, int | None], ...] = (
+    ("embeddings.word_embeddings.weight", 0),
+    ("rel_pos_bias.weight", 0),
+    ("attention.self.query.weight", 0), ("attention.self.query.bias", 0),
+    ("attention.self.key.weight", 0), ("attention.self.key.bias", 0),
+    ("attention.self.value.weight", 0), ("attention.self.value.bias", 0),
+    ("attention.output.dense.weight", 1),
+    ("intermediate.dense.weight", 0), ("intermediate.dense.bias", 0),
+    ("output.dense.weight", 1),
+    ("cls.predictions.bias", 0),
+)
+
+
+def tensor_parallel_split_dim(name: str) -> int | None:
+    """The dimension along which parameter `name` is split under tensor parallelism (None: replicated)."""
+    for suffix, dim in TENSOR_PARALLEL_SPLITS:
+        if name.endswith(suffix):
+            return dim
+    return None
+
+
+def shard_state_dict(state: dict[str, torch.Tensor], rank: int, size: int) -> dict[str, torch.Tensor]:
+    """This tensor-parallel rank's slice of a full (TP=1) state dict."""
+    out = {}
+    for name, tensor in state.items():
+        dim = tensor_parallel_split_dim(name)
+        if dim is None or size == 1:
+            out[name] = tensor.clone()
+        else:
+            if tensor.shape[dim] % size:
+                raise ValueError(f"{name}: dimension {dim} of size {tensor.shape[dim]} does not split into {size}")
+            out[name] = tensor.chunk(size, dim=dim)[rank].clone()
+    return out
+
+
+def merge_state_dicts(shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The full state dict from every tensor-parallel rank's state dict, in rank order."""
+    out = {}
+    for name in shards[0]:
+        dim = tensor_parallel_split_dim(name)
+        tensors = [shard[name] for shard in shards]
+        out[name] = tensors[0].clone() if dim is None or len(shards) == 1 else torch.cat(tensors, dim=dim)
+    return out

@@ -1,151 +1,245 @@
-"""Pre-train a PMLM: `python -m megatron_pmlm.pretrain --preset base --vocab-file V --text-data F...`.
+"""Pre-train a PMLM on DeepSpeed: `python -m megatron_pmlm.pretrain --data-path SAMPLES_DIR ...`.
 
-Megatron-style arguments; the defaults of the `base` preset are the paper's recipe (SPEC §6).
-Runs on DeepSpeed from one process up (torchrun / deepspeed launchers set the ranks).
+Launch with torchrun, `deepspeed`, or `srun` (ranks from SLURM_PROCID/SLURM_NTASKS or MPI). The
+data is a `python -m data_prep.build_samples` output directory. Megatron-style arguments; the
+defaults of the `base` preset are the paper's recipe (SPEC §6). Gradient accumulation is global
+batch / (micro batch x data-parallel size).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, fields, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
-
-from .config import PRESETS, ConfigError, MaskingConfig, model_config_from_preset
-from .layout import PMLMBatch
-from .model import PMLMForPreTraining, count_parameters
-from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
-from .text_data import PMLMCollator, Sample, pack_samples, read_text_documents, tokenize_documents
-from .tokenizer import WordPieceTokenizer
-from .training import Trainer, TrainingConfig
+from .config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
+from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective
+from .training import CheckpointError, TrainingConfig, check_zero_with_pipeline
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_pmlm.pretrain", description=__doc__,
+        prog="python -m megatron_pmlm.pretrain", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = TrainingConfig()
-    model = parser.add_argument_group("model")
+    model = parser.add_argument_group("model (defaults: the preset's)")
     model.add_argument("--preset", default="base", help=f"one of {', '.join(PRESETS)}")
-    model.add_argument("--num-layers", type=int)
-    model.add_argument("--hidden-size", type=int)
-    model.add_argument("--num-attention-heads", type=int)
-    model.add_argument("--ffn-hidden-size", type=int)
-    model.add_argument("--max-position-embeddings", type=int)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                 "max_position_embeddings"):
+        model.add_argument("--" + name.replace("_", "-"), type=int)
     model.add_argument("--hidden-dropout", type=float)
     model.add_argument("--attention-dropout", type=float)
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
+    model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
 
     data = parser.add_argument_group("data")
-    data.add_argument("--vocab-file", required=True, help="WordPiece vocab.txt (uncased)")
-    data.add_argument("--text-data", nargs="+", required=True,
-                      help="plain-text files, documents separated by blank lines (read into memory)")
-    data.add_argument("--valid-fraction", type=float, default=0.02,
-                      help="fraction of documents held out for validation")
-    data.add_argument("--short-seq-prob", type=float, default=0.1)
+    data.add_argument("--data-path", required=True, help="a `python -m data_prep.build_samples` output directory")
+    data.add_argument("--seq-length", type=int, default=None,
+                      help="must match the samples' build (default: taken from it)")
 
     train = parser.add_argument_group("training")
-    for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters",
-                 "lr_warmup_iters", "zero_stage", "seed", "log_interval", "eval_interval", "eval_iters"):
+    train.add_argument("--micro-batch-size", type=int, default=None,
+                       help=f"per GPU (default: the DeepSpeed config's, else {defaults.micro_batch_size})")
+    train.add_argument("--global-batch-size", type=int, default=None,
+                       help=f"sequences per step (default: the DeepSpeed config's, else {defaults.global_batch_size})")
+    for name in ("train_iters", "lr_warmup_iters", "seed",
+                 "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval"):
         train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
+    for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
         train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
-    train.add_argument("--deepspeed-config", help="a DeepSpeed JSON config; command-line values override it")
-    train.add_argument("--save", help="directory for the final DeepSpeed checkpoint")
-    train.add_argument("--history-json", help="write the logged metrics to this JSON file")
+    train.add_argument("--clip-grad", type=float, default=None,
+                       help="max gradient norm, 0 = none (default: the DeepSpeed config's, else 0 as in the paper)")
+    precision = train.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="fp16 with dynamic loss scaling (V100)")
+    precision.add_argument("--bf16", action="store_true", help="bf16 (A100/H100)")
+    train.add_argument("--checkpoint-activations", action="store_true",
+                       help="recompute each layer in the backward pass (less memory, ~30%% more compute)")
+
+    parallel = parser.add_argument_group("parallelism")
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--zero-stage", type=int, default=None,
+                          help="0-3 (default: the DeepSpeed config's, else 0)")
+    parallel.add_argument("--deepspeed-config", help="a DeepSpeed JSON file (ds_configs/); arguments override it")
+    parallel.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+    output = parser.add_argument_group("checkpoints and logs")
+    output.add_argument("--save", help="checkpoint directory")
+    output.add_argument("--load", help="resume from this directory's latest checkpoint (if any)")
+    output.add_argument("--finetune", action="store_true",
+                        help="with --load: take the weights only; iteration, optimizer and schedule start afresh")
+    output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
+    output.add_argument("--history-json", help="also write the logged metrics to this JSON file")
     return parser
 
 
-def configs_from_args(args: argparse.Namespace, vocab_size: int):
-    objective = get_objective(args.objective)
-    model_config = model_config_from_preset(
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    multiple = max(1, divisible_by) * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    return model_config_from_preset(
         args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None)
-    training = TrainingConfig(**{f: getattr(args, f) for f in asdict(TrainingConfig())})
-    if training.seq_length > model_config.max_position_embeddings:
-        raise ConfigError(
-            f"--seq-length {training.seq_length} exceeds the model's maximum sequence length "
-            f"{model_config.max_position_embeddings} (preset {args.preset!r}); lower --seq-length or "
-            f"raise --max-position-embeddings")
-    return objective, model_config, training
 
 
-def batch_iterator(samples: Sequence[Sample], collator: PMLMCollator, batch_size: int,
-                   seed: int, shuffle: bool = True) -> Iterator[PMLMBatch]:
-    """Endless batches: a fresh shuffle each epoch, masks re-sampled every time."""
-    if not samples:
-        raise ValueError("no training samples: the input text produced no sentences")
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(samples)) if shuffle else np.arange(len(samples))
-        for start in range(0, len(order) - batch_size + 1, batch_size):
-            yield collator([samples[i] for i in order[start:start + batch_size]])
-        if len(order) < batch_size:
-            yield collator([samples[i] for i in order])
+def training_config_from_args(args: argparse.Namespace, seq_length: int,
+                              ds_config: dict | None = None) -> TrainingConfig:
+    """Command-line values win; precision, ZeRO stage and clipping fall back to the DeepSpeed file."""
+    ds_config = ds_config or {}
+    values = {f.name: getattr(args, f.name) for f in fields(TrainingConfig)
+              if f.name not in ("seq_length", "precision", "zero_stage", "clip_grad", "micro_batch_size",
+                                "global_batch_size") and hasattr(args, f.name)}
+    defaults = TrainingConfig()
+    micro_batch_size = args.micro_batch_size or ds_config.get("train_micro_batch_size_per_gpu") or \
+        defaults.micro_batch_size
+    global_batch_size = args.global_batch_size or ds_config.get("train_batch_size") or defaults.global_batch_size
+    if args.fp16 or args.bf16:
+        precision = "fp16" if args.fp16 else "bf16"
+    else:
+        precision = ("fp16" if ds_config.get("fp16", {}).get("enabled") else
+                     "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
+    zero_stage = args.zero_stage if args.zero_stage is not None else \
+        int(ds_config.get("zero_optimization", {}).get("stage", 0))
+    clip_grad = args.clip_grad if args.clip_grad is not None else float(ds_config.get("gradient_clipping", 0.0))
+    return TrainingConfig(seq_length=seq_length, precision=precision, zero_stage=zero_stage,
+                          clip_grad=clip_grad, micro_batch_size=int(micro_batch_size),
+                          global_batch_size=int(global_batch_size), **values)
+
+
+def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.15) -> float:
+    """Model FLOPs per processed token (forward + backward): 6 x parameters plus attention,
+    12 x layers x hidden x attended length; PMLM attends over ~(1 + 2 x 15%) x seq_length."""
+    h, layers = config.hidden_size, config.num_layers
+    parameters = (config.embedding_rows * h + layers * (12 * h * h + 13 * h) + h * h)
+    return 6.0 * parameters + 12.0 * layers * h * seq_length * (1 + 2 * mask_prob)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (ConfigError, FileNotFoundError, ValueError) as error:
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 
 
 def run(args: argparse.Namespace) -> int:
-    tokenizer = WordPieceTokenizer(args.vocab_file)
-    objective, model_config, training = configs_from_args(args, tokenizer.vocab_size)
-    if not 0.0 <= args.valid_fraction < 1.0:
-        raise ConfigError(f"--valid-fraction must be in [0, 1), got {args.valid_fraction}")
+    # Everything that can be refused is checked before processes start talking to each other.
+    objective = get_objective(args.objective)
+    from .data import build_pretraining_loaders, read_metadata
+
+    metadata = read_metadata(args.data_path)
+    seq_length = int(metadata["seq_length"])
+    if args.seq_length is not None and args.seq_length != seq_length:
+        raise ConfigError(f"--seq-length {args.seq_length} differs from the samples in {args.data_path} "
+                          f"(built with --seq-length {seq_length}); rebuild them or drop --seq-length")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    vocab_size = int(metadata["vocab_size"])
+    model_config = model_config_from_args(args, vocab_size)
+    model_config = replace(model_config, padded_vocab_size=padded_vocab_size(
+        vocab_size, args.make_vocab_size_divisible_by, tp))
+    if seq_length > model_config.max_position_embeddings:
+        raise ConfigError(f"the samples are {seq_length} tokens long, more than the model's maximum sequence "
+                          f"length {model_config.max_position_embeddings} (preset {args.preset!r}); rebuild with "
+                          f"a shorter --seq-length or raise --max-position-embeddings")
     ds_config_base = None
     if args.deepspeed_config:
-        with open(args.deepspeed_config) as handle:
-            ds_config_base = json.load(handle)
+        path = Path(args.deepspeed_config)
+        if not path.is_file():
+            raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+        try:
+            ds_config_base = json.loads(path.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    if args.finetune and not args.load:
+        raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
+    training = training_config_from_args(args, seq_length, ds_config_base)
+    check_zero_with_pipeline(training.zero_stage, pp > 1)
+    if model_config.num_attention_heads % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {model_config.num_attention_heads} "
+                          "attention heads")
+    if pp > model_config.num_layers:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
 
-    rng = np.random.default_rng(training.seed)
-    documents = tokenize_documents(read_text_documents(args.text_data), tokenizer, training.seq_length - 3)
-    if not documents:
-        raise ValueError(f"no text found in {', '.join(args.text_data)}")
-    order = rng.permutation(len(documents))
-    num_valid = int(round(args.valid_fraction * len(documents))) if len(documents) > 1 else 0
-    valid_docs = [documents[i] for i in order[:num_valid]]
-    train_docs = [documents[i] for i in order[num_valid:]]
-    train_samples = pack_samples(train_docs, training.seq_length, tokenizer.special, rng, args.short_seq_prob)
-    valid_samples = pack_samples(valid_docs, training.seq_length, tokenizer.special, rng, args.short_seq_prob)
+    import torch.distributed as dist
 
-    model = PMLMForPreTraining(model_config, objective)
-    print(f"model: preset {args.preset}, {count_parameters(model):,} parameters, objective {objective.name}, "
-          f"relative position bias {'on' if model_config.rel_pos else 'off'}")
-    print(f"data: {len(train_docs)} training documents -> {len(train_samples)} samples, "
-          f"{len(valid_docs)} validation documents -> {len(valid_samples)} samples")
+    from .distributed import MegatronMPU, initialize_model_parallel
+    from .training import Trainer, seed_everything
 
-    collator_args = dict(objective=objective, special=tokenizer.special, vocab_size=tokenizer.vocab_size,
-                         max_length=model_config.max_position_embeddings, masking=MaskingConfig())
-    trainer = Trainer(model, training, ds_config_base)
-    train_batches = batch_iterator(train_samples, PMLMCollator(**collator_args, seed=training.seed + 1),
-                                   training.micro_batch_size, training.seed)
-    valid_batches = None
-    if valid_samples:
-        # The same masks every evaluation, so validation losses are comparable over time.
-        def valid_batches():
-            return batch_iterator(valid_samples, PMLMCollator(**collator_args, seed=training.seed + 2),
-                                  training.micro_batch_size, training.seed, shuffle=False)
-    history = trainer.train(train_batches, valid_batches)
-    if args.save:
-        trainer.save_checkpoint(args.save, {"model_config": asdict(model_config), "objective": objective.name})
-        print(f"checkpoint saved under {Path(args.save).resolve()}")
-    if args.history_json:
+    layout = initialize_model_parallel(tp, pp)
+    rank = dist.get_rank()
+    tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
+    training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
+    # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
+    seed_everything(training.seed + 100 * pp_rank)
+    model = build_model(model_config, objective, layout, args.checkpoint_activations, training.seed)
+    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
+    log(f"model: preset {args.preset} ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
+        f"{model_config.num_attention_heads} heads, vocabulary {vocab_size} padded to {model_config.embedding_rows}), "
+        f"objective {objective.name}, relative position bias {'on' if model_config.rel_pos else 'off'}")
+    log(f"parallelism: world {layout.world_size} = data {layout.data_parallel_size} x tensor {tp} x pipeline {pp}; "
+        f"ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}, "
+        f"global batch {training.global_batch_size} ({training.gradient_accumulation_steps(layout.data_parallel_size)} "
+        "accumulation steps)")
+    trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
+                      pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
+                      tensorboard_dir=args.tensorboard_dir, log=print,
+                      run_args={**vars(args), "model_config": asdict(model_config)})
+    if args.load:
+        trainer.load_checkpoint(args.load, expected_model_config=asdict(model_config), finetune=args.finetune)
+    loaders = build_pretraining_loaders(
+        args.data_path, training.micro_batch_size, dp_rank, layout.data_parallel_size,
+        consumed_samples=trainer.consumed_samples, objective=objective, seed=training.seed,
+        max_length=model_config.max_position_embeddings, vocab_size=vocab_size)
+    log(f"data: {len(loaders.train_samples):,} training samples"
+        + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
+        + f" from {args.data_path}")
+    history = trainer.train(loaders.train, loaders.valid, save_dir=args.save)
+    if args.history_json and trainer.is_logging_rank:
+        Path(args.history_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.history_json).write_text(json.dumps(history, indent=1))
+    dist.barrier()
     return 0
 
 
+def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):
+    """One model definition for every layout: plain, tensor-parallel, pipelined, or both."""
+    from .model import PMLMForPreTraining
+    from .parallel_layers import LocalLayers, MegatronCoreLayers
+
+    layers = MegatronCoreLayers(config.init_std) if layout.tensor_parallel_size > 1 else LocalLayers()
+    if layout.pipeline_parallel_size > 1:
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+        from .pipeline import build_pipeline_model
+
+        topology = PipeModelDataParallelTopology(num_pp=layout.pipeline_parallel_size,
+                                                 num_mp=layout.tensor_parallel_size,
+                                                 num_dp=layout.data_parallel_size)
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        coordinates = topology.get_coord(rank)
+        if (coordinates.model, coordinates.data, coordinates.pipe) != layout.coordinates(rank):
+            raise RuntimeError(f"DeepSpeed's topology places rank {rank} at {coordinates}, megatron-core at "
+                               f"{layout.coordinates(rank)} (tp, dp, pp)")
+        return build_pipeline_model(config, objective, layers, layout.pipeline_parallel_size, topology,
+                                    checkpoint_activations, init_seed=seed)
+    model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
+    model.bert.encoder.checkpoint_activations = checkpoint_activations
+    return model
+
+
 if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is_available() else "cuda")
     sys.exit(main())

@@ -1,7 +1,7 @@
-"""Text -> documents -> sentences -> `[SOS] S1 [EOS] S2 [EOS]` samples, and batches with masks.
+"""Text -> documents -> sentences -> `[SOS] S1 [EOS] S2 [EOS]` samples, in memory.
 
-The in-memory path used by the demo and the tests; the offline tools in `data_prep/` write the
-same samples to memory-mapped files for corpora that do not fit in memory.
+The readable definition of what `data_prep` computes at corpus scale (its tests compare against
+these functions): document and sentence splitting, and BERT-style packing of sentences.
 """
 
 from __future__ import annotations
@@ -13,10 +13,6 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .config import MaskingConfig
-from .layout import PMLMBatch, build_batch
-from .masking import mask_example
-from .objectives import Objective
 from .tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 # A sentence ends at . ! or ? (optionally closed by quotes/brackets) followed by whitespace and an
@@ -122,26 +118,3 @@ def _make_sample(chunk: list[np.ndarray], max_tokens: int, special: SpecialToken
     if len(second):
         segments[len(first) + 2:] = 1
     return Sample(ids, segments)
-
-
-class PMLMCollator:
-    """Masks each sample (Algorithm 1, fresh every call) and builds the batch tensors."""
-
-    def __init__(self, objective: Objective, special: SpecialTokenIds, vocab_size: int,
-                 max_length: int, masking: MaskingConfig = MaskingConfig(), seed: int = 0):
-        self.objective = objective
-        self.special = special
-        self.vocab_size = vocab_size
-        self.max_length = max_length
-        self.masking = masking
-        self.rng = np.random.default_rng(seed)
-        self.special_ids = special.all_ids()
-
-    def __call__(self, samples: Sequence[Sample]) -> PMLMBatch:
-        masks = [mask_example(s.input_ids, ~np.isin(s.input_ids, self.special_ids), self.rng,
-                              self.masking, self.vocab_size, self.special_ids, self.special.mask,
-                              single_token_steps=self.objective.single_token_steps)
-                 for s in samples]
-        return build_batch([s.input_ids for s in samples], [s.token_type_ids for s in samples],
-                           masks, self.special.pseudo, self.special.pad,
-                           append_pseudo=self.objective.pseudo_masked, max_length=self.max_length)

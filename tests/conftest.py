@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+from pmlm_testing import REPO_ROOT, SHARED_DATA, run_module
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
@@ -34,3 +33,21 @@ def wikitext(shared_data) -> Path:
     if not path.is_file():
         pytest.skip(f"{path} is absent")
     return path
+
+
+@pytest.fixture(scope="session")
+def pretraining_samples(tmp_path_factory, wikitext, bert_vocab) -> Path:
+    """A small build_samples directory from real text (wikitext slice, bert-base-uncased vocab)."""
+    directory = tmp_path_factory.mktemp("pretraining")
+    lines = wikitext.read_text(encoding="utf-8")[:150_000].splitlines(keepends=True)
+    last_blank = max(i for i, line in enumerate(lines) if not line.strip())  # whole documents only
+    corpus = directory / "wiki.txt"
+    corpus.write_text("".join(lines[:last_blank + 1]), encoding="utf-8")
+    result = run_module("data_prep.preprocess", "--input", str(corpus), "--output-prefix",
+                        str(directory / "wiki"), "--vocab-file", str(bert_vocab), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_module("data_prep.build_samples", "--data-path", str(directory / "wiki"), "--output",
+                        str(directory / "samples"), "--seq-length", "64", "--split", "95,5,0",
+                        "--mask-epochs", "2", "--seed", "7", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "samples"

@@ -1,5 +1,5 @@
-"""Pre-training end to end on DeepSpeed (one process, CPU): the losses fall on real text; bad
-arguments stop with a clear message, not a traceback."""
+"""Pre-training end to end on DeepSpeed (one process, CPU): the losses fall on real text, metrics reach
+TensorBoard under the documented tags, and bad arguments stop with a clear message."""
 
 from __future__ import annotations
 
@@ -10,28 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from megatron_pmlm.training import TrainingConfig, lr_lambda
+from pmlm_testing import REPO_ROOT, run_module
+from megatron_pmlm.training import TrainingConfig, build_deepspeed_config, lr_lambda
+
+TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/lr", "train/grad_norm", "train/loss_scale",
+              "train/samples_per_sec", "train/tokens_per_sec", "train/tflops_per_gpu"}
+VALID_TAGS = {"valid/loss", "valid/loss_ae", "valid/loss_par", "valid/mlm_acc"}
 
 
-def _pretrain(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_pmlm.pretrain", *args],
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def _slice(source: Path, target: Path, max_bytes: int) -> Path:
-    target.write_bytes(source.read_bytes()[:max_bytes])
-    return target
-
-
-def test_tiny_model_losses_fall_on_real_text(tmp_path, wikitext, bert_vocab):
-    corpus = _slice(wikitext, tmp_path / "wiki.txt", 400_000)
+def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pretraining_samples):
     history = tmp_path / "history.json"
-    result = _pretrain(
-        "--preset", "tiny", "--vocab-file", str(bert_vocab), "--text-data", str(corpus),
-        "--seq-length", "128", "--micro-batch-size", "8", "--global-batch-size", "16",
-        "--train-iters", "60", "--lr", "2e-3", "--lr-warmup-iters", "6", "--log-interval", "10",
-        "--eval-interval", "60", "--eval-iters", "2", "--history-json", str(history),
-        "--save", str(tmp_path / "ckpt"))
+    result = run_module(
+        "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+        "--micro-batch-size", "8", "--global-batch-size", "16", "--train-iters", "60", "--lr", "2e-3",
+        "--lr-warmup-iters", "6", "--log-interval", "10", "--eval-interval", "30", "--eval-iters", "2",
+        "--history-json", str(history), "--tensorboard-dir", str(tmp_path / "tb"), "--save", str(tmp_path / "ckpt"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [r for r in json.loads(history.read_text()) if "loss" in r]
     first, last = records[0], records[-1]
@@ -41,29 +34,48 @@ def test_tiny_model_losses_fall_on_real_text(tmp_path, wikitext, bert_vocab):
     assert last["loss_ae"] < first["loss_ae"] - 1.5, records
     assert last["loss_par"] < first["loss_par"] - 1.5, records
     assert "validation at iteration 60" in result.stdout
-    assert any((tmp_path / "ckpt").glob("iter_0000060/*")), "no checkpoint written"
+    assert "ETA" in result.stdout and "TFLOP/s/GPU" in result.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000060"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(next((tmp_path / "tb").glob("events.out.tfevents.*"))))
+    accumulator.Reload()
+    tags = set(accumulator.Tags()["scalars"])
+    assert TRAIN_TAGS | VALID_TAGS <= tags, (TRAIN_TAGS | VALID_TAGS) - tags
+    assert [e.step for e in accumulator.Scalars("train/loss_ae")] == [10, 20, 30, 40, 50, 60]
+    assert [e.step for e in accumulator.Scalars("valid/mlm_acc")] == [30, 60]
+
+    plot = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "plot_curves.py"), str(tmp_path / "tb"),
+                           "-o", str(tmp_path / "curves.png")], capture_output=True, text=True)
+    assert plot.returncode == 0, plot.stderr
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _bad(pretraining_samples, *args):
+    return run_module("megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *args, timeout=120)
 
 
 @pytest.mark.parametrize("args,message", [
     (["--objective", "mlm"], "unknown objective 'mlm'"),
     (["--preset", "huge"], "unknown preset 'huge'"),
-    (["--preset", "tiny", "--seq-length", "512"], "--seq-length 512 exceeds the model's maximum sequence length 128"),
-    (["--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "3", "--global-batch-size", "16"],
+    (["--preset", "tiny", "--max-position-embeddings", "32"],
+     "the samples are 64 tokens long, more than the model's maximum sequence length 32"),
+    (["--preset", "tiny", "--seq-length", "128"], "--seq-length 128 differs from the samples"),
+    (["--preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "16"],
      "not divisible by micro batch size 3"),
+    (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config not found: nope.json"),
 ])
-def test_bad_arguments_give_a_clear_error(tmp_path, args, message, bert_vocab):
-    corpus = tmp_path / "c.txt"
-    corpus.write_text("Some text. More text here.\n")
-    result = _pretrain("--vocab-file", str(bert_vocab), "--text-data", str(corpus), *args, timeout=120)
+def test_bad_arguments_give_a_clear_error(pretraining_samples, args, message):
+    result = _bad(pretraining_samples, *args)
     assert result.returncode == 2, result.stderr[-2000:]
     assert message in result.stderr
     assert "Traceback" not in result.stderr
 
 
-def test_missing_input_is_named(tmp_path, bert_vocab):
-    result = _pretrain("--preset", "tiny", "--seq-length", "64", "--vocab-file", str(bert_vocab),
-                       "--text-data", str(tmp_path / "nope.txt"), timeout=120)
-    assert result.returncode == 2 and "nope.txt" in result.stderr and "Traceback" not in result.stderr
+def test_missing_data_is_named(tmp_path):
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(tmp_path / "nope"))
+    assert result.returncode == 2 and "nope" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_learning_rate_schedule_is_linear_warmup_then_linear_decay():
@@ -74,5 +86,33 @@ def test_learning_rate_schedule_is_linear_warmup_then_linear_decay():
     assert multiplier(24_000) == pytest.approx(1.0)
     assert multiplier(262_000) == pytest.approx(0.5)
     assert multiplier(500_000) == pytest.approx(0.0)
-    assert TrainingConfig().adam_beta2 == 0.98 and TrainingConfig().adam_eps == 1e-6
-    assert TrainingConfig().global_batch_size == 7680 and TrainingConfig().clip_grad == 0.0
+    paper = TrainingConfig()
+    assert (paper.adam_beta1, paper.adam_beta2, paper.adam_eps, paper.weight_decay) == (0.9, 0.98, 1e-6, 0.01)
+    assert (paper.global_batch_size, paper.train_iters, paper.clip_grad, paper.lr) == (7680, 500_000, 0.0, 6e-4)
+
+
+def test_deepspeed_config_files_and_overrides():
+    for path in sorted((REPO_ROOT / "ds_configs").glob("*.json")):
+        json.loads(path.read_text())  # every shipped file parses
+    base = json.loads((REPO_ROOT / "ds_configs" / "pretrain_base_v100.json").read_text())
+    assert base["fp16"]["enabled"] and base["fp16"]["loss_scale"] == 0 and base["zero_optimization"]["stage"] == 1
+    assert base["train_micro_batch_size_per_gpu"] * base["gradient_accumulation_steps"] * 64 == base["train_batch_size"] == 7680
+    config = TrainingConfig(micro_batch_size=20, global_batch_size=7680, zero_stage=2, precision="bf16")
+    ds = build_deepspeed_config(config, 64, base)
+    assert ds["gradient_accumulation_steps"] == 6 and ds["zero_optimization"]["stage"] == 2
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert ds["zero_optimization"]["overlap_comm"]  # the file's other settings survive
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_mixed_precision_runs_and_reports_the_loss_scale(precision, pretraining_samples, tmp_path):
+    history = tmp_path / "history.json"
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                        "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "3",
+                        "--log-interval", "1", "--eval-iters", "0", precision, "--history-json", str(history))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = json.loads(history.read_text())
+    assert all(9.0 < r["loss_ae"] < 11.5 for r in records)
+    if precision == "--fp16":
+        assert "loss scale" in result.stdout and records[0]["loss_scale"] >= 1.0
+    assert f"{precision[2:]}, micro batch 8" in result.stdout

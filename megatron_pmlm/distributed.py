@@ -1,0 +1,161 @@
+"""Process groups: ranks from torchrun / deepspeed / srun / MPI, megatron-core's parallel state,
+and the `mpu` view of it that DeepSpeed consumes (kept in agreement, and checked).
+
+Rank layout (megatron-core's default order tp-dp-pp, identical to DeepSpeed's
+PipeModelDataParallelTopology axes pipe-data-model):
+    rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    world_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
+            raise ConfigError("tensor and pipeline parallel sizes must be >= 1")
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.world_size % model_parallel:
+            raise ConfigError(
+                f"world size {self.world_size} is not divisible by tensor parallel size "
+                f"{self.tensor_parallel_size} x pipeline parallel size {self.pipeline_parallel_size}")
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(tp_rank, dp_rank, pp_rank) of a global rank."""
+        tp = rank % self.tensor_parallel_size
+        dp = rank // self.tensor_parallel_size % self.data_parallel_size
+        pp = rank // (self.tensor_parallel_size * self.data_parallel_size)
+        return tp, dp, pp
+
+
+def _env_from_launcher() -> None:
+    """Map SLURM or Open MPI rank variables to the torch.distributed ones if no launcher set them."""
+    if "RANK" in os.environ:
+        return
+    for rank_key, size_key, local_key in (("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+                                          ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                                           "OMPI_COMM_WORLD_LOCAL_RANK"),
+                                          ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")):
+        if rank_key in os.environ:
+            os.environ["RANK"] = os.environ[rank_key]
+            os.environ["WORLD_SIZE"] = os.environ.get(size_key, "1")
+            os.environ["LOCAL_RANK"] = os.environ.get(local_key, "0")
+            if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+                raise ConfigError(
+                    f"launched by {rank_key.split('_')[0]} without MASTER_ADDR/MASTER_PORT; export them "
+                    "(slurm/pretrain_base.sh derives MASTER_ADDR from `scontrol show hostnames`)")
+            return
+    # A lone process: a world of one.
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU)."""
+    import deepspeed
+
+    if dist.is_available() and dist.is_initialized():
+        return
+    _env_from_launcher()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelLayout:
+    """Initialise torch.distributed and megatron-core's groups; returns the layout."""
+    from megatron.core import parallel_state
+
+    init_distributed()
+    layout = ParallelLayout(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
+    if parallel_state.model_parallel_is_initialized():
+        if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
+                or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel_size):
+            raise ConfigError("model parallel state already initialised with other sizes")
+        return layout
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel_size,
+        pipeline_model_parallel_size=pipeline_parallel_size)
+    check_layout_agrees(layout)
+    return layout
+
+
+def check_layout_agrees(layout: ParallelLayout) -> None:
+    """Megatron-core's groups must be the ones our rank formula (and DeepSpeed's topology) implies."""
+    from megatron.core import parallel_state
+
+    rank = dist.get_rank()
+    tp, dp, pp = layout.coordinates(rank)
+    actual = (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank(),
+              parallel_state.get_pipeline_model_parallel_rank())
+    if actual != (tp, dp, pp):
+        raise RuntimeError(f"rank {rank}: megatron-core places it at (tp, dp, pp) {actual}, "
+                           f"DeepSpeed's topology at {(tp, dp, pp)}")
+    assert parallel_state.get_data_parallel_world_size() == layout.data_parallel_size
+
+
+class MegatronMPU:
+    """The `mpu` interface DeepSpeed queries, answered from megatron-core's parallel state.
+
+    DeepSpeed's "model parallel" is the tensor-parallel group: gradient norms and checkpoint
+    file names are per tensor-parallel rank.
+    """
+
+    def __init__(self) -> None:
+        from megatron.core import parallel_state
+
+        self.ps = parallel_state
+
+    def get_model_parallel_rank(self) -> int:
+        return self.ps.get_tensor_model_parallel_rank()
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.ps.get_tensor_model_parallel_world_size()
+
+    def get_model_parallel_group(self):
+        return self.ps.get_tensor_model_parallel_group()
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.ps.get_tensor_model_parallel_src_rank()
+
+    def get_data_parallel_rank(self) -> int:
+        return self.ps.get_data_parallel_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.ps.get_data_parallel_world_size()
+
+    def get_data_parallel_group(self):
+        return self.ps.get_data_parallel_group()
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.ps.get_pipeline_model_parallel_rank()
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.ps.get_pipeline_model_parallel_world_size()

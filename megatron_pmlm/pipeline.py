@@ -1,0 +1,174 @@
+"""The PMLM model as a DeepSpeed PipelineModule: the same layers as `model.py`, cut into stages.
+
+Layer specs, in order (index: what):
+    0        WordEmbeddingPipe (tied "word_embeddings"): token embedding lookup  -- first stage
+    1        EmbeddingPipe: position/segment embeddings, LayerNorm, dropout, attention bias
+    2..L+1   LayerPipe: the transformer layers
+    L+2      HeadTransformPipe: picks the [M] and [P] slots, dense + GELU + LayerNorm
+    L+3      WordEmbeddingPipe again (tied): the softmax tied to the embedding -- last stage
+    L+4      LossPipe: output bias, cross entropy, accuracy counts
+Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
+gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
+batch (`dynamic_shape`); the attention bias [B, heads, T, T] travels with the hidden states so the
+relative-position table lives on the first stage only.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from .config import ModelConfig
+from .layout import IGNORE_INDEX, MASKED, PSEUDO, AttentionRule, pmlm_attention_allowed
+from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
+                    padding_logit_bias)
+from .objectives import Objective
+from .parallel_layers import ParallelLayers
+
+TIED_KEY = "word_embeddings"
+
+
+class WordEmbeddingPipe(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
+
+    def forward(self, inputs):
+        input_ids = inputs[0]
+        return (self.word_embeddings(input_ids),) + tuple(inputs[1:])
+
+
+def tied_logits_forward(layers: ParallelLayers):
+    def forward(module: WordEmbeddingPipe, activations):
+        transformed, targets, is_ae = activations
+        return layers.tied_logits(transformed, module.word_embeddings.weight), targets, is_ae
+    return forward
+
+
+class EmbeddingPipe(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers,
+                 attention_rule: AttentionRule = pmlm_attention_allowed):
+        super().__init__()
+        self.attention_rule = attention_rule
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.rel_pos_bias = (RelativePositionBias(config.num_attention_heads // layers.tensor_parallel_size,
+                                                  config.rel_pos_bins, config.max_rel_pos)
+                             if config.rel_pos else None)
+
+    def forward(self, activations):
+        word, position_ids, token_type_ids, roles, steps, labels = activations
+        hidden = self.dropout(self.LayerNorm(
+            word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
+        return hidden, bias, roles, labels
+
+
+class LayerPipe(BertLayer):
+    def forward(self, activations):
+        hidden, bias, roles, labels = activations
+        return super().forward(hidden, bias), bias, roles, labels
+
+
+class HeadTransformPipe(nn.Module):
+    """Keeps the labelled [M] (if AE is on) and [P] (if PAR/AR is on) slots, then the MLM transform."""
+
+    def __init__(self, config: ModelConfig, objective: Objective):
+        super().__init__()
+        self.objective = objective
+        self.transform = BertPredictionHeadTransform(config)
+
+    def forward(self, activations):
+        hidden, _, roles, labels = activations
+        labelled = labels != IGNORE_INDEX
+        is_ae_slot = labelled & (roles == MASKED) & self.objective.autoencoding
+        is_par_slot = labelled & (roles == PSEUDO) & self.objective.pseudo_masked
+        selected = is_ae_slot | is_par_slot
+        return self.transform(hidden[selected]), labels[selected], is_ae_slot[selected]
+
+
+class LossPipe(nn.Module):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+        super().__init__()
+        self.layers = layers
+        self.bias = nn.Parameter(torch.zeros(config.embedding_rows // layers.tensor_parallel_size))
+        self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
+
+    def forward(self, activations):
+        """[loss, loss_ae, loss_par, ae_correct, ae_count]; only `loss` carries gradient."""
+        logits, targets, is_ae = activations
+        logits = logits + self.bias + self.padding_logit_bias
+        token_losses = self.layers.cross_entropy(logits, targets)
+        correct = self.layers.predicted_ids(logits) == targets
+        ae_count, par_count = is_ae.sum(), (~is_ae).sum()
+        loss_ae = (token_losses * is_ae).sum() / ae_count.clamp(min=1)
+        loss_par = (token_losses * ~is_ae).sum() / par_count.clamp(min=1)
+        return torch.stack([(loss_ae + loss_par).float(), loss_ae.detach().float(), loss_par.detach().float(),
+                            (correct & is_ae).sum().float(), ae_count.float()])
+
+
+def canonical_parameter_name(pipe_name: str, num_layers: int) -> str:
+    """Pipeline parameter name -> the plain model's (HF-style) name."""
+    if pipe_name.startswith(f"tied_modules.{TIED_KEY}."):
+        return "bert.embeddings." + pipe_name[len(f"tied_modules.{TIED_KEY}."):]
+    match = re.match(r"(\d+)\.(.*)", pipe_name)
+    if not match:
+        raise ValueError(f"unexpected pipeline parameter {pipe_name!r}")
+    index, rest = int(match.group(1)), match.group(2)
+    if index == 1:
+        return ("bert." + rest) if rest.startswith("rel_pos_bias") else "bert.embeddings." + rest
+    if 2 <= index <= num_layers + 1:
+        return f"bert.encoder.layer.{index - 2}.{rest}"
+    if index == num_layers + 2:
+        return "cls.predictions." + rest
+    if index == num_layers + 4:
+        return "cls.predictions." + rest
+    raise ValueError(f"unexpected pipeline parameter {pipe_name!r}")
+
+
+def build_pipeline_model(config: ModelConfig, objective: Objective, layers: ParallelLayers,
+                         num_stages: int, topology, checkpoint_activations: bool = False,
+                         init_seed: int = 0):
+    """A PipelineModule whose weights equal `PMLMForPreTraining`'s for the same `init_seed`
+    (parameter for parameter, see `canonical_parameter_name`)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    class PMLMPipeline(PipelineModule):
+        """Collects each micro batch's metrics on the last stage for logging."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._metrics: list[torch.Tensor] = []
+
+        def pop_metrics(self) -> list[torch.Tensor]:
+            metrics, self._metrics = self._metrics, []
+            return metrics
+
+    holder: list = []
+
+    def loss_fn(outputs: torch.Tensor, _labels) -> torch.Tensor:
+        holder[0]._metrics.append(outputs.detach())
+        return outputs[0]
+
+    tied = dict(tied_weight_attr=["word_embeddings.weight"])
+    specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, **tied),
+             LayerSpec(EmbeddingPipe, config, layers)]
+    specs += [LayerSpec(LayerPipe, config, layers) for _ in range(config.num_layers)]
+    specs += [LayerSpec(HeadTransformPipe, config, objective),
+              TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers,
+                            forward_fn=tied_logits_forward(layers), **tied),
+              LayerSpec(LossPipe, config, layers)]
+    model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,
+                         partition_method="type:LayerPipe", dynamic_shape=True,
+                         activation_checkpoint_interval=1 if checkpoint_activations else 0,
+                         checkpointable_layers=["LayerPipe"])
+    holder.append(model)
+    initialize_weights(model, config, init_seed, getattr(layers, "tensor_parallel_rank", 0),
+                       layers.tensor_parallel_size,
+                       canonical_name=lambda name: canonical_parameter_name(name, config.num_layers))
+    return model
+

@@ -1,0 +1,29 @@
+"""Helpers shared by the test modules (a plain module: conftest files are not importable by name
+once several test folders have one)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+
+def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
+               env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m module args` (or under torchrun with `nproc` processes), output captured."""
+    command = [sys.executable, "-m", module, *args] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        "--master-port", str(free_port()), "-m", module, *args]
+    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
