@@ -1,0 +1,491 @@
+"""Samples with precomputed block masks: `python -m data_prep.build_samples --data-path [W] PREFIX ... --output DIR`.
+
+From tokenized corpora (data_prep.preprocess), per corpus: documents split train/valid/test in
+contiguous ranges (`--split 949,50,1`), sentences packed BERT-style into `[SOS] S1 [EOS] S2 [EOS]`
+exactly as `text_data.pack_samples` does (short-sequence probability 0.1, cut at sentence boundaries
+within one document), corpora blended Megatron-style by weight; then for every sample K mask
+epochs of Algorithm 1 + factorization order + 80/10/10 (`masking.mask_example`), each from a
+generator seeded by (seed, split, sample, mask epoch). Deterministic given the seed and independent
+of `--workers`. The directory is written under a temporary name and renamed when complete; a
+rerun with the same settings reuses it. Format: megatron_pmlm/data/samples.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from data_prep.sentences import split_long_sentences
+from megatron_pmlm.config import MaskingConfig, add_dataclass_arguments, dataclass_overrides
+from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path,
+                                        token_dtype_for_vocab)
+from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
+                                        assemble_tokens)
+from megatron_pmlm.masking import mask_example
+from megatron_pmlm.tokenizer import SpecialTokenIds, WordPieceTokenizer
+
+
+class BuildError(ValueError):
+    """Bad arguments or inputs for build_samples; the message names the culprit."""
+
+
+@dataclass
+class BuildConfig:
+    data_path: list[str]
+    """`[W1] PREFIX1 [W2] PREFIX2 ...` (weights optional: without them each corpus counts once)."""
+    output: str
+    vocab_file: str | None = None
+    """Default: the vocabulary recorded in PREFIX.json by preprocess (its hash is checked)."""
+    split: str = "949,50,1"
+    seq_length: int = 512
+    short_seq_prob: float = 0.1
+    mask_epochs: int = 10
+    """K: training epoch e reads mask epoch e mod K."""
+    seed: int = 1234
+    num_samples: list[int] | None = None
+    """Samples per split (train[,valid[,test]]) of the blend; default: the natural total of the split."""
+    masking: MaskingConfig = field(default_factory=MaskingConfig)
+    workers: int = 1
+    documents_per_chunk: int = 20000
+    """Packing draws from one generator per chunk of documents, seeded by (seed, corpus, split,
+    chunk): part of the result (recorded in the metadata), unlike the number of workers."""
+    samples_per_task: int = 2048
+    """Samples per masking task (no effect on the result: each sample has its own generators)."""
+    overwrite: bool = False
+    progress: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_length < 5:
+            raise BuildError(f"--seq-length {self.seq_length} is too short for [SOS] S1 [EOS] S2 [EOS]")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise BuildError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
+        if self.mask_epochs < 1:
+            raise BuildError(f"--mask-epochs must be >= 1, got {self.mask_epochs}")
+        if self.workers < 1:
+            raise BuildError(f"--workers must be >= 1, got {self.workers}")
+
+
+def parse_data_path(tokens: Sequence[str]) -> list[tuple[float | None, str]]:
+    """Megatron's `--data-path`: either all prefixes, or weight/prefix pairs."""
+    if not tokens:
+        raise BuildError("--data-path needs at least one PREFIX")
+
+    def is_number(text: str) -> bool:
+        try:
+            float(text)
+            return True
+        except ValueError:
+            return False
+
+    if not is_number(tokens[0]):
+        if any(is_number(t) for t in tokens):
+            raise BuildError(f"--data-path mixes weights and bare prefixes: {' '.join(tokens)}")
+        return [(None, t) for t in tokens]
+    if len(tokens) % 2:
+        raise BuildError(f"--data-path needs WEIGHT PREFIX pairs, got an odd count: {' '.join(tokens)}")
+    pairs = []
+    for weight, prefix in zip(tokens[0::2], tokens[1::2]):
+        if not is_number(weight) or is_number(prefix):
+            raise BuildError(f"--data-path: expected WEIGHT PREFIX, got {weight!r} {prefix!r}")
+        if float(weight) < 0:
+            raise BuildError(f"--data-path: negative weight {weight} for {prefix}")
+        pairs.append((float(weight), prefix))
+    if sum(w for w, _ in pairs) <= 0:
+        raise BuildError("--data-path: the weights sum to zero")
+    return pairs
+
+
+def parse_split(text: str) -> np.ndarray:
+    """'949,50,1' (or '98,2', or '1') -> normalized train/valid/test fractions."""
+    try:
+        parts = [float(p) for p in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise BuildError(f"--split {text!r}: expected comma-separated numbers like 949,50,1") from None
+    if not 1 <= len(parts) <= 3 or any(p < 0 for p in parts) or sum(parts) <= 0:
+        raise BuildError(f"--split {text!r}: expected up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    return np.array(parts) / sum(parts)
+
+
+def split_document_ranges(num_documents: int, fractions: np.ndarray) -> list[tuple[int, int]]:
+    """Contiguous document ranges per split, Megatron's rounding."""
+    bounds = [0]
+    for fraction in fractions:
+        bounds.append(bounds[-1] + int(round(fraction * num_documents)))
+    shift = bounds[-1] - num_documents
+    bounds = [max(0, b - shift) if i else 0 for i, b in enumerate(bounds)]
+    bounds[-1] = num_documents
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing, exactly `text_data.pack_samples` on sentence lengths instead of token arrays.
+
+def pack_sentences(sentence_lengths: Sequence[int], sentence_starts: Sequence[int],
+                   document_bounds: Sequence[int], document_ids: Sequence[int], seq_length: int,
+                   rng: np.random.Generator, short_seq_prob: float = 0.1) -> np.ndarray:
+    """Rows (corpus=0, document, a_start, a_len, b_start, b_len) of the packed samples.
+
+    Documents are [document_bounds[d], document_bounds[d+1]) of the sentences; every sentence must
+    fit in seq_length - 3 tokens. Draws from `rng` in the same order as `pack_samples`, so both
+    give identical samples from the same generator.
+    """
+    max_tokens = seq_length - 3
+    lengths = list(map(int, sentence_lengths))
+    starts = list(map(int, sentence_starts))
+    prefix = [0]
+    for length in lengths:
+        prefix.append(prefix[-1] + length)
+    rows: list[tuple[int, ...]] = []
+
+    def target_length() -> int:
+        return int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
+
+    for d in range(len(document_bounds) - 1):
+        low, high = int(document_bounds[d]), int(document_bounds[d + 1])
+        target = target_length()
+        chunk_start, chunk_tokens = low, 0
+        for i in range(low, high):
+            chunk_tokens += lengths[i]
+            if chunk_tokens < target and i != high - 1:
+                continue
+            count = i + 1 - chunk_start
+            split = int(rng.integers(1, count)) if count > 1 else 1
+            middle = chunk_start + split
+            first = prefix[middle] - prefix[chunk_start]
+            second = prefix[i + 1] - prefix[middle]
+            budget = max_tokens if second else max_tokens + 1
+            if first + second > budget:  # the truncation of text_data._make_sample
+                if first >= second:
+                    keep_first = max(budget - second, (budget + 1) // 2)
+                    first, second = min(first, keep_first), min(second, budget - keep_first)
+                else:
+                    keep_second = max(budget - first, (budget + 1) // 2)
+                    first, second = min(first, budget - keep_second), min(second, keep_second)
+            rows.append((0, int(document_ids[d]), starts[chunk_start], first,
+                         starts[middle] if second else 0, second))
+            chunk_start, chunk_tokens = i + 1, 0
+            target = target_length()
+    return np.array(rows, dtype=np.int64).reshape(-1, len(SAMPLE_COLUMNS))
+
+
+_READERS: dict[str, IndexedDatasetReader] = {}
+
+
+def _reader(prefix: str) -> IndexedDatasetReader:
+    if prefix not in _READERS:
+        _READERS[prefix] = IndexedDatasetReader(prefix)
+    return _READERS[prefix]
+
+
+def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
+    """Pack documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences split)."""
+    task_id, prefix, corpus_index, doc_lo, doc_hi, seq_length, short_seq_prob, seed_key = task
+    reader = _reader(prefix)
+    sentence_lo = int(reader.document_indices[doc_lo])
+    sentence_hi = int(reader.document_indices[doc_hi])
+    lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
+    starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
+    bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
+    max_tokens = seq_length - 3
+    long_count = int((lengths > max_tokens).sum())
+    if long_count:  # split, as preprocess does: tokens stay put, only the boundaries move
+        lengths, pieces = split_long_sentences(lengths, max_tokens)
+        offset_in_sentence = (np.arange(len(lengths)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_tokens
+        starts = np.repeat(starts, pieces) + offset_in_sentence
+        bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
+    rng = np.random.default_rng(seed_key)
+    rows = pack_sentences(lengths, starts, bounds, np.arange(doc_lo, doc_hi), seq_length, rng, short_seq_prob)
+    rows[:, 0] = corpus_index
+    return task_id, rows, long_count
+
+
+def mask_task(task: tuple) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Masks of K mask epochs for a chunk of blended samples: (task id, entries per (sample, epoch),
+    positions, steps, corrupted ids), flat in factorization order."""
+    (task_id, rows, first_index, prefixes, special_json, vocab_size, masking_json, mask_epochs,
+     seed, split_id) = task
+    special = SpecialTokenIds(**special_json)
+    masking = MaskingConfig(**masking_json)
+    special_ids = special.all_ids()
+    ids, _, lengths = assemble_tokens([_reader(p) for p in prefixes], rows, special)
+    counts, positions, steps, corrupted = [], [], [], []
+    start = 0
+    for offset, length in enumerate(lengths.tolist()):
+        sample_ids = ids[start:start + length]
+        start += length
+        maskable = ~np.isin(sample_ids, special_ids)
+        for epoch in range(mask_epochs):
+            rng = np.random.default_rng([seed, split_id, first_index + offset, epoch])
+            masks = mask_example(sample_ids, maskable, rng, masking, vocab_size, special_ids, special.mask)
+            counts.append(len(masks.masked_positions))
+            positions.append(masks.masked_positions)
+            steps.append(masks.step_ids)
+            corrupted.append(masks.corrupted_ids)
+    empty = np.zeros(0, np.int64)
+    return (task_id, np.array(counts, dtype=np.int64), np.concatenate(positions or [empty]),
+            np.concatenate(steps or [empty]), np.concatenate(corrupted or [empty]))
+
+
+def _run_tasks(function, tasks: list, workers: int, description: str, show: bool) -> Iterator:
+    """Results in task order, from a spawn pool (or in-process for one worker), with a progress bar."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(tasks), desc=description, disable=not show, dynamic_ncols=True)
+    if workers == 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield function(task)
+            bar.update()
+    else:
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(min(workers, len(tasks))) as pool:
+            for result in pool.imap(function, tasks):
+                yield result
+                bar.update()
+    bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Blending: each corpus contributes weight x total samples of a split, interleaved evenly.
+
+def blend_counts(weights: np.ndarray, total: int) -> np.ndarray:
+    """Largest-remainder rounding of weights x total (sums to total exactly)."""
+    exact = weights / weights.sum() * total
+    counts = np.floor(exact).astype(np.int64)
+    remainder = total - int(counts.sum())
+    counts[np.argsort(-(exact - counts), kind="stable")[:remainder]] += 1
+    return counts
+
+
+def blend_rows(rows_per_corpus: list[np.ndarray], counts: np.ndarray, seed: int, split_id: int) -> np.ndarray:
+    """Draw counts[c] samples of corpus c (whole shuffled passes, then a partial one) and interleave
+    the corpora in proportion, deterministically."""
+    chosen, keys = [], []
+    for corpus, (rows, count) in enumerate(zip(rows_per_corpus, counts.tolist())):
+        if count == 0:
+            continue
+        rng = np.random.default_rng([seed, split_id, corpus, 7])
+        passes = -(-count // len(rows))
+        picks = np.concatenate([rng.permutation(len(rows)) for _ in range(passes)])[:count]
+        chosen.append(rows[picks])
+        keys.append((np.arange(count) + 0.5) / count)
+    if not chosen:
+        return np.zeros((0, len(SAMPLE_COLUMNS)), dtype=np.int64)
+    order = np.argsort(np.concatenate(keys), kind="stable")
+    return np.concatenate(chosen)[order]
+
+
+# ---------------------------------------------------------------------------------------------
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _corpus_entries(config: BuildConfig) -> tuple[list[dict], WordPieceTokenizer]:
+    pairs = parse_data_path(config.data_path)
+    entries, vocab_file, vocab_hash = [], config.vocab_file, None
+    for weight, prefix in pairs:
+        try:
+            reader = IndexedDatasetReader(prefix)
+        except IndexedDatasetError as error:
+            raise BuildError(str(error)) from None
+        meta_path = Path(f"{prefix}.json")
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        if meta.get("vocab_sha256"):
+            if vocab_hash and meta["vocab_sha256"] != vocab_hash:
+                raise BuildError(f"{prefix} was tokenized with another vocabulary than the corpora before it")
+            vocab_hash = meta["vocab_sha256"]
+            vocab_file = vocab_file or meta.get("vocab_file")
+        entries.append({"prefix": str(Path(prefix).resolve()), "weight": weight,
+                        "num_documents": reader.num_documents, "num_sentences": reader.num_sequences,
+                        "num_tokens": reader.num_tokens, "bin_bytes": bin_path(prefix).stat().st_size,
+                        "idx_bytes": idx_path(prefix).stat().st_size})
+    if not vocab_file:
+        raise BuildError("no vocabulary: pass --vocab-file (the corpora have no PREFIX.json from preprocess)")
+    tokenizer = WordPieceTokenizer(vocab_file)
+    if vocab_hash and _sha256(Path(vocab_file)) != vocab_hash:
+        raise BuildError(f"{vocab_file} is not the vocabulary the corpora were tokenized with (sha256 differs)")
+    for entry in entries:
+        dtype = _reader(entry["prefix"]).dtype
+        if np.issubdtype(dtype, np.integer) and tokenizer.vocab_size - 1 > np.iinfo(dtype).max:
+            raise BuildError(f"{entry['prefix']}: tokens of dtype {dtype} cannot hold a vocabulary of "
+                             f"{tokenizer.vocab_size}")
+    return entries, tokenizer
+
+
+def build(config: BuildConfig) -> dict:
+    """Build (or reuse) the samples directory; returns its metadata."""
+    started = time.perf_counter()
+    output = Path(config.output)
+    entries, tokenizer = _corpus_entries(config)
+    fractions = parse_split(config.split)
+    settings = {"data_path": [[e["weight"], e["prefix"], e["bin_bytes"], e["idx_bytes"]] for e in entries],
+                "split": config.split, "seq_length": config.seq_length, "short_seq_prob": config.short_seq_prob,
+                "mask_epochs": config.mask_epochs, "seed": config.seed, "num_samples": config.num_samples,
+                "masking": asdict(config.masking), "documents_per_chunk": config.documents_per_chunk,
+                "vocab_sha256": _sha256(tokenizer.vocab_file)}
+    if output.exists():
+        previous = (output / METADATA_FILE)
+        if previous.is_file() and json.loads(previous.read_text()).get("settings") == settings:
+            print(f"{output} is up to date with these settings: reusing it", file=sys.stderr)
+            return json.loads(previous.read_text())
+        if not config.overwrite:
+            raise BuildError(f"output exists: {output} (built with other settings, or not a samples "
+                             f"directory); use --overwrite to replace it")
+    show = sys.stderr.isatty() if config.progress is None else config.progress
+    prefixes = [e["prefix"] for e in entries]
+
+    # 1. Pack every corpus, split by contiguous document ranges.
+    pack_tasks, task_keys = [], []
+    for corpus, entry in enumerate(entries):
+        for split_id, (low, high) in enumerate(split_document_ranges(entry["num_documents"], fractions)):
+            for chunk, doc_lo in enumerate(range(low, high, config.documents_per_chunk)):
+                doc_hi = min(high, doc_lo + config.documents_per_chunk)
+                pack_tasks.append((len(pack_tasks), entry["prefix"], corpus, doc_lo, doc_hi, config.seq_length,
+                                   config.short_seq_prob, [config.seed, corpus, split_id, chunk]))
+                task_keys.append((corpus, split_id))
+    packed = {(c, s): [] for c in range(len(entries)) for s in range(3)}
+    long_sentences = 0
+    for task_id, rows, long_count in _run_tasks(pack_task, pack_tasks, config.workers, "packing", show):
+        packed[task_keys[task_id]].append(rows)
+        long_sentences += long_count
+    natural = {key: np.concatenate(parts) if parts else np.zeros((0, len(SAMPLE_COLUMNS)), np.int64)
+               for key, parts in packed.items()}
+    for corpus, entry in enumerate(entries):
+        if entry["weight"] != 0 and len(natural[(corpus, 0)]) == 0:
+            raise BuildError(f"corpus {entry['prefix']} yields no training sample ({entry['num_documents']} "
+                             f"documents, split {config.split})")
+
+    tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    position_dtype = np.dtype(np.uint16) if config.seq_length < 65536 else np.dtype(np.int32)
+    # Steps never outnumber the masked tokens: at most the budget plus one overshooting block.
+    max_steps = int(np.ceil(config.masking.mask_prob * config.seq_length)) + config.masking.max_block_len
+    step_dtype = np.dtype(np.uint8) if max_steps < 256 else position_dtype
+    token_dtype = token_dtype_for_vocab(tokenizer.vocab_size)
+    splits_meta = {}
+    try:
+        for split_id, name in enumerate(SPLIT_NAMES):
+            sizes = np.array([len(natural[(c, split_id)]) for c in range(len(entries))])
+            weights = np.array([sizes[c] if e["weight"] is None else e["weight"] for c, e in enumerate(entries)],
+                               dtype=np.float64)
+            weights = np.where(sizes > 0, weights, 0.0)
+            total = int(sizes.sum())
+            if config.num_samples and split_id < len(config.num_samples):
+                total = config.num_samples[split_id]
+            counts = blend_counts(weights, total) if weights.sum() > 0 else np.zeros(len(entries), np.int64)
+            rows = blend_rows([natural[(c, split_id)] for c in range(len(entries))], counts, config.seed, split_id)
+            splits_meta[name] = _write_split(tmp / name, rows, config, prefixes, tokenizer, split_id,
+                                             position_dtype, step_dtype, token_dtype, show)
+            splits_meta[name]["samples_per_corpus"] = counts.tolist()
+            splits_meta[name]["natural_samples_per_corpus"] = sizes.tolist()
+        metadata = {
+            "format_version": SAMPLES_FORMAT_VERSION, "settings": settings,
+            "seed": config.seed, "seq_length": config.seq_length, "short_seq_prob": config.short_seq_prob,
+            "mask_epochs": config.mask_epochs, "masking": asdict(config.masking), "split": config.split,
+            "split_fractions": fractions.tolist(), "blend": entries,
+            "vocab_file": str(Path(tokenizer.vocab_file).resolve()), "vocab_sha256": settings["vocab_sha256"],
+            "vocab_size": tokenizer.vocab_size, "special_ids": asdict(tokenizer.special),
+            "dtypes": {"mask_positions": position_dtype.str, "mask_steps": step_dtype.str,
+                       "mask_corrupted": token_dtype.str, "samples": "<i8", "mask_offsets": "<i8"},
+            "sample_columns": list(SAMPLE_COLUMNS), "long_sentences_split": long_sentences,
+            "splits": splits_meta, "build_seconds": round(time.perf_counter() - started, 2)}
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        if output.exists():
+            shutil.rmtree(output)
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return metadata
+
+
+def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixes: list[str],
+                 tokenizer: WordPieceTokenizer, split_id: int, position_dtype: np.dtype,
+                 step_dtype: np.dtype, token_dtype: np.dtype, show: bool) -> dict:
+    directory.mkdir(parents=True)
+    (directory / "samples.bin").write_bytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+    tasks = [(start // config.samples_per_task, rows[start:start + config.samples_per_task], start, prefixes,
+              asdict(tokenizer.special), tokenizer.vocab_size, asdict(config.masking), config.mask_epochs,
+              config.seed, split_id) for start in range(0, len(rows), config.samples_per_task)]
+    total_entries = 0
+    with open(directory / "mask_offsets.bin", "wb") as offsets_file, \
+            open(directory / "mask_positions.bin", "wb") as positions_file, \
+            open(directory / "mask_steps.bin", "wb") as steps_file, \
+            open(directory / "mask_corrupted.bin", "wb") as corrupted_file:
+        offsets_file.write(np.zeros(1, np.int64).tobytes())
+        for _, counts, positions, steps, corrupted in _run_tasks(
+                mask_task, tasks, config.workers, f"masking {SPLIT_NAMES[split_id]}", show):
+            if len(steps) and steps.max() > np.iinfo(step_dtype).max:
+                raise BuildError(f"{int(steps.max())} factorization steps do not fit {step_dtype}")
+            offsets_file.write((total_entries + np.cumsum(counts)).astype(np.int64).tobytes())
+            positions_file.write(positions.astype(position_dtype).tobytes())
+            steps_file.write(steps.astype(step_dtype).tobytes())
+            corrupted_file.write(corrupted.astype(token_dtype).tobytes())
+            total_entries += int(counts.sum())
+    lengths = 2 + rows[:, 3] + np.where(rows[:, 5] > 0, rows[:, 5] + 1, 0) if len(rows) else np.zeros(0)
+    return {"num_samples": int(len(rows)), "num_mask_entries": total_entries,
+            "num_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()) if len(rows) else 0.0}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.build_samples", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-path", nargs="+", required=True, help="[W1] PREFIX1 [W2] PREFIX2 ...")
+    parser.add_argument("--output", required=True, help="the samples directory to write")
+    parser.add_argument("--vocab-file", help="default: the vocabulary recorded by preprocess in PREFIX.json")
+    parser.add_argument("--split", default="949,50,1", help="train,valid,test proportions of each corpus's documents")
+    parser.add_argument("--seq-length", type=int, default=512, help="longest sample, specials included")
+    parser.add_argument("--short-seq-prob", type=float, default=0.1, help="probability of a shorter random target")
+    parser.add_argument("--mask-epochs", type=int, default=10,
+                        help="K precomputed masks per sample; training epoch e uses mask epoch e mod K")
+    parser.add_argument("--seed", type=int, default=1234, help="drives packing, blending and masks")
+    parser.add_argument("--num-samples", help="samples per split of the blend: TRAIN[,VALID[,TEST]]")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--documents-per-chunk", type=int, default=20000,
+                        help="packing unit (one generator per chunk); part of the result")
+    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    add_dataclass_arguments(parser, MaskingConfig)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        try:
+            num_samples = [int(n) for n in args.num_samples.split(",")] if args.num_samples else None
+        except ValueError:
+            raise BuildError(f"--num-samples {args.num_samples!r}: expected TRAIN[,VALID[,TEST]] integers") from None
+        config = BuildConfig(
+            data_path=args.data_path, output=args.output, vocab_file=args.vocab_file, split=args.split,
+            seq_length=args.seq_length, short_seq_prob=args.short_seq_prob, mask_epochs=args.mask_epochs,
+            seed=args.seed, num_samples=num_samples, masking=MaskingConfig(**dataclass_overrides(args, MaskingConfig)),
+            workers=args.workers, documents_per_chunk=args.documents_per_chunk, overwrite=args.overwrite, progress=False if args.no_progress else None)
+        metadata = build(config)
+    except (BuildError, IndexedDatasetError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for name, info in metadata["splits"].items():
+        print(f"{name}: {info['num_samples']:,} samples ({info['num_tokens']:,} tokens, mean length "
+              f"{info['mean_length']:.1f}), per corpus {info['samples_per_corpus']}, "
+              f"{info['num_mask_entries']:,} masked tokens over {metadata['mask_epochs']} mask epochs")
+    if metadata["long_sentences_split"]:
+        print(f"sentences longer than seq_length - 3 split: {metadata['long_sentences_split']:,}")
+    print(f"wrote {config.output} in {metadata['build_seconds']:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

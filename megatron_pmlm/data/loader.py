@@ -1,0 +1,207 @@
+"""Training-side reading: a resumable distributed sampler and PMLM batches from the memory maps.
+
+Per batch the work is a few vectorized gathers (tokens, stored masks) and `layout.build_batch`;
+nothing loops over tokens in Python. The sampler is a pure function of (seed, epoch,
+consumed_samples), so a restart from a checkpoint's `consumed_samples` continues exactly where
+the interrupted run would have gone: no sample seen twice, none skipped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..config import ConfigError
+from ..layout import PMLMBatch, build_batch
+from ..masking import ExampleMasks
+from ..objectives import Objective, get_objective
+from .samples import PretrainingSamples, SamplesError, open_corpora, read_metadata
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """A counter-based generator: uniform uint64 from any uint64 input, vectorized."""
+    z = values.astype(np.uint64) + _MIX
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def single_token_step_keys(seed: int, sample_indices: np.ndarray, epoch: int,
+                           mask_counts: np.ndarray) -> np.ndarray:
+    """Random sort keys for every masked slot of a batch, a function of (seed, sample, epoch, slot)
+    only: the AR step order of a sample does not depend on what else is in its batch."""
+    with np.errstate(over="ignore"):
+        per_sample = _splitmix64(_splitmix64(np.uint64(seed) * np.uint64(1_000_003) + np.uint64(epoch))
+                                 ^ np.asarray(sample_indices, dtype=np.uint64))
+        slots = np.arange(int(mask_counts.sum())) - np.repeat(np.cumsum(mask_counts) - mask_counts, mask_counts)
+        return _splitmix64(np.repeat(per_sample, mask_counts) ^ slots.astype(np.uint64))
+
+
+def to_single_token_steps(masks: list[ExampleMasks], sample_indices: np.ndarray, epoch: int,
+                          seed: int) -> list[ExampleMasks]:
+    """AR objective: each stored masked position becomes its own step, in a random order drawn
+    from (seed, sample index, epoch) - deterministic, vectorized over the whole batch."""
+    counts = np.array([len(m.masked_positions) for m in masks], dtype=np.int64)
+    if counts.sum() == 0:
+        return masks
+    rows = np.repeat(np.arange(len(masks)), counts)
+    keys = single_token_step_keys(seed, sample_indices, epoch, counts)
+    order = np.lexsort((keys, rows))
+    positions = np.concatenate([m.masked_positions for m in masks])[order]
+    corrupted = np.concatenate([m.corrupted_ids for m in masks])[order]
+    steps = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts) + 1
+    cuts = np.cumsum(counts)[:-1]
+    return [ExampleMasks(p, s, c) for p, s, c in
+            zip(np.split(positions, cuts), np.split(steps, cuts), np.split(corrupted, cuts))]
+
+
+class PMLMBatchBuilder:
+    """Sample indices (+ training epoch) -> PMLMBatch through `layout.build_batch`."""
+
+    def __init__(self, samples: PretrainingSamples, objective: Objective, seed: int,
+                 max_length: int | None = None):
+        self.samples, self.objective, self.seed, self.max_length = samples, objective, seed, max_length
+
+    def __call__(self, indices: np.ndarray, epoch: int) -> PMLMBatch:
+        indices = np.asarray(indices, dtype=np.int64)
+        input_ids, segment_ids = self.samples.tokens(indices)
+        masks = self.samples.masks(indices, epoch)
+        if self.objective.single_token_steps:
+            masks = to_single_token_steps(masks, indices, epoch, self.seed)
+        special = self.samples.special
+        return build_batch(input_ids, segment_ids, masks, special.pseudo, special.pad,
+                           append_pseudo=self.objective.pseudo_masked, max_length=self.max_length)
+
+
+class PretrainingSampler:
+    """Which samples data-parallel rank r reads next, Megatron-style, resumable from consumed_samples.
+
+    Each global step takes micro_batch_size x data_parallel_size samples from epoch e's permutation
+    of the split (seeded by (seed, e); the tail that does not fill a global step is dropped and
+    reshuffled into the next epoch). `consumed_samples` counts samples over all ranks, as Megatron's
+    checkpoints do. Yields (indices of this rank's micro batch, epoch).
+    """
+
+    def __init__(self, num_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 1234,
+                 shuffle: bool = True):
+        if micro_batch_size < 1 or data_parallel_size < 1:
+            raise ConfigError("micro_batch_size and data_parallel_size must be >= 1")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ConfigError(f"data_parallel_rank {data_parallel_rank} outside data_parallel_size "
+                              f"{data_parallel_size}")
+        self.global_batch = micro_batch_size * data_parallel_size
+        if num_samples < self.global_batch:
+            raise ConfigError(f"{num_samples} samples cannot fill one step of micro batch "
+                              f"{micro_batch_size} x {data_parallel_size} data-parallel ranks")
+        if consumed_samples < 0 or consumed_samples % self.global_batch:
+            raise ConfigError(f"consumed_samples {consumed_samples} is not a multiple of micro batch x "
+                              f"data-parallel size ({self.global_batch})")
+        self.num_samples, self.consumed_samples = num_samples, consumed_samples
+        self.micro_batch_size, self.rank, self.seed, self.shuffle = micro_batch_size, data_parallel_rank, seed, shuffle
+        self.samples_per_epoch = num_samples - num_samples % self.global_batch
+        self._epoch, self._order = -1, None
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch != self._epoch:
+            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+                           if self.shuffle else np.arange(self.num_samples))
+            self._epoch = epoch
+        return self._order
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, int]]:
+        return self
+
+    def __next__(self) -> tuple[np.ndarray, int]:
+        epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
+        start = offset + self.rank * self.micro_batch_size
+        indices = self.order(epoch)[start:start + self.micro_batch_size]
+        self.consumed_samples += self.global_batch
+        return indices, epoch
+
+
+class PMLMBatchLoader:
+    """Endless iterator of PMLMBatch for one data-parallel rank; `consumed_samples` goes in the
+    checkpoint and comes back as `build_pretraining_loaders(consumed_samples=...)`."""
+
+    def __init__(self, sampler: PretrainingSampler, builder: PMLMBatchBuilder):
+        self.sampler, self.builder = sampler, builder
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.sampler.consumed_samples
+
+    def __iter__(self) -> "PMLMBatchLoader":
+        return self
+
+    def __next__(self) -> PMLMBatch:
+        indices, epoch = next(self.sampler)
+        return self.builder(indices, epoch)
+
+
+def validation_batches(samples: PretrainingSamples, builder: PMLMBatchBuilder, micro_batch_size: int,
+                       data_parallel_rank: int, data_parallel_size: int) -> Iterator[PMLMBatch]:
+    """The split in order with mask epoch 0, so validation losses compare over time; endless."""
+    step = micro_batch_size * data_parallel_size
+    order = np.arange(len(samples))
+    if len(order) < step:  # a tiny split wraps around so every rank still gets a full batch
+        order = np.resize(order, step)
+    usable = len(order) - len(order) % step
+    while True:
+        for start in range(0, usable, step):
+            first = start + data_parallel_rank * micro_batch_size
+            yield builder(order[first:first + micro_batch_size], 0)
+
+
+@dataclass
+class PretrainingLoaders:
+    train: PMLMBatchLoader
+    valid: Callable[[], Iterator[PMLMBatch]] | None
+    """A fresh validation iterator per call (the Trainer's `valid_batches`), None without samples."""
+    train_samples: PretrainingSamples
+    valid_samples: PretrainingSamples | None
+    metadata: dict
+
+
+def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: int,
+                              data_parallel_rank: int = 0, data_parallel_size: int = 1,
+                              consumed_samples: int = 0, objective: str | Objective = "ae+par",
+                              seed: int | None = None, max_length: int | None = None,
+                              split: str | None = None, vocab_size: int | None = None) -> PretrainingLoaders:
+    """Train/valid PMLMBatch iterators over a `data_prep.build_samples` output directory.
+
+    `seed` (default: the build's seed) drives the epoch shuffles and the AR step orders;
+    `split` and `vocab_size`, when given, must match the build (a clear error otherwise).
+    """
+    metadata = read_metadata(data_path)
+    if split is not None and split != metadata["split"]:
+        raise SamplesError(f"{data_path} was built with --split {metadata['split']}, not {split}; "
+                           f"rebuild or drop the split argument")
+    if vocab_size is not None and vocab_size != metadata["vocab_size"]:
+        raise SamplesError(f"{data_path} was built with a vocabulary of {metadata['vocab_size']} entries, "
+                           f"the model has {vocab_size}")
+    if max_length is not None and metadata["seq_length"] > max_length:
+        raise ConfigError(f"{data_path} holds samples of up to {metadata['seq_length']} tokens, more than "
+                          f"the model's {max_length} positions")
+    objective = get_objective(objective) if isinstance(objective, str) else objective
+    seed = metadata["seed"] if seed is None else seed
+    corpora = open_corpora(metadata, Path(data_path))
+    train_samples = PretrainingSamples(data_path, "train", corpora)
+    sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
+                                 data_parallel_rank, data_parallel_size, seed)
+    train = PMLMBatchLoader(sampler, PMLMBatchBuilder(train_samples, objective, seed, max_length))
+    valid_samples, valid = None, None
+    if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:
+        valid_samples = PretrainingSamples(data_path, "valid", corpora)
+        valid_builder = PMLMBatchBuilder(valid_samples, objective, seed, max_length)
+
+        def valid() -> Iterator[PMLMBatch]:
+            return validation_batches(valid_samples, valid_builder, micro_batch_size,
+                                      data_parallel_rank, data_parallel_size)
+    return PretrainingLoaders(train, valid, train_samples, valid_samples, metadata)

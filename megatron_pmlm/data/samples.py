@@ -1,0 +1,213 @@
+"""The on-disk samples of `data_prep.build_samples` and their O(1) memory-mapped reader.
+
+A built dataset is a directory:
+    metadata.json          seed, seq length, vocabulary hash/size, special ids, split, blend, K,
+                           counts, dtypes, format version (validated on open)
+    SPLIT/samples.bin      int64 [n, 6]: corpus, document, a_start, a_len, b_start, b_len
+    SPLIT/mask_offsets.bin int64 [n * K + 1]: masks of (sample i, mask epoch e) are entries
+                           offsets[i*K + e] : offsets[i*K + e + 1] of the three arrays below
+    SPLIT/mask_positions.bin (uint16 for seq < 65,536), mask_steps.bin (uint8 while the steps of a
+                           sample fit, else as positions), mask_corrupted.bin (token dtype)
+
+Samples are stored as references into the tokenized corpora (.bin/.idx), not as tokens: a sample
+`[SOS] A [EOS] B [EOS]` is two contiguous token ranges of one document (its sentences are adjacent
+in .bin), so 48 bytes describe it whatever its length, nothing of the 160 GB corpus is copied,
+and reading one costs two slices of a memmap. The masks are stored per (sample, mask epoch) as
+flat arrays in factorization order, about 0.15 x 5 bytes per token, never n x n.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..masking import ExampleMasks
+from ..tokenizer import SpecialTokenIds
+from .indexed import IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path
+
+SAMPLES_FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+SPLIT_NAMES = ("train", "valid", "test")
+SAMPLE_COLUMNS = ("corpus", "document", "a_start", "a_len", "b_start", "b_len")
+CORPUS, DOCUMENT, A_START, A_LEN, B_START, B_LEN = range(6)
+MASK_ARRAYS = ("mask_positions", "mask_steps", "mask_corrupted")
+
+
+class SamplesError(ValueError):
+    """A built samples directory is missing, truncated or inconsistent; the message names the file."""
+
+
+def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) ranges, vectorized (no per-range Python)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    shift = np.repeat(starts - (ends - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def assemble_tokens(corpora: list[IndexedDatasetReader], rows: np.ndarray,
+                    special: SpecialTokenIds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Token ids, segment ids and lengths of `[SOS] A [EOS] (B [EOS])` for sample rows, flat.
+
+    One fancy-index gather per corpus; returns (ids [total], segments [total], lengths [b]).
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, len(SAMPLE_COLUMNS))
+    a_len, b_len = rows[:, A_LEN], rows[:, B_LEN]
+    has_b = b_len > 0
+    lengths = 2 + a_len + np.where(has_b, b_len + 1, 0)
+    sample_start = np.cumsum(lengths) - lengths
+    total = int(lengths.sum())
+    ids = np.empty(total, dtype=np.int64)
+    segments = np.zeros(total, dtype=np.int64)
+    # Destinations: A at start+1, its [EOS] after it, B after that, its [EOS] last.
+    a_dest = expand_ranges(sample_start + 1, a_len)
+    b_dest = expand_ranges(sample_start + 2 + a_len, b_len)
+    a_source_all = expand_ranges(rows[:, A_START], a_len)
+    b_source_all = expand_ranges(rows[:, B_START], b_len)
+    a_corpus = np.repeat(rows[:, CORPUS], a_len)
+    b_corpus = np.repeat(rows[:, CORPUS], b_len)
+    for corpus_index in np.unique(rows[:, CORPUS]).tolist():  # a handful of corpora, not tokens
+        tokens = corpora[corpus_index].tokens
+        in_a, in_b = a_corpus == corpus_index, b_corpus == corpus_index
+        ids[a_dest[in_a]] = tokens[a_source_all[in_a]]
+        ids[b_dest[in_b]] = tokens[b_source_all[in_b]]
+    ids[sample_start] = special.cls
+    ids[sample_start + 1 + a_len] = special.sep
+    ids[(sample_start + lengths - 1)[has_b]] = special.sep
+    segments[b_dest] = 1
+    segments[(sample_start + lengths - 1)[has_b]] = 1
+    return ids, segments, lengths
+
+
+def _raw_array(path: Path, dtype: np.dtype, count: int, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """Memory-map a raw array file whose size must be exactly count x itemsize."""
+    if not path.is_file():
+        raise SamplesError(f"missing file: {path}")
+    dtype = np.dtype(dtype)
+    expected = count * dtype.itemsize
+    size = path.stat().st_size
+    if size != expected:
+        raise SamplesError(f"{path}: {size} bytes, expected {expected} ({count} x {dtype}): "
+                           f"truncated or from another build; rebuild with data_prep.build_samples")
+    if count == 0:
+        return np.zeros(shape or (0,), dtype=dtype)
+    array = np.memmap(path, mode="r", dtype=dtype, shape=(count,))
+    return array.reshape(shape) if shape else array
+
+
+def read_metadata(directory: str | os.PathLike) -> dict:
+    directory = Path(directory)
+    path = directory / METADATA_FILE
+    if not path.is_file():
+        hint = (" (this looks like a tokenized corpus: build samples from it with "
+                "python -m data_prep.build_samples)") if idx_path(directory).is_file() else ""
+        raise SamplesError(f"not a built samples directory: {path} is missing{hint}")
+    try:
+        metadata = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise SamplesError(f"{path}: not valid JSON ({error})") from None
+    if metadata.get("format_version") != SAMPLES_FORMAT_VERSION:
+        raise SamplesError(f"{path}: format version {metadata.get('format_version')!r}, this reader "
+                           f"expects {SAMPLES_FORMAT_VERSION}; rebuild with data_prep.build_samples")
+    return metadata
+
+
+def open_corpora(metadata: dict, base: Path) -> list[IndexedDatasetReader]:
+    """The tokenized corpora of a build, checked against the sizes recorded at build time."""
+    corpora = []
+    for entry in metadata["blend"]:
+        prefix = Path(entry["prefix"])
+        if not prefix.is_absolute():
+            prefix = base / prefix
+        try:
+            reader = IndexedDatasetReader(prefix)
+        except IndexedDatasetError as error:
+            raise SamplesError(f"corpus of this build cannot be opened: {error}") from None
+        for path, recorded in ((bin_path(prefix), entry["bin_bytes"]), (idx_path(prefix), entry["idx_bytes"])):
+            if path.stat().st_size != recorded:
+                raise SamplesError(f"{path} changed since the samples were built ({path.stat().st_size} "
+                                   f"bytes, built from {recorded}); rebuild the samples")
+        corpora.append(reader)
+    return corpora
+
+
+class PretrainingSamples:
+    """One split of a built dataset: O(1) access to sample i and its masks of any mask epoch."""
+
+    def __init__(self, directory: str | os.PathLike, split: str = "train",
+                 corpora: list[IndexedDatasetReader] | None = None):
+        self.directory = Path(directory)
+        self.metadata = read_metadata(self.directory)
+        if split not in self.metadata["splits"]:
+            raise SamplesError(f"{self.directory}: no split {split!r} (has: {', '.join(self.metadata['splits'])})")
+        self.split = split
+        info = self.metadata["splits"][split]
+        self.num_samples = int(info["num_samples"])
+        self.mask_epochs = int(self.metadata["mask_epochs"])
+        self.seq_length = int(self.metadata["seq_length"])
+        self.special = SpecialTokenIds(**self.metadata["special_ids"])
+        self.vocab_size = int(self.metadata["vocab_size"])
+        self.corpora = corpora if corpora is not None else open_corpora(self.metadata, self.directory)
+        split_dir = self.directory / split
+        self.rows = _raw_array(split_dir / "samples.bin", np.int64, self.num_samples * len(SAMPLE_COLUMNS),
+                               (self.num_samples, len(SAMPLE_COLUMNS)))
+        self.mask_offsets = _raw_array(split_dir / "mask_offsets.bin", np.int64,
+                                       self.num_samples * self.mask_epochs + 1)
+        num_entries = int(info["num_mask_entries"])
+        if int(self.mask_offsets[-1]) != num_entries:
+            raise SamplesError(f"{split_dir / 'mask_offsets.bin'}: ends at {int(self.mask_offsets[-1])}, "
+                               f"metadata says {num_entries} mask entries")
+        dtypes = self.metadata["dtypes"]
+        self.mask_positions, self.mask_steps, self.mask_corrupted = (
+            _raw_array(split_dir / f"{name}.bin", np.dtype(dtypes[name]), num_entries) for name in MASK_ARRAYS)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def tokens(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(input_ids, segment_ids) per sample, as views of two flat arrays."""
+        indices = self._check(indices)
+        ids, segments, lengths = assemble_tokens(self.corpora, self.rows[indices], self.special)
+        cuts = np.cumsum(lengths)[:-1]
+        return np.split(ids, cuts), np.split(segments, cuts)
+
+    def masks(self, indices: np.ndarray, epoch: int) -> list[ExampleMasks]:
+        """The stored masks of training epoch `epoch` (mask epoch epoch mod K), in factorization order."""
+        indices = self._check(indices)
+        rows = indices * self.mask_epochs + (epoch % self.mask_epochs)
+        starts, ends = self.mask_offsets[rows], self.mask_offsets[rows + 1]
+        entries = expand_ranges(starts, ends - starts)
+        cuts = np.cumsum(ends - starts)[:-1]
+        arrays = [np.split(np.asarray(a[entries], dtype=np.int64), cuts)
+                  for a in (self.mask_positions, self.mask_steps, self.mask_corrupted)]
+        return [ExampleMasks(p, s, c) for p, s, c in zip(*arrays)]
+
+    def _check(self, indices) -> np.ndarray:
+        indices = np.atleast_1d(np.asarray(indices, dtype=np.int64))
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.num_samples):
+            raise IndexError(f"sample index out of range for the {self.split} split of "
+                             f"{self.num_samples} samples ({self.directory})")
+        return indices
+
+
+@dataclass(frozen=True)
+class SampleView:
+    """One sample and its masks, for inspection."""
+
+    input_ids: np.ndarray
+    segment_ids: np.ndarray
+    masks: ExampleMasks
+    row: np.ndarray
+
+
+def get_sample(samples: PretrainingSamples, index: int, mask_epoch: int = 0) -> SampleView:
+    ids, segments = samples.tokens([index])
+    return SampleView(ids[0], segments[0], samples.masks([index], mask_epoch)[0], np.asarray(samples.rows[index]))

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Tokenize a corpus on several nodes, join the shards, then build the samples with their masks.
+#
+#   sbatch --nodes=4 --ntasks-per-node=1 --cpus-per-task=64 slurm/prepare_data.sh \
+#       /data/out/pretrain "/data/raw/wiki/*.jsonl /data/raw/books/*.txt /data/raw/cc_news"
+#
+# Step 1: srun starts one task per node; each reads SLURM_PROCID/SLURM_NTASKS and tokenizes
+#         shards r, r+W, ... of the (deterministic) shard list with --workers processes.
+#         A crashed or preempted job resumes: rerun it and finished shards are skipped.
+# Step 2: one task joins the shards into PREFIX.bin/.idx (--merge-only).
+# Step 3: build_samples packs samples and precomputes K mask epochs, on one node's cores.
+#
+# Environment (optional): VOCAB (default ../shared/data/vocab/bert-base-uncased-vocab.txt),
+# PYTHON (default .venv/bin/python), JSON_KEY (text), SEQ_LENGTH (512), MASK_EPOCHS (10),
+# SPLIT (949,50,1), SEED (1234), SHARD_SIZE_MB (256).
+#SBATCH --job-name=pmlm-data
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+PREFIX=${1:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
+INPUTS=${2:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
+cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+PYTHON=${PYTHON:-.venv/bin/python}
+VOCAB=${VOCAB:-../shared/data/vocab/bert-base-uncased-vocab.txt}
+WORKERS=${SLURM_CPUS_PER_TASK:-$(nproc)}
+NTASKS=${SLURM_NTASKS:-1}
+
+# Globs are expanded by preprocess itself (sorted), identically on every rank.
+read -r -a INPUT_ARGS <<< "$INPUTS"
+COMMON=(--input "${INPUT_ARGS[@]}" --output-prefix "$PREFIX" --vocab-file "$VOCAB"
+        --json-key "${JSON_KEY:-text}" --shard-size-mb "${SHARD_SIZE_MB:-256}" --no-progress)
+
+echo "[$(date -u +%FT%TZ)] tokenizing on $NTASKS task(s) x $WORKERS worker(s)"
+srun --ntasks="$NTASKS" --kill-on-bad-exit=1 \
+    "$PYTHON" -m data_prep.preprocess "${COMMON[@]}" --workers "$WORKERS"
+
+if [ "$NTASKS" -gt 1 ]; then  # a single task merges by itself
+    echo "[$(date -u +%FT%TZ)] merging the shards into $PREFIX.bin/.idx"
+    srun --ntasks=1 --nodes=1 "$PYTHON" -m data_prep.preprocess "${COMMON[@]}" --merge-only
+fi
+
+echo "[$(date -u +%FT%TZ)] building samples with precomputed masks into $PREFIX-samples"
+srun --ntasks=1 --nodes=1 "$PYTHON" -m data_prep.build_samples --data-path "$PREFIX" \
+    --output "$PREFIX-samples" --seq-length "${SEQ_LENGTH:-512}" --mask-epochs "${MASK_EPOCHS:-10}" \
+    --split "${SPLIT:-949,50,1}" --seed "${SEED:-1234}" --workers "$WORKERS" --no-progress
+echo "[$(date -u +%FT%TZ)] done: train with --data-path $PREFIX-samples"
