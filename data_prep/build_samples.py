@@ -33,6 +33,7 @@ from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReade
 from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
                                         assemble_tokens)
 from megatron_pmlm.masking import mask_example
+from megatron_pmlm.text_data import pack_sentences
 from megatron_pmlm.tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 
@@ -127,57 +128,6 @@ def split_document_ranges(num_documents: int, fractions: np.ndarray) -> list[tup
     bounds = [max(0, b - shift) if i else 0 for i, b in enumerate(bounds)]
     bounds[-1] = num_documents
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
-
-
-# ---------------------------------------------------------------------------------------------
-# Packing, exactly `text_data.pack_samples` on sentence lengths instead of token arrays.
-
-def pack_sentences(sentence_lengths: Sequence[int], sentence_starts: Sequence[int],
-                   document_bounds: Sequence[int], document_ids: Sequence[int], seq_length: int,
-                   rng: np.random.Generator, short_seq_prob: float = 0.1) -> np.ndarray:
-    """Rows (corpus=0, document, a_start, a_len, b_start, b_len) of the packed samples.
-
-    Documents are [document_bounds[d], document_bounds[d+1]) of the sentences; every sentence must
-    fit in seq_length - 3 tokens. Draws from `rng` in the same order as `pack_samples`, so both
-    give identical samples from the same generator.
-    """
-    max_tokens = seq_length - 3
-    lengths = list(map(int, sentence_lengths))
-    starts = list(map(int, sentence_starts))
-    prefix = [0]
-    for length in lengths:
-        prefix.append(prefix[-1] + length)
-    rows: list[tuple[int, ...]] = []
-
-    def target_length() -> int:
-        return int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
-
-    for d in range(len(document_bounds) - 1):
-        low, high = int(document_bounds[d]), int(document_bounds[d + 1])
-        target = target_length()
-        chunk_start, chunk_tokens = low, 0
-        for i in range(low, high):
-            chunk_tokens += lengths[i]
-            if chunk_tokens < target and i != high - 1:
-                continue
-            count = i + 1 - chunk_start
-            split = int(rng.integers(1, count)) if count > 1 else 1
-            middle = chunk_start + split
-            first = prefix[middle] - prefix[chunk_start]
-            second = prefix[i + 1] - prefix[middle]
-            budget = max_tokens if second else max_tokens + 1
-            if first + second > budget:  # the truncation of text_data._make_sample
-                if first >= second:
-                    keep_first = max(budget - second, (budget + 1) // 2)
-                    first, second = min(first, keep_first), min(second, budget - keep_first)
-                else:
-                    keep_second = max(budget - first, (budget + 1) // 2)
-                    first, second = min(first, budget - keep_second), min(second, keep_second)
-            rows.append((0, int(document_ids[d]), starts[chunk_start], first,
-                         starts[middle] if second else 0, second))
-            chunk_start, chunk_tokens = i + 1, 0
-            target = target_length()
-    return np.array(rows, dtype=np.int64).reshape(-1, len(SAMPLE_COLUMNS))
 
 
 _READERS: dict[str, IndexedDatasetReader] = {}

@@ -65,56 +65,80 @@ class Sample:
     token_type_ids: np.ndarray
 
 
+def pack_sentences(sentence_lengths: Sequence[int], sentence_starts: Sequence[int],
+                   document_bounds: Sequence[int], document_ids: Sequence[int], seq_length: int,
+                   rng: np.random.Generator, short_seq_prob: float = 0.1) -> np.ndarray:
+    """BERT-style packing of whole sentences of one document into `[SOS] S1 [EOS] S2 [EOS]`, on
+    sentence lengths only: rows (corpus=0, document, a_start, a_len, b_start, b_len), the two
+    segments as token ranges (sentence_starts index the tokens of each sentence).
+
+    Documents are [document_bounds[d], document_bounds[d+1]) of the sentences; every sentence must
+    fit in seq_length - 3 tokens. With probability `short_seq_prob` a sample targets a random
+    shorter length (so the model also sees short inputs). S1 and S2 are contiguous: a chunk of
+    sentences is split at a random sentence boundary; a chunk of one sentence gives
+    `[SOS] S1 [EOS]`. An over-long pair is cut from the longer segment first, then both towards
+    equal length (what BERT's one-token-at-a-time truncation converges to).
+    """
+    max_tokens = seq_length - 3
+    lengths = list(map(int, sentence_lengths))
+    starts = list(map(int, sentence_starts))
+    prefix = [0]
+    for length in lengths:
+        prefix.append(prefix[-1] + length)
+    rows: list[tuple[int, ...]] = []
+
+    def target_length() -> int:
+        return int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
+
+    for d in range(len(document_bounds) - 1):
+        low, high = int(document_bounds[d]), int(document_bounds[d + 1])
+        target = target_length()
+        chunk_start, chunk_tokens = low, 0
+        for i in range(low, high):
+            chunk_tokens += lengths[i]
+            if chunk_tokens < target and i != high - 1:
+                continue
+            count = i + 1 - chunk_start
+            split = int(rng.integers(1, count)) if count > 1 else 1
+            middle = chunk_start + split
+            first = prefix[middle] - prefix[chunk_start]
+            second = prefix[i + 1] - prefix[middle]
+            budget = max_tokens if second else max_tokens + 1
+            if first + second > budget:
+                if first >= second:
+                    keep_first = max(budget - second, (budget + 1) // 2)
+                    first, second = min(first, keep_first), min(second, budget - keep_first)
+                else:
+                    keep_second = max(budget - first, (budget + 1) // 2)
+                    first, second = min(first, budget - keep_second), min(second, keep_second)
+            rows.append((0, int(document_ids[d]), starts[chunk_start], first,
+                         starts[middle] if second else 0, second))
+            chunk_start, chunk_tokens = i + 1, 0
+            target = target_length()
+    return np.array(rows, dtype=np.int64).reshape(-1, 6)
+
+
 def pack_samples(documents: Sequence[Sequence[np.ndarray]], seq_length: int,
                  special: SpecialTokenIds, rng: np.random.Generator,
                  short_seq_prob: float = 0.1) -> list[Sample]:
-    """BERT-style packing of whole sentences of one document into `[SOS] S1 [EOS] S2 [EOS]`.
-
-    With probability `short_seq_prob` a sample targets a random shorter length (so the model also
-    sees short inputs). S1 and S2 are contiguous: a chunk of sentences is split at a random
-    sentence boundary. A chunk of one sentence gives `[SOS] S1 [EOS]`.
-    """
-    max_tokens = seq_length - 3
-    if max_tokens < 2:
+    """`pack_sentences` over in-memory documents (lists of tokenized sentences), as token arrays."""
+    if seq_length - 3 < 2:
         raise ValueError(f"seq_length {seq_length} is too short for [SOS] S1 [EOS] S2 [EOS]")
+    sentences = [sentence for document in documents for sentence in document]
+    if not sentences:
+        return []
+    lengths = np.array([len(s) for s in sentences], dtype=np.int64)
+    starts = np.cumsum(lengths) - lengths
+    bounds = np.concatenate([[0], np.cumsum([len(d) for d in documents])])
+    rows = pack_sentences(lengths, starts, bounds, np.arange(len(documents)), seq_length, rng, short_seq_prob)
+    tokens = np.concatenate(sentences).astype(np.int64)
     samples = []
-    for sentences in documents:
-        target = _target_length(max_tokens, rng, short_seq_prob)
-        chunk: list[np.ndarray] = []
-        chunk_tokens = 0
-        for index, sentence in enumerate(sentences):
-            chunk.append(sentence)
-            chunk_tokens += len(sentence)
-            if chunk_tokens >= target or index == len(sentences) - 1:
-                samples.append(_make_sample(chunk, max_tokens, special, rng))
-                chunk, chunk_tokens = [], 0
-                target = _target_length(max_tokens, rng, short_seq_prob)
+    for _, _, a_start, a_len, b_start, b_len in rows.tolist():
+        parts = [[special.cls], tokens[a_start:a_start + a_len], [special.sep]]
+        if b_len:
+            parts += [tokens[b_start:b_start + b_len], [special.sep]]
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        segments = np.zeros(len(ids), dtype=np.int64)
+        segments[a_len + 2:] = 1 if b_len else 0
+        samples.append(Sample(ids, segments))
     return samples
-
-
-def _target_length(max_tokens: int, rng: np.random.Generator, short_seq_prob: float) -> int:
-    return int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
-
-
-def _make_sample(chunk: list[np.ndarray], max_tokens: int, special: SpecialTokenIds,
-                 rng: np.random.Generator) -> Sample:
-    split = int(rng.integers(1, len(chunk))) if len(chunk) > 1 else 1
-    first = np.concatenate(chunk[:split])
-    second = np.concatenate(chunk[split:]) if split < len(chunk) else np.zeros(0, dtype=first.dtype)
-    # Cut the longer segment first, then both towards equal length, until the pair fits (what
-    # BERT's one-token-at-a-time truncation converges to). A single segment also gets the room of
-    # the [EOS] it does not need.
-    budget = max_tokens if len(second) else max_tokens + 1
-    if len(first) + len(second) > budget:
-        if len(first) >= len(second):
-            keep_first = max(budget - len(second), (budget + 1) // 2)
-            first, second = first[:keep_first], second[:budget - keep_first]
-        else:
-            keep_second = max(budget - len(first), (budget + 1) // 2)
-            first, second = first[:budget - keep_second], second[:keep_second]
-    parts = [[special.cls], first, [special.sep]] + ([second, [special.sep]] if len(second) else [])
-    ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
-    segments = np.zeros(len(ids), dtype=np.int64)
-    if len(second):
-        segments[len(first) + 2:] = 1
-    return Sample(ids, segments)
