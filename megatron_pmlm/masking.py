@@ -98,12 +98,12 @@ def mask_example(input_ids: np.ndarray, maskable: np.ndarray, rng: np.random.Gen
     starts = np.array([b[0] for b in blocks], dtype=np.int64)
     lengths = np.array([b[1] for b in blocks], dtype=np.int64)
     if single_token_steps:
-        starts = _expand_blocks(starts, lengths)
+        starts = expand_ranges(starts, lengths)
         lengths = np.ones_like(starts)
     # One uniformly random factorization order over the steps (the paper samples one per example).
     order = rng.permutation(len(starts))
     starts, lengths = starts[order], lengths[order]
-    positions = _expand_blocks(starts, lengths)
+    positions = expand_ranges(starts, lengths)
     step_ids = np.repeat(np.arange(1, len(starts) + 1, dtype=np.int64), lengths)
     corrupted = corrupt_tokens(input_ids[positions], rng, config, vocab_size, special_token_ids,
                                mask_token_id)
@@ -134,9 +134,12 @@ def sample_non_special_ids(rng: np.random.Generator, count: int, vocab_size: int
     return draws
 
 
-def _expand_blocks(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """[start, start+length) ranges concatenated, vectorized."""
+def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) ranges, vectorized (no per-range Python)."""
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
-    block_of_token = np.repeat(np.arange(len(starts)), lengths)
-    offset_in_block = np.arange(total) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return (starts[block_of_token] + offset_in_block).astype(np.int64)
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..masking import ExampleMasks
+from ..masking import ExampleMasks, expand_ranges
 from ..tokenizer import SpecialTokenIds
 from .indexed import IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path
 
@@ -39,18 +39,6 @@ MASK_ARRAYS = ("mask_positions", "mask_steps", "mask_corrupted")
 
 class SamplesError(ValueError):
     """A built samples directory is missing, truncated or inconsistent; the message names the file."""
-
-
-def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated [start, start + length) ranges, vectorized (no per-range Python)."""
-    starts = np.asarray(starts, dtype=np.int64)
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    shift = np.repeat(starts - (ends - lengths), lengths)
-    return np.arange(total, dtype=np.int64) + shift
 
 
 def assemble_tokens(corpora: list[IndexedDatasetReader], rows: np.ndarray,
