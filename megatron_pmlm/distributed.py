@@ -82,6 +82,11 @@ def init_distributed(backend: str | None = None) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        # On the CPU, DeepSpeed JIT-compiles a shared-memory all-reduce (used by its inference
+        # engine, not by training) at every start, under a file lock that a process killed at that
+        # moment leaves behind; every later start then waits on it forever. Training skips it.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
 
 
