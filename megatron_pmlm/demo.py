@@ -8,7 +8,9 @@
    vocabulary on the corpus unless --vocab-file is given);
 3. `data_prep.build_samples`: `[SOS] S1 [EOS] S2 [EOS]` samples with precomputed block masks;
 4. `megatron_pmlm.pretrain` under torchrun, 2 processes, DeepSpeed ZeRO-2: a tiny PMLM trains,
-   stops half way with a checkpoint (--exit-interval), then resumes from it to the end.
+   stops half way with a checkpoint (--exit-interval), then resumes from it to the end;
+5. `tools/convert_checkpoint.py --verify`: the final checkpoint as a Hugging Face folder, its
+   logits checked against ours on the validation samples.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def main(argv=None) -> int:
     print(f"  checkpoints        {checkpoints} (DeepSpeed, latest: {(checkpoints / 'latest').read_text().strip()})")
     print(f"  TensorBoard        {tensorboard} (tensorboard --logdir {tensorboard}; "
           f"python tools/plot_curves.py {tensorboard} -o curves.png)")
+    hf_dir = out / "hf"
+    print(f"  Hugging Face       {hf_dir} (AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True))")
+    print("\nconverting the final checkpoint to a Hugging Face folder, verified on the validation samples "
+          "(tools/convert_checkpoint.py --verify)")
+    _run("conversion", [python, "-m", "megatron_pmlm.hf.convert", "--load", str(checkpoints), "--output",
+                        str(hf_dir), "--verify", "--overwrite"], env)
     return 0 if falling else 1
 
 

@@ -509,6 +509,9 @@ class Trainer:
             differences = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {v!r}"
                                     for k, v in expected_model_config.items() if saved_model.get(k) != v)
             raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
+        if saved.get("args", {}).get("converted_from") and not finetune:
+            raise CheckpointError(f"{tag_dir} was converted from {saved['args']['converted_from']} and holds "
+                                  "weights only (no optimizer or schedule): load it with --finetune")
         if finetune:
             path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
                                                   load_optimizer_states=False, load_lr_scheduler_states=False)

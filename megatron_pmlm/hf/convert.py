@@ -1,0 +1,863 @@
+"""Pre-training checkpoints <-> Hugging Face folders (SPEC §10), verified.
+
+    python tools/convert_checkpoint.py --load SAVE_DIR [--tag iter_N] --output HF_DIR [--verify]
+    python tools/convert_checkpoint.py --from-hf HF_DIR --save SAVE_DIR
+
+To Hugging Face: whatever the layout the checkpoint was written with (ZeRO 0-3, tensor and/or
+pipeline parallel), the full fp32 state dict is rebuilt - ZeRO-3 partitions consolidated with
+DeepSpeed's own `zero_to_fp32`, tensor-parallel shards merged along `TENSOR_PARALLEL_SPLITS`,
+pipeline layer files renamed with `pipeline.canonical_parameter_name` (the tied word embedding
+stored once) - then the vocabulary padding is cut off and the folder is written: config.json,
+the weights (SPEC §10 names), vocab.txt + tokenizer_config.json and, with the relative position
+bias, the remote code `configuration_pmlm.py` / `modeling_pmlm.py`. `--verify` runs our model and
+the Hugging Face model on held-out samples (the AE view: the corrupted sequence) and fails above
+a logit difference of 1e-4.
+
+From Hugging Face: a BERT (or converted PMLM) folder becomes a DeepSpeed checkpoint that
+`python -m megatron_pmlm.pretrain --load SAVE_DIR --finetune` starts from.
+
+Every output is written to a temporary folder next to its destination and renamed into place only
+when complete. Bad input raises `ConversionError`, whose message names the culprit (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..config import ConfigError, ModelConfig
+
+LATEST_FILE = "latest"
+RUN_STATE_FILE = "run_state.json"
+VERIFY_TOLERANCE = 1e-4
+HF_CODE_FILES = ("configuration_pmlm.py", "modeling_pmlm.py")
+IMPORT_TAG = "iter_0000000"
+AUTO_MAP = {"AutoConfig": "configuration_pmlm.PMLMConfig",
+            "AutoModel": "modeling_pmlm.PMLMBertModel",
+            "AutoModelForMaskedLM": "modeling_pmlm.PMLMForMaskedLM"}
+
+
+class ConversionError(ValueError):
+    """Bad input for a conversion: the message names the file, key or option at fault."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading our checkpoints
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class PretrainingCheckpoint:
+    """One checkpoint of ours, as the full (TP=1, PP=1, padded-vocabulary) fp32 state dict."""
+
+    directory: Path
+    tag: str
+    run_state: dict[str, Any]
+    model_config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    layout: str
+    """What was read, for the log: e.g. 'ZeRO-3, data parallel 2, tensor parallel 1, pipeline 1'."""
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.directory / self.tag
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:  # noqa: BLE001 - a truncated or foreign file: say which
+        raise ConversionError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str]:
+    """(checkpoint directory, tag): `tag`, or the one DIR/latest names."""
+    load_dir = Path(load_dir)
+    if not load_dir.is_dir():
+        raise ConversionError(f"checkpoint directory {load_dir} does not exist")
+    if tag is None:
+        latest = load_dir / LATEST_FILE
+        if not latest.is_file():
+            tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and (p / RUN_STATE_FILE).is_file())
+            if tags:
+                raise ConversionError(f"{load_dir} has no '{LATEST_FILE}' file (the last save did not complete); "
+                                      f"name a checkpoint with --tag, one of: {', '.join(tags)}")
+            raise ConversionError(f"no checkpoint in {load_dir}: neither a '{LATEST_FILE}' file nor checkpoint "
+                                  "folders (the --save directory of a pre-training run)")
+        tag = latest.read_text().strip()
+        if not (load_dir / tag).is_dir():
+            raise ConversionError(f"{latest} names {tag!r} but {load_dir / tag} does not exist")
+    elif not (load_dir / tag).is_dir():
+        tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and (p / RUN_STATE_FILE).is_file())
+        raise ConversionError(f"--tag {tag}: {load_dir / tag} does not exist"
+                              + (f" (there are: {', '.join(tags)})" if tags else " (no checkpoints there)"))
+    return load_dir, tag
+
+
+def read_run_state(tag_dir: Path) -> tuple[dict[str, Any], ModelConfig]:
+    path = tag_dir / RUN_STATE_FILE
+    if not path.is_file():
+        raise ConversionError(f"{path} is missing: {tag_dir} is not a megatron-pmlm checkpoint (or an incomplete one)")
+    try:
+        run_state = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{path} is not valid JSON ({error})") from None
+    saved = run_state.get("args", {}).get("model_config") if isinstance(run_state, dict) else None
+    if not isinstance(saved, dict):
+        raise ConversionError(f"{path} has no args.model_config: not a megatron-pmlm checkpoint")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(saved) - known)
+    if unknown:
+        raise ConversionError(f"{path}: args.model_config has fields this version does not know: {', '.join(unknown)}")
+    try:
+        config = ModelConfig(**saved)
+    except (ConfigError, TypeError) as error:
+        raise ConversionError(f"{path}: invalid args.model_config ({error})") from None
+    return run_state, config
+
+
+def _drop_extra_state(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """megatron-core layers add `*._extra_state` entries (not weights)."""
+    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+
+
+def _rank_files(tag_dir: Path, pattern: re.Pattern, what: str, expected: int) -> list[Path]:
+    """Files whose name matches `pattern` (group 1: the rank), one per rank 0..expected-1, or an error."""
+    found: dict[int, Path] = {}
+    for path in tag_dir.iterdir():
+        match = pattern.fullmatch(path.name)
+        if match:
+            found[int(match.group(1))] = path
+    missing = [r for r in range(expected) if r not in found]
+    if missing:
+        example = pattern.pattern.replace(r"(\d+)", f"{missing[0]:02d}").replace("\\", "")
+        raise ConversionError(f"{tag_dir}: {what} rank(s) {', '.join(map(str, missing))} of {expected} missing "
+                              f"(no {example}); the checkpoint is incomplete")
+    extra = sorted(r for r in found if r >= expected)
+    if extra:
+        raise ConversionError(f"{tag_dir}: {what} files for rank(s) {', '.join(map(str, extra))}, but run_state.json "
+                              f"says {what} size {expected}: mismatched shards")
+    return [found[r] for r in range(expected)]
+
+
+def _read_module_states(tag_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
+    """ZeRO 0-2, no pipeline: mp_rank_NN_model_states.pt['module'] per tensor-parallel rank."""
+    shards = []
+    for path in _rank_files(tag_dir, re.compile(r"mp_rank_(\d+)_model_states\.pt"), "tensor-parallel", tp):
+        module = _torch_load(path).get("module")
+        if not isinstance(module, dict) or not module:
+            raise ConversionError(f"{path} holds no module weights")
+        shards.append(_drop_extra_state(module))
+    return shards
+
+
+def _read_zero_states(tag_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
+    """ZeRO (stage 3, or 1/2 with fp16/bf16 weights): DeepSpeed's consolidation of the fp32
+    partitions, one tensor-parallel rank at a time (zero_to_fp32 expects one model-parallel rank
+    per folder: each rank's files are linked into a scratch folder)."""
+    from deepspeed.utils import zero_to_fp32
+
+    shards = []
+    with tempfile.TemporaryDirectory(prefix="pmlm-zero-") as scratch:
+        for rank in range(tp):
+            suffix = f"mp_rank_{rank:02d}_"
+            files = [p for p in tag_dir.iterdir() if suffix in p.name and p.name.endswith(
+                ("_model_states.pt", "_optim_states.pt"))]
+            if not any(p.name.endswith("_optim_states.pt") for p in files):
+                raise ConversionError(f"{tag_dir}: no *_{suffix}optim_states.pt files (the ZeRO partitions of "
+                                      f"tensor-parallel rank {rank} of {tp}): the checkpoint is incomplete")
+            if not any(p.name.endswith("_model_states.pt") for p in files):
+                raise ConversionError(f"{tag_dir}: no *_{suffix}model_states.pt file (tensor-parallel rank {rank} "
+                                      f"of {tp}): the checkpoint is incomplete")
+            folder = Path(scratch) / f"rank{rank}"
+            folder.mkdir()
+            for path in files:
+                os.symlink(path.resolve(), folder / path.name)
+            log = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    state = zero_to_fp32._get_fp32_state_dict_from_zero_checkpoint(str(folder), False)
+                    state = zero_to_fp32.to_torch_tensor(state)
+            except (ValueError, FileNotFoundError, KeyError, AssertionError, RuntimeError) as error:
+                raise ConversionError(f"{tag_dir}: DeepSpeed could not consolidate the ZeRO partitions of "
+                                      f"tensor-parallel rank {rank} ({type(error).__name__}: {error})") from None
+            shards.append(_drop_extra_state({k: v.float() if v.is_floating_point() else v for k, v in state.items()}))
+    return shards
+
+
+_LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
+
+
+def _read_pipeline_states(tag_dir: Path, tp: int, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
+    """DeepSpeed pipeline layout: layer_XX-model_YY-model_states.pt, names relative to layer XX."""
+    from ..pipeline import TIED_KEY, canonical_parameter_name
+
+    num_layers = config.num_layers
+    tied_indices = (0, num_layers + 3)
+    files: dict[tuple[int, int], Path] = {}
+    for path in tag_dir.iterdir():
+        match = _LAYER_FILE.fullmatch(path.name)
+        if match:
+            files[int(match.group(1)), int(match.group(2))] = path
+    if not files:
+        raise ConversionError(f"{tag_dir}: no layer_XX-model_YY-model_states.pt files, but run_state.json says "
+                              "pipeline parallel: the checkpoint is incomplete")
+    layer_indices = sorted({index for index, _ in files})
+    # The layers that hold weights: the word embedding (0, or its tied copy), 1, every transformer
+    # layer, the head transform and the loss (output bias); index L+3 is the tied softmax.
+    needed = [1, *range(2, num_layers + 2), num_layers + 2, num_layers + 4]
+    for index in needed + [None]:
+        indices = [0, num_layers + 3] if index is None else [index]
+        for rank in range(tp):
+            if not any((i, rank) in files for i in indices):
+                which = "the word embedding (layer_00)" if index is None else f"layer_{index:02d}"
+                raise ConversionError(f"{tag_dir}: {which} of tensor-parallel rank {rank} is missing "
+                                      f"(no layer_{indices[0]:02d}-model_{rank:02d}-model_states.pt): the "
+                                      "checkpoint is incomplete")
+    extra_ranks = sorted({rank for _, rank in files if rank >= tp})
+    if extra_ranks:
+        raise ConversionError(f"{tag_dir}: layer files for tensor-parallel rank(s) {extra_ranks}, but run_state.json "
+                              f"says tensor parallel size {tp}: mismatched shards")
+    unknown = [i for i in layer_indices if i > num_layers + 4]
+    if unknown:
+        raise ConversionError(f"{tag_dir}: layer_{unknown[0]:02d} files, but a {num_layers}-layer model has pipeline "
+                              f"layers 0-{num_layers + 4}: a checkpoint of another model")
+    shards = []
+    for rank in range(tp):
+        state: dict[str, torch.Tensor] = {}
+        for index in layer_indices:
+            if (index, rank) not in files:
+                continue
+            layer_state = _drop_extra_state(_torch_load(files[index, rank]))
+            for name, tensor in layer_state.items():
+                pipe_name = (f"tied_modules.{TIED_KEY}.{name}" if index in tied_indices else f"{index}.{name}")
+                try:
+                    canonical = canonical_parameter_name(pipe_name, num_layers)
+                except ValueError as error:
+                    raise ConversionError(f"{files[index, rank]}: {error}") from None
+                if canonical in state:  # the tied softmax: the same weight as the embedding, stored once
+                    continue
+                state[canonical] = tensor
+        shards.append(state)
+    return shards
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every parameter of PMLMForPreTraining(config) (TP=1) and its shape, without building it."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "bert.embeddings.word_embeddings.weight": (config.embedding_rows, h),
+        "bert.embeddings.position_embeddings.weight": (config.max_position_embeddings, h),
+        "bert.embeddings.token_type_embeddings.weight": (config.type_vocab_size, h),
+        "bert.embeddings.LayerNorm.weight": (h,), "bert.embeddings.LayerNorm.bias": (h,),
+    }
+    if config.rel_pos:
+        shapes["bert.rel_pos_bias.weight"] = (config.num_attention_heads, config.rel_pos_bins)
+    for i in range(config.num_layers):
+        p = f"bert.encoder.layer.{i}."
+        for name in ("query", "key", "value"):
+            shapes[f"{p}attention.self.{name}.weight"] = (h, h)
+            shapes[f"{p}attention.self.{name}.bias"] = (h,)
+        shapes.update({f"{p}attention.output.dense.weight": (h, h), f"{p}attention.output.dense.bias": (h,),
+                       f"{p}attention.output.LayerNorm.weight": (h,), f"{p}attention.output.LayerNorm.bias": (h,),
+                       f"{p}intermediate.dense.weight": (f, h), f"{p}intermediate.dense.bias": (f,),
+                       f"{p}output.dense.weight": (h, f), f"{p}output.dense.bias": (h,),
+                       f"{p}output.LayerNorm.weight": (h,), f"{p}output.LayerNorm.bias": (h,)})
+    shapes.update({"cls.predictions.bias": (config.embedding_rows,),
+                   "cls.predictions.transform.dense.weight": (h, h), "cls.predictions.transform.dense.bias": (h,),
+                   "cls.predictions.transform.LayerNorm.weight": (h,),
+                   "cls.predictions.transform.LayerNorm.bias": (h,)})
+    return shapes
+
+
+def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    """The state dict is exactly the model's: same names and shapes, else an error naming them."""
+    expected = expected_shapes(config)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} weight(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)}: {', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+        raise ConversionError(f"{source} does not hold the model its run_state.json describes (a checkpoint of "
+                              f"another model?): {'; '.join(parts)}")
+    wrong = [f"{k} {tuple(state[k].shape)} (expected {v})" for k, v in expected.items() if tuple(state[k].shape) != v]
+    if wrong:
+        raise ConversionError(f"{source}: weights of the wrong shape for the model in run_state.json: "
+                              f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+
+
+def load_pretraining_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PretrainingCheckpoint:
+    """The full fp32 state dict of any checkpoint our pre-training writes."""
+    from ..parallel_layers import merge_state_dicts
+
+    directory, tag = resolve_tag(load_dir, tag)
+    tag_dir = directory / tag
+    run_state, config = read_run_state(tag_dir)
+    args = run_state.get("args", {})
+    training = run_state.get("training_config", {})
+    tp = int(args.get("tensor_model_parallel_size") or 1)
+    pp = int(args.get("pipeline_model_parallel_size") or 1)
+    zero_stage = int(training.get("zero_stage") or 0)
+    precision = training.get("precision", "fp32")
+    if pp > 1:
+        shards = _read_pipeline_states(tag_dir, tp, config)
+        source = "pipeline layer files"
+    elif zero_stage == 3 or (zero_stage > 0 and precision != "fp32"):
+        shards = _read_zero_states(tag_dir, tp)
+        source = "ZeRO fp32 partitions (DeepSpeed zero_to_fp32)"
+    else:
+        shards = _read_module_states(tag_dir, tp)
+        source = "mp_rank model states"
+    names = set(shards[0])
+    for rank, shard in enumerate(shards[1:], start=1):
+        if set(shard) != names:
+            raise ConversionError(f"{tag_dir}: tensor-parallel rank {rank} holds different weights than rank 0 "
+                                  f"({', '.join(sorted(names ^ set(shard))[:4])}): mismatched shards")
+    try:
+        state = merge_state_dicts(shards)
+    except RuntimeError as error:
+        raise ConversionError(f"{tag_dir}: tensor-parallel shards do not fit together ({error})") from None
+    state = {k: v.detach().float().contiguous() for k, v in state.items()}
+    check_state_dict(state, config, str(tag_dir))
+    layout = (f"ZeRO-{zero_stage}, {precision}, data parallel {run_state.get('data_parallel_size', '?')}, "
+              f"tensor parallel {tp}, pipeline parallel {pp}; read from the {source}")
+    return PretrainingCheckpoint(directory, tag, run_state, config, state, layout)
+
+
+# ------------------------------------------------------------------------------------------------
+# Our state dict <-> Hugging Face's
+# ------------------------------------------------------------------------------------------------
+
+PADDED_VOCAB_KEYS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """SPEC §10 names (ours already are) with the vocabulary padding cut off; decoder tied, not stored."""
+    out = {}
+    for name, tensor in state.items():
+        if name in PADDED_VOCAB_KEYS:
+            tensor = tensor[:config.vocab_size]
+        out[name] = tensor.detach().float().contiguous().clone()
+    return out
+
+
+def hf_config_dict(config: ModelConfig, pad_token_id: int = 0) -> dict[str, Any]:
+    """config.json: BertConfig's fields (+ rel_pos_bins, max_rel_pos and auto_map with the bias)."""
+    from transformers import BertConfig
+
+    from .configuration_pmlm import PMLMConfig
+
+    fields = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                  num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+                  intermediate_size=config.ffn_hidden_size, hidden_act="gelu",
+                  hidden_dropout_prob=config.hidden_dropout, attention_probs_dropout_prob=config.attention_dropout,
+                  max_position_embeddings=config.max_position_embeddings, type_vocab_size=config.type_vocab_size,
+                  initializer_range=config.init_std, layer_norm_eps=config.layernorm_epsilon,
+                  pad_token_id=pad_token_id, tie_word_embeddings=True)
+    if config.rel_pos:
+        values = PMLMConfig(rel_pos_bins=config.rel_pos_bins, max_rel_pos=config.max_rel_pos, **fields).to_dict()
+        values["architectures"] = ["PMLMForMaskedLM"]
+        values["auto_map"] = dict(AUTO_MAP)
+    else:
+        values = BertConfig(**fields).to_dict()
+        values["architectures"] = ["BertForMaskedLM"]
+    values.pop("_name_or_path", None)
+    return dict(sorted(values.items()))
+
+
+def model_config_from_hf(hf: dict[str, Any], source: str, padded_vocab_size: int,
+                         add_rel_pos: bool = False) -> ModelConfig:
+    """The ModelConfig of a Hugging Face BERT/PMLM config.json."""
+    model_type = hf.get("model_type", "bert")
+    if model_type not in ("bert", "pmlm", "unilm"):
+        raise ConversionError(f"{source}: model_type {model_type!r} is not a BERT-architecture model this tool can "
+                              "import (bert, pmlm, unilm)")
+    if hf.get("hidden_act", "gelu") != "gelu":
+        raise ConversionError(f"{source}: hidden_act {hf.get('hidden_act')!r}; our model uses exact GELU ('gelu')")
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ConversionError(f"{source}: position_embedding_type {hf.get('position_embedding_type')!r} is not "
+                              "supported (absolute positions + relative position bias only)")
+    required = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ConversionError(f"{source}: lacks {', '.join(missing)} (not a BERT config.json)")
+    rel_pos_bins = int(hf.get("rel_pos_bins") or 0)
+    rel_pos = rel_pos_bins > 0 or add_rel_pos
+    try:
+        return ModelConfig(
+            vocab_size=int(hf["vocab_size"]), padded_vocab_size=padded_vocab_size,
+            hidden_size=int(hf["hidden_size"]), num_layers=int(hf["num_hidden_layers"]),
+            num_attention_heads=int(hf["num_attention_heads"]), ffn_hidden_size=int(hf["intermediate_size"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 512)),
+            type_vocab_size=int(hf.get("type_vocab_size", 2)),
+            hidden_dropout=float(hf.get("hidden_dropout_prob", 0.1)),
+            attention_dropout=float(hf.get("attention_probs_dropout_prob", 0.1)),
+            layernorm_epsilon=float(hf.get("layer_norm_eps", 1e-12)),
+            init_std=float(hf.get("initializer_range", 0.02)), rel_pos=rel_pos,
+            rel_pos_bins=rel_pos_bins or 32, max_rel_pos=int(hf.get("max_rel_pos") or 128))
+    except ConfigError as error:
+        raise ConversionError(f"{source}: {error}") from None
+
+
+def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, source: str,
+                       add_rel_pos: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our (padded) state dict from a Hugging Face BERT state dict; also the names dropped."""
+    state, dropped = {}, []
+    for name, tensor in hf_state.items():
+        new = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
+        if not new.startswith(("bert.", "cls.")):
+            new = "bert." + new  # a BertModel checkpoint (no prefix)
+        if new in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias") or \
+                new.startswith(("bert.pooler.", "cls.seq_relationship.")) or new.endswith("position_ids"):
+            dropped.append(name)
+            continue
+        state[new] = tensor
+    decoder = hf_state.get("cls.predictions.decoder.weight")
+    embedding = state.get("bert.embeddings.word_embeddings.weight")
+    if decoder is not None and embedding is not None and decoder.shape == embedding.shape and \
+            not torch.equal(decoder, embedding):
+        raise ConversionError(f"{source}: cls.predictions.decoder.weight differs from the word embeddings; our model "
+                              "ties them (an untied checkpoint cannot be imported exactly)")
+    if add_rel_pos and "bert.rel_pos_bias.weight" not in state:
+        # Zero bias: the model computes exactly the BERT it was given, and learns the bias from there.
+        state["bert.rel_pos_bias.weight"] = torch.zeros(config.num_attention_heads, config.rel_pos_bins)
+    for name in PADDED_VOCAB_KEYS:
+        if name in state and state[name].shape[0] == config.vocab_size < config.embedding_rows:
+            tensor = state[name]
+            padding = torch.zeros((config.embedding_rows - config.vocab_size,) + tuple(tensor.shape[1:]),
+                                  dtype=tensor.dtype)
+            state[name] = torch.cat([tensor, padding])
+    state = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
+    expected = expected_shapes(config)
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise ConversionError(f"{source}: weights do not match a BERT with an MLM head as config.json describes: "
+                              + (f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}" if missing else "")
+                              + ("; " if missing and unexpected else "")
+                              + (f"unexpected {', '.join(unexpected[:5])}" if unexpected else ""))
+    wrong = [f"{k} {tuple(state[k].shape)} (config.json implies {v})" for k, v in expected.items()
+             if tuple(state[k].shape) != v]
+    if wrong:
+        raise ConversionError(f"{source}: {', '.join(wrong[:4])}")
+    return state, dropped
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors / pytorch_model.bin, or their sharded index."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (hf_dir / single).is_file():
+            return _read_weight_file(hf_dir / single)
+        if (hf_dir / index_name).is_file():
+            try:
+                weight_map = json.loads((hf_dir / index_name).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as error:
+                raise ConversionError(f"{hf_dir / index_name}: not a weight index ({error})") from None
+            state = {}
+            for shard in sorted(set(weight_map.values())):
+                if not (hf_dir / shard).is_file():
+                    raise ConversionError(f"{hf_dir / index_name} names {shard}, which is missing")
+                state.update(_read_weight_file(hf_dir / shard))
+            return state
+    raise ConversionError(f"{hf_dir}: no model.safetensors or pytorch_model.bin (nor a sharded index)")
+
+
+def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path))
+        except Exception as error:  # noqa: BLE001
+            raise ConversionError(f"{path} cannot be read ({error})") from None
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001
+        raise ConversionError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
+    if not isinstance(state, dict):
+        raise ConversionError(f"{path} does not hold a state dict")
+    return state
+
+
+# ------------------------------------------------------------------------------------------------
+# Vocabulary
+# ------------------------------------------------------------------------------------------------
+
+def read_vocab(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").rstrip("\n").split("\n")
+
+
+def find_vocab_file(checkpoint: PretrainingCheckpoint, override: str | None) -> Path:
+    """--vocab-file, else the checkpoint's own vocab.txt (imports), else the run's data's vocab_file."""
+    args = checkpoint.run_state.get("args", {})
+    if override:
+        path = Path(override)
+        if not path.is_file():
+            raise ConversionError(f"--vocab-file {path} does not exist")
+    elif (checkpoint.tag_dir / "vocab.txt").is_file():
+        path = checkpoint.tag_dir / "vocab.txt"
+    else:
+        data_path = args.get("data_path")
+        if not data_path:
+            raise ConversionError(f"{checkpoint.tag_dir / RUN_STATE_FILE} names no data_path to find the vocabulary "
+                                  "in: pass --vocab-file")
+        metadata_file = Path(data_path) / "metadata.json"
+        if not metadata_file.is_file():
+            raise ConversionError(f"the run's samples {data_path} are gone ({metadata_file} is missing), so its "
+                                  "vocabulary is unknown: pass --vocab-file")
+        vocab = json.loads(metadata_file.read_text()).get("vocab_file")
+        path = Path(vocab) if vocab else None
+        if path is None or not path.is_file():
+            raise ConversionError(f"the vocabulary {vocab} named by {metadata_file} does not exist: pass --vocab-file")
+    size = len(read_vocab(path))
+    if size != checkpoint.model_config.vocab_size:
+        raise ConversionError(f"vocabulary {path} has {size} entries, the model {checkpoint.model_config.vocab_size}: "
+                              "not the vocabulary this checkpoint was trained with")
+    return path
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def staged_output(destination: Path, overwrite: bool):
+    """A temporary folder next to `destination`, renamed to it when the block completes."""
+    destination = Path(destination)
+    if destination.exists() and not overwrite and (not destination.is_dir() or any(destination.iterdir())):
+        raise ConversionError(f"{destination} already exists and is not empty (pass --overwrite to replace it)")
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if destination.exists():
+        old = destination.parent / f".{destination.name}.old-{os.getpid()}"
+        os.replace(destination, old)
+    os.replace(staging, destination)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+
+
+def write_hf_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: ModelConfig, vocab_file: Path,
+                    do_lower_case: bool = True, weights_format: str = "bin") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = read_vocab(vocab_file)
+    pad_token_id = vocab.index("[PAD]") if "[PAD]" in vocab else 0
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, pad_token_id), indent=2) + "\n")
+    if weights_format == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(hf_state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        torch.save(hf_state, folder / "pytorch_model.bin")
+    shutil.copyfile(vocab_file, folder / "vocab.txt")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": do_lower_case,
+        "model_max_length": config.max_position_embeddings,
+        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+        "mask_token": "[MASK]"}, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps({
+        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+        "mask_token": "[MASK]"}, indent=2) + "\n")
+    if config.rel_pos:
+        here = Path(__file__).resolve().parent
+        for name in HF_CODE_FILES:
+            shutil.copyfile(here / name, folder / name)
+
+
+def load_hf_model(folder: Path, rel_pos: bool):
+    """The Hugging Face masked LM of a converted folder (remote code with the bias, plain BERT without)."""
+    import transformers
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        if rel_pos:
+            model = transformers.AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True)
+        else:
+            model = transformers.BertForMaskedLM.from_pretrained(str(folder))
+    return model.float().eval()
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Verification:
+    samples: int
+    tokens: int
+    predicted: int
+    max_logit_difference: float
+    loss_ours: float
+    loss_hf: float
+    split: str
+
+    @property
+    def passed(self) -> bool:
+        return self.max_logit_difference <= VERIFY_TOLERANCE and abs(self.loss_ours - self.loss_hf) <= VERIFY_TOLERANCE
+
+    def line(self) -> str:
+        return (f"verify: {self.samples} held-out samples ({self.split} split, {self.tokens} tokens, AE view: the "
+                f"corrupted sequence): max |logit difference| {self.max_logit_difference:.3e} "
+                f"(tolerance {VERIFY_TOLERANCE:.0e}); MLM loss over {self.predicted} masked tokens: ours "
+                f"{self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f} -> "
+                f"{'OK' if self.passed else 'FAILED'}")
+
+
+def held_out_samples(data_path: str | os.PathLike):
+    from ..data import PretrainingSamples, read_metadata
+    from ..data.samples import SamplesError
+
+    try:
+        metadata = read_metadata(data_path)
+        for split in ("valid", "test"):
+            if metadata["splits"].get(split, {}).get("num_samples", 0) > 0:
+                return PretrainingSamples(data_path, split), metadata
+    except SamplesError as error:
+        raise ConversionError(f"--verify: {error}") from None
+    raise ConversionError(f"--verify: {data_path} has no held-out samples (its valid and test splits are empty); "
+                          "pass --data-path with a build that has a validation split")
+
+
+def verify(hf_folder: Path, state: dict[str, torch.Tensor], config: ModelConfig, data_path: str | os.PathLike,
+           num_samples: int = 64, batch_size: int = 16) -> Verification:
+    """Our model and the Hugging Face model of `hf_folder` on held-out samples (fp32, eval mode)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from ..data.loader import PMLMBatchBuilder
+    from ..layout import IGNORE_INDEX, MASKED, PAD
+    from ..model import PMLMForPreTraining
+    from ..objectives import get_objective
+
+    samples, metadata = held_out_samples(data_path)
+    if samples.vocab_size != config.vocab_size:
+        raise ConversionError(f"--verify: the samples in {data_path} use a vocabulary of {samples.vocab_size} entries, "
+                              f"the model {config.vocab_size}")
+    ours = PMLMForPreTraining(config, "ae").eval()
+    ours.load_state_dict(state, strict=True)
+    hf = load_hf_model(hf_folder, config.rel_pos)
+    builder = PMLMBatchBuilder(samples, get_objective("ae"), int(metadata.get("seed", 0)),
+                               config.max_position_embeddings)
+    count = min(num_samples, len(samples))
+    max_diff, tokens, predicted, loss_ours_sum, loss_hf_sum = 0.0, 0, 0, 0.0, 0.0
+    with torch.no_grad():
+        for start in range(0, count, batch_size):
+            batch = builder(np.arange(start, min(count, start + batch_size)), 0)
+            real = batch.roles != PAD
+            selected = (batch.roles == MASKED) & (batch.labels != IGNORE_INDEX)
+            logits = ours.mlm_logits(ours.bert(*batch.as_tuple()[:5]))[..., :config.vocab_size]
+            out = hf(input_ids=batch.input_ids, attention_mask=real.long(), token_type_ids=batch.token_type_ids,
+                     labels=torch.where(selected, batch.labels, torch.full_like(batch.labels, IGNORE_INDEX)))
+            max_diff = max(max_diff, float((logits - out.logits)[real].abs().max()))
+            n = int(selected.sum())
+            loss_ours_sum += float(F.cross_entropy(logits[selected], batch.labels[selected], reduction="sum"))
+            loss_hf_sum += float(out.loss) * n
+            tokens += int(real.sum())
+            predicted += n
+    return Verification(count, tokens, predicted, max_diff, loss_ours_sum / max(predicted, 1),
+                        loss_hf_sum / max(predicted, 1), samples.split)
+
+
+# ------------------------------------------------------------------------------------------------
+# The two directions
+# ------------------------------------------------------------------------------------------------
+
+def export_to_hf(load_dir: str | os.PathLike, output: str | os.PathLike, tag: str | None = None,
+                 vocab_file: str | None = None, run_verify: bool = False, data_path: str | None = None,
+                 verify_samples: int = 64, weights_format: str = "bin", overwrite: bool = False,
+                 log: Callable[[str], None] = print) -> Verification | None:
+    checkpoint = load_pretraining_checkpoint(load_dir, tag)
+    config = checkpoint.model_config
+    log(f"read {checkpoint.tag_dir} ({checkpoint.layout}): {config.num_layers} layers, hidden {config.hidden_size}, "
+        f"{config.num_attention_heads} heads, vocabulary {config.vocab_size} (padded to {config.embedding_rows}), "
+        f"relative position bias {'on' if config.rel_pos else 'off'}")
+    vocab = find_vocab_file(checkpoint, vocab_file)
+    args = checkpoint.run_state.get("args", {})
+    verify_data = None
+    if run_verify:
+        verify_data = data_path or args.get("data_path")
+        if not verify_data:
+            raise ConversionError("--verify needs held-out samples: the checkpoint names no data_path, pass --data-path")
+        held_out_samples(verify_data)  # refuse a bad data path before writing anything
+    hf_state = to_hf_state_dict(checkpoint.state_dict, config)
+    result = None
+    output = Path(output)
+    with staged_output(output, overwrite) as staging:
+        write_hf_folder(staging, hf_state, config, vocab, bool(args.get("do_lower_case", True)), weights_format)
+        if run_verify:
+            result = verify(staging, checkpoint.state_dict, config, verify_data, verify_samples)
+            log(result.line())
+            if not result.passed:
+                raise VerificationFailed(result)
+    log(f"wrote {output} ({'PMLMForMaskedLM, remote code: trust_remote_code=True' if config.rel_pos else 'BertForMaskedLM'}"
+        f", {sum(t.numel() for t in hf_state.values()):,} parameters)")
+    return result
+
+
+class VerificationFailed(RuntimeError):
+    def __init__(self, result: Verification):
+        super().__init__(result.line())
+        self.result = result
+
+
+def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tensor_parallel_size: int = 1,
+                   make_vocab_size_divisible_by: int = 128, add_rel_pos: bool = False, objective: str = "ae+par",
+                   overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
+    """A checkpoint `pretrain --load SAVE_DIR --finetune` starts from (weights only, iteration 0)."""
+    from ..parallel_layers import shard_state_dict
+    from ..pretrain import padded_vocab_size
+
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConversionError(f"--from-hf {hf_dir} does not exist")
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file} is missing: not a Hugging Face model folder")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{config_file} is not valid JSON ({error})") from None
+    if tensor_parallel_size < 1:
+        raise ConversionError("--tensor-model-parallel-size must be >= 1")
+    vocab_size = int(hf_config.get("vocab_size", 0))
+    config = model_config_from_hf(hf_config, str(config_file),
+                                  padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
+                                  add_rel_pos)
+    if config.num_attention_heads % tensor_parallel_size:
+        raise ConversionError(f"--tensor-model-parallel-size {tensor_parallel_size} does not divide the "
+                              f"{config.num_attention_heads} attention heads")
+    state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos)
+    vocab_file = hf_dir / "vocab.txt"
+    if vocab_file.is_file() and len(read_vocab(vocab_file)) != config.vocab_size:
+        raise ConversionError(f"{vocab_file} has {len(read_vocab(vocab_file))} entries, config.json's vocab_size is "
+                              f"{config.vocab_size}")
+    do_lower_case = True
+    tokenizer_config = hf_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    import deepspeed
+
+    save_dir = Path(save_dir)
+    tp = tensor_parallel_size
+    run_args = {"model_config": asdict(config), "objective": objective, "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": 1, "converted_from": str(hf_dir.resolve()),
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "do_lower_case": do_lower_case,
+                "data_path": None}
+    run_state = {"iteration": 0, "consumed_samples": 0, "training_config": {"zero_stage": 0, "precision": "fp32"},
+                 "args": run_args, "world_size": tp, "data_parallel_size": 1}
+    with staged_output(save_dir, overwrite) as staging:
+        tag_dir = staging / IMPORT_TAG
+        tag_dir.mkdir()
+        for rank in range(tp):
+            shard = shard_state_dict(state, rank, tp)
+            torch.save({
+                # What DeepSpeed's engine.load_checkpoint(load_module_only=True) reads, as it writes it.
+                "module": shard, "buffer_names": [], "optimizer": None,
+                "param_shapes": [{k: v.shape for k, v in shard.items()}], "frozen_param_shapes": {},
+                "shared_params": {}, "frozen_param_fragments": {}, "lr_scheduler": None, "data_sampler": None,
+                "random_ltd": None, "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": 0,
+                "global_samples": 0, "dp_world_size": 1, "mp_world_size": tp,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": tp},
+                "ds_version": deepspeed.__version__, **run_state,
+            }, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+        if vocab_file.is_file():
+            shutil.copyfile(vocab_file, tag_dir / "vocab.txt")
+        (tag_dir / RUN_STATE_FILE).write_text(json.dumps(run_state, indent=1))
+        (staging / LATEST_FILE).write_text(IMPORT_TAG)
+    log(f"read {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
+        f"vocabulary {config.vocab_size} padded to {config.embedding_rows}, relative position bias "
+        f"{'on' if config.rel_pos else 'off'}{' (added, zero)' if add_rel_pos and not hf_config.get('rel_pos_bins') else ''})"
+        + (f"; not imported: {', '.join(dropped)}" if dropped else ""))
+    log(f"wrote {save_dir / IMPORT_TAG} (tensor parallel {tp}); start a run from it with: python -m "
+        f"megatron_pmlm.pretrain --load {save_dir} --finetune --tensor-model-parallel-size {tp} "
+        f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by} ... (a model configuration equal to "
+        f"{save_dir / IMPORT_TAG / RUN_STATE_FILE}'s args.model_config; ZeRO stage 0-2, no pipeline)")
+    return save_dir
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python tools/convert_checkpoint.py",
+        description="Pre-training checkpoint -> Hugging Face folder (--load ... --output ...), verified with "
+                    "--verify; or a Hugging Face BERT/PMLM folder -> a checkpoint pre-training can --load "
+                    "--finetune (--from-hf ... --save ...).")
+    to_hf = parser.add_argument_group("to Hugging Face")
+    to_hf.add_argument("--load", help="a pre-training --save directory")
+    to_hf.add_argument("--tag", help="the checkpoint to convert, e.g. iter_0000300 (default: the one 'latest' names)")
+    to_hf.add_argument("--output", help="the Hugging Face folder to write")
+    to_hf.add_argument("--vocab-file", help="vocab.txt (default: the one the run's samples were built with)")
+    to_hf.add_argument("--verify", action="store_true",
+                       help=f"compare our model and the Hugging Face model on held-out samples; exit 1 above "
+                            f"{VERIFY_TOLERANCE:g}")
+    to_hf.add_argument("--data-path", help="samples for --verify (default: the run's --data-path)")
+    to_hf.add_argument("--verify-samples", type=int, default=64, help="held-out samples --verify runs")
+    to_hf.add_argument("--format", choices=("bin", "safetensors"), default="bin",
+                       help="pytorch_model.bin (what s2s-ft loads) or model.safetensors")
+    from_hf = parser.add_argument_group("from Hugging Face")
+    from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt)")
+    from_hf.add_argument("--save", help="the checkpoint directory to write")
+    from_hf.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                         help="write tensor-parallel shards for a run of this size")
+    from_hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                         help="vocabulary padding, as the run will use it")
+    from_hf.add_argument("--add-rel-pos", action="store_true",
+                         help="a BERT without relative position bias: add a zero one (outputs unchanged)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if bool(args.load) == bool(args.from_hf):
+        parser.error("give either --load SAVE_DIR --output HF_DIR, or --from-hf HF_DIR --save SAVE_DIR")
+    try:
+        if args.load:
+            if not args.output:
+                parser.error("--load needs --output (the Hugging Face folder to write)")
+            if args.verify_samples < 1:
+                parser.error("--verify-samples must be >= 1")
+            export_to_hf(args.load, args.output, args.tag, args.vocab_file, args.verify, args.data_path,
+                         args.verify_samples, args.format, args.overwrite, log)
+        else:
+            if not args.save:
+                parser.error("--from-hf needs --save (the checkpoint directory to write)")
+            import_from_hf(args.from_hf, args.save, args.tensor_model_parallel_size,
+                           args.make_vocab_size_divisible_by, args.add_rel_pos, overwrite=args.overwrite, log=log)
+    except VerificationFailed as failure:
+        print(f"error: verification failed, nothing written: {failure}", file=sys.stderr)
+        return 1
+    except (ConversionError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if not torch.cuda.is_available() else "cuda")
+    sys.exit(main())
