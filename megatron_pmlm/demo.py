@@ -74,27 +74,27 @@ def main(argv=None) -> int:
             print(f"error: input not found: {', '.join(missing)}", file=sys.stderr)
             return 2
         inputs = list(args.input)
-        print(f"[1/4] corpus: {len(inputs)} input(s)")
+        print(f"[1/5] corpus: {len(inputs)} input(s)")
     else:
         corpus = out / "corpus.txt"
         size = write_pydoc_corpus(corpus)
         inputs = [str(corpus)]
-        print(f"[1/4] corpus: pydoc_data.topics -> {corpus} ({size / 1e3:.0f} KB)")
+        print(f"[1/5] corpus: pydoc_data.topics -> {corpus} ({size / 1e3:.0f} KB)")
 
-    print("[2/4] tokenizing into a Megatron indexed dataset (data_prep.preprocess)")
+    print("[2/5] tokenizing into a Megatron indexed dataset (data_prep.preprocess)")
     prefix = out / "corpus"
     vocab_args = ["--vocab-file", args.vocab_file] if args.vocab_file else ["--train-vocab", str(args.vocab_size)]
     _run("preprocess", [python, "-m", "data_prep.preprocess", "--input", *inputs, "--output-prefix", str(prefix),
                         *vocab_args, "--workers", "2", "--overwrite"])
 
-    print("[3/4] building samples with precomputed block masks (data_prep.build_samples)")
+    print("[3/5] building samples with precomputed block masks (data_prep.build_samples)")
     samples = out / "samples"
     _run("build_samples", [python, "-m", "data_prep.build_samples", "--data-path", str(prefix), "--output",
                            str(samples), "--seq-length", "128", "--split", "95,5,0", "--mask-epochs", "4",
                            "--seed", "1234", "--overwrite"])
 
     half = args.train_iters // 2
-    print(f"[4/4] pre-training a tiny PMLM ({args.objective}) on DeepSpeed ZeRO-2 with {args.nproc} processes: "
+    print(f"[4/5] pre-training a tiny PMLM ({args.objective}) on DeepSpeed ZeRO-2 with {args.nproc} processes: "
           f"stop at iteration {half} with a checkpoint, then resume to {args.train_iters}")
     checkpoints, tensorboard = out / "checkpoints", out / "tensorboard"
     common = ["-m", "megatron_pmlm.pretrain", "--preset", "tiny", "--objective", args.objective,
@@ -117,6 +117,12 @@ def main(argv=None) -> int:
                                         "--history-json", str(history)], env)
         histories.append(json.loads(history.read_text()))
 
+    hf_dir = out / "hf"
+    print("\n[5/5] converting the final checkpoint to a Hugging Face folder, verified against our model on "
+          "the validation samples (tools/convert_checkpoint.py --verify)")
+    _run("conversion", [python, "-m", "megatron_pmlm.hf.convert", "--load", str(checkpoints), "--output",
+                        str(hf_dir), "--verify", "--overwrite"], env)
+
     train = [h for history in histories for h in history if "loss" in h]
     valid = [h for history in histories for h in history if "valid_loss" in h]
     first, last = train[0], train[-1]
@@ -138,12 +144,7 @@ def main(argv=None) -> int:
     print(f"  checkpoints        {checkpoints} (DeepSpeed, latest: {(checkpoints / 'latest').read_text().strip()})")
     print(f"  TensorBoard        {tensorboard} (tensorboard --logdir {tensorboard}; "
           f"python tools/plot_curves.py {tensorboard} -o curves.png)")
-    hf_dir = out / "hf"
     print(f"  Hugging Face       {hf_dir} (AutoModelForMaskedLM.from_pretrained(..., trust_remote_code=True))")
-    print("\nconverting the final checkpoint to a Hugging Face folder, verified on the validation samples "
-          "(tools/convert_checkpoint.py --verify)")
-    _run("conversion", [python, "-m", "megatron_pmlm.hf.convert", "--load", str(checkpoints), "--output",
-                        str(hf_dir), "--verify", "--overwrite"], env)
     return 0 if falling else 1
 
 
