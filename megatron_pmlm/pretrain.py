@@ -18,7 +18,7 @@ from typing import Sequence
 
 from .config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective
-from .training import CheckpointError, TrainingConfig, check_zero_with_pipeline
+from .training import CheckpointError, ExitSignal, TrainingConfig, check_zero_with_pipeline
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +125,8 @@ def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # First of all, so a SLURM signal during start-up is remembered rather than fatal.
+    ExitSignal.install()
     args = build_parser().parse_args(argv)
     try:
         return run(args)

@@ -219,14 +219,25 @@ class MetricSums:
 
 
 class ExitSignal:
-    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) ask the run to save and stop."""
+    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) ask the run to save and stop.
+
+    One per process, installed as early as possible (`ExitSignal.install()` first thing in the
+    entry point): a signal that arrives while the run is still starting is remembered, not fatal.
+    """
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    _instance: "ExitSignal | None" = None
 
     def __init__(self) -> None:
         self.received: int | None = None
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
+
+    @classmethod
+    def install(cls) -> "ExitSignal":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.received = signum
@@ -309,7 +320,7 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
         self.history: list[dict[str, float]] = []
-        self.exit_signal = ExitSignal()
+        self.exit_signal = ExitSignal.install()
         self.tensorboard = None
         if tensorboard_dir and self.is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter
@@ -381,6 +392,11 @@ class Trainer:
         interval, interval_tokens = MetricSums(), 0
         interval_start, interval_first = time.time(), self.iteration
         stop_reason = None
+        if self.exit_signal.any_rank_received():
+            # Signalled while starting: nothing new to save (the last checkpoint, if any, is current).
+            self.log(f"received signal {self.exit_signal.received or 'on another rank'} before the first "
+                     f"iteration: exiting at iteration {self.iteration} without training")
+            return self.history
         while self.iteration < config.train_iters and stop_reason is None:
             sums, tokens = self.train_step(train_batches)
             interval.merge(sums)
@@ -491,11 +507,11 @@ class Trainer:
         load_dir = Path(load_dir)
         latest = load_dir / LATEST_FILE
         if not latest.is_file():
-            if load_dir.is_dir() and any(load_dir.glob("iter_*")):
-                raise CheckpointError(f"{load_dir} holds checkpoint folders but no '{LATEST_FILE}' file: "
-                                      "the last save did not complete; write the tag to resume from "
-                                      f"into {latest}")
-            self.log(f"no checkpoint in {load_dir} yet: starting from scratch")
+            # 'latest' is written once a save has completed on every rank: without it there is no
+            # complete checkpoint (a first save cut short, e.g. by SIGKILL), so start from scratch.
+            incomplete = sorted(p.name for p in load_dir.glob("iter_*")) if load_dir.is_dir() else []
+            self.log(f"no complete checkpoint in {load_dir} yet: starting from scratch"
+                     + (f" (ignoring incomplete {', '.join(incomplete)})" if incomplete else ""))
             return False
         tag = latest.read_text().strip()
         tag_dir = load_dir / tag

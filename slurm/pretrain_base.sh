@@ -1,0 +1,221 @@
+#!/usr/bin/env bash
+# UniLMv2 PMLM BASE pre-training, the paper's run: 8 nodes x 8 V100-32GB, batch 7,680, 500k steps,
+# sequence length 512, fp16. Submit from the repository root (the job runs there):
+#
+#   sbatch slurm/pretrain_base.sh
+#
+# A tiny run on a CPU-only one-node SLURM (what tests/test_slurm.py does):
+#
+#   PRESET=tiny DEVICE=cpu GPUS_PER_NODE=2 MICRO_BATCH=4 GLOBAL_BATCH=16 TRAIN_ITERS=100 \
+#   DATA_PATH=data/tiny-samples sbatch --nodes=1 --gres=none --time=30 slurm/pretrain_base.sh
+#
+# ---------------------------------------------------------------- task layout
+# srun starts ONE TASK PER GPU (GPUS_PER_NODE tasks on each of NNODES nodes), each running
+# `python -m megatron_pmlm.pretrain` directly: the ranks come from SLURM_PROCID / SLURM_NTASKS /
+# SLURM_LOCALID (the GPU index on the node; every task sees the node's 8 GPUs), MASTER_ADDR is the
+# first host of `scontrol show hostnames`. Not torchrun under srun: with one process per GPU,
+# SLURM's signals (--signal, preemption, scontrol requeue, scancel --signal) reach every training
+# process itself; torchrun would have to relay them (and dies on SIGUSR1).
+#
+# ---------------------------------------------------------------- stopping and resuming
+# * Every start passes `--save $SAVE_DIR --load $SAVE_DIR`: the first start trains from scratch,
+#   every later one resumes from $SAVE_DIR/latest exactly (same sample order, same RNG states).
+# * --signal=USR1@600: SLURM sends SIGUSR1 to the training tasks 10 minutes (give or take its
+#   ~1 minute granularity) before the time limit. They save at the end of the current iteration
+#   (~3.4 s here) and exit 0; this script then sees the checkpoint short of --train-iters and
+#   requeues its own job (`scontrol requeue`, needs --requeue), which continues from the checkpoint.
+#   With --signal=B:USR1@600, or `scancel --batch --signal=USR1 JOBID`, this shell gets the signal
+#   and relays it to the tasks: same result.
+# * Preemption (PreemptMode=REQUEUE) and `scontrol requeue JOBID`: SLURM sends SIGTERM to every
+#   process of the job, the tasks save and exit, and SLURM itself requeues the job. The save must
+#   finish within the cluster's KillWait (or the preemption GraceTime) before SIGKILL; if it does
+#   not, the previous checkpoint is used (`latest` is written only once every rank has saved).
+#   `scancel JOBID` also saves a checkpoint (SIGTERM) and ends the job: resubmit to continue.
+# * AUTO_REQUEUE=0 turns the self-requeue off (the job then ends after the checkpoint).
+# * --open-mode=append: every restart appends to the same log, %x-%j.out in the submit directory.
+#
+# ---------------------------------------------------------------- batch size
+# global batch 7,680 = micro batch 20 x 6 accumulation steps x 64 data-parallel GPUs (8 x 8).
+# pretrain derives the accumulation steps from GLOBAL_BATCH / (MICRO_BATCH x GPUs), so other node
+# counts keep the batch (e.g. 4 nodes: 20 x 12 x 32); GLOBAL_BATCH must divide evenly.
+#
+# Memory at micro batch 20 on a V100-32GB (fp16, ZeRO-1 over 64 ranks), an estimate, not measured:
+#   sequence: 512 tokens + ~15% masked (~76) appended twice (original + [P]) -> T ~ 666 positions
+#   model states, 109.5M parameters P: fp16 weights 2P = 0.22 GB, fp16 gradients 2P = 0.22 GB,
+#     fp32 master weights + Adam m, v 12P / 64 ranks = 0.02 GB; DeepSpeed's two contiguous
+#     gradient buffers (reduce_bucket_size 5e8 x fp16 x 2 with overlap_comm) = 2.0 GB
+#   CUDA context, cuBLAS/NCCL workspaces ~1 GB                               -> ~3.5 GB fixed
+#   activations per sample and layer (Korthikanti et al. 2022, fp16, attention probabilities kept,
+#     i.e. without a fused kernel): 34 T h + 5 a T^2 bytes
+#     = 34 x 666 x 768 (17.4 MB) + 5 x 12 x 666^2 (26.6 MB) = 44.0 MB; x 12 layers = 528 MB
+#   attention bias [heads, T, T] fp16 (relative positions + pseudo-mask rule), built once and
+#     shared by the 12 layers: 12 x 666^2 x 2 B = 10.6 MB, its gradient as much again
+#   embeddings ~2 MB; MLM head only at the ~152 predicted slots: logits 152 x 30,592 in fp16 and
+#     fp32 for the cross entropy ~28 MB; backward transients of one layer's [a, T, T] ~21 MB
+#   => ~0.6 GB per sample; x 20 = ~12 GB; total ~15.5 GB, ~19 GB with 20% allocator slack:
+#   micro batch 20 fits 32 GB (about 40 would not leave room). With torch's memory-efficient SDPA
+#   kernel (usable on V100 with an additive bias) the 5 a T^2 term mostly goes: ~0.3 GB/sample.
+#
+# ---------------------------------------------------------------- environment (defaults)
+# REPO            repository root (the submit directory); the job cd's there
+# VENV            $REPO/.venv                     PYTHON defaults to $VENV/bin/python
+# DATA_PATH       data/pretrain-samples           a build_samples directory (slurm/prepare_data.sh
+#                                                 writes PREFIX-samples)
+# SAVE_DIR        checkpoints/pmlm-$PRESET        --save and --load
+# TB_DIR          tensorboard/pmlm-$PRESET        TensorBoard event files
+# HISTORY_DIR     $SAVE_DIR/history               metrics JSON per start: job<ID>-restart<N>.json
+# NNODES          $SLURM_JOB_NUM_NODES            nodes used by the training step
+# GPUS_PER_NODE   8                               tasks (GPUs) per node
+# PRESET          base                            tiny | base | large
+# DEVICE          gpu                             cpu: DS_ACCELERATOR=cpu, gloo, no GPU, no fp16
+# PRECISION       fp16 (gpu) / fp32 (cpu)         fp16 | bf16 | fp32
+# DS_CONFIG       ds_configs/pretrain_base_v100.json (gpu) / ds_configs/cpu_tiny.json (cpu)
+# MICRO_BATCH     20                              sequences per GPU per micro step
+# GLOBAL_BATCH    7680                            sequences per optimizer step
+# TRAIN_ITERS     500000
+# SAVE_INTERVAL   1000                            checkpoint every N steps (~1 h here), besides
+#                                                 the ones on signals and at the end
+# LOG_INTERVAL    100     EVAL_INTERVAL 5000     EVAL_ITERS 10
+# MASTER_ADDR     first host of the allocation    MASTER_PORT 20000 + f(job id, restart count)
+# AUTO_REQUEUE    1                               requeue this job after a signal-triggered stop
+# EXTRA_ARGS      ""                              more pretrain arguments, e.g. "--lr 4e-4"
+# SRUN_ARGS       ""                              more srun options, e.g. "--gpu-bind=none --mpi=none"
+#
+#SBATCH --job-name=pmlm-base
+#SBATCH --nodes=8
+#SBATCH --gres=gpu:8
+#SBATCH --exclusive
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --signal=USR1@600
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+
+REPO=${REPO:-${SLURM_SUBMIT_DIR:-.}}
+cd "$REPO"
+PRESET=${PRESET:-base}
+DEVICE=${DEVICE:-gpu}
+VENV=${VENV:-$REPO/.venv}
+PYTHON=${PYTHON:-$VENV/bin/python}
+DATA_PATH=${DATA_PATH:-data/pretrain-samples}
+SAVE_DIR=${SAVE_DIR:-checkpoints/pmlm-$PRESET}
+TB_DIR=${TB_DIR:-tensorboard/pmlm-$PRESET}
+HISTORY_DIR=${HISTORY_DIR:-$SAVE_DIR/history}
+NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-8}}
+GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+MICRO_BATCH=${MICRO_BATCH:-20}
+GLOBAL_BATCH=${GLOBAL_BATCH:-7680}
+TRAIN_ITERS=${TRAIN_ITERS:-500000}
+SAVE_INTERVAL=${SAVE_INTERVAL:-1000}
+LOG_INTERVAL=${LOG_INTERVAL:-100}
+EVAL_INTERVAL=${EVAL_INTERVAL:-5000}
+EVAL_ITERS=${EVAL_ITERS:-10}
+AUTO_REQUEUE=${AUTO_REQUEUE:-1}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+SRUN_ARGS=${SRUN_ARGS:-}
+JOB_ID=${SLURM_JOB_ID:?run this script with sbatch}
+RESTART=${SLURM_RESTART_COUNT:-0}
+
+case "$DEVICE" in
+  gpu) PRECISION=${PRECISION:-fp16}; DS_CONFIG=${DS_CONFIG:-ds_configs/pretrain_base_v100.json} ;;
+  cpu) PRECISION=${PRECISION:-fp32}; DS_CONFIG=${DS_CONFIG:-ds_configs/cpu_tiny.json}
+       export DS_ACCELERATOR=cpu CUDA_VISIBLE_DEVICES="" ;;
+  *) echo "DEVICE must be gpu or cpu, got '$DEVICE'" >&2; exit 2 ;;
+esac
+case "$PRECISION" in
+  fp16|bf16) PRECISION_ARGS=(--"$PRECISION") ;;
+  fp32) PRECISION_ARGS=() ;;
+  *) echo "PRECISION must be fp16, bf16 or fp32, got '$PRECISION'" >&2; exit 2 ;;
+esac
+[ -x "$PYTHON" ] || { echo "no Python at $PYTHON (set VENV or PYTHON; make env creates .venv)" >&2; exit 2; }
+
+NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+export MASTER_ADDR=${MASTER_ADDR:-$(head -n 1 <<< "$NODES")}
+# A port per job and restart: jobs sharing a node, or a restart while the old port lingers, do not collide.
+export MASTER_PORT=${MASTER_PORT:-$((20000 + (JOB_ID % 4000) * 10 + RESTART % 10))}
+CPUS_PER_TASK=$(( ${SLURM_CPUS_ON_NODE:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
+(( CPUS_PER_TASK >= 1 )) || CPUS_PER_TASK=1
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
+export PYTHONUNBUFFERED=1  # log lines reach the job log as they happen
+
+log() { echo "[$(date -u +%FT%TZ)] job $JOB_ID restart $RESTART: $*"; }
+
+# "ITERATION TRAIN_ITERS EXIT_INTERVAL" of the newest complete checkpoint ("0 0 0" if none yet).
+checkpoint_state() {
+  "$PYTHON" - "$SAVE_DIR" <<'EOF'
+import json, pathlib, sys
+directory = pathlib.Path(sys.argv[1])
+latest = directory / "latest"
+if not latest.is_file():
+    print(0, 0, 0)
+else:
+    state = json.loads((directory / latest.read_text().strip() / "run_state.json").read_text())
+    config = state.get("training_config", {})
+    print(state["iteration"], config.get("train_iters", 0), config.get("exit_interval", 0))
+EOF
+}
+
+read -r START_ITER _ _ <<< "$(checkpoint_state)"
+mkdir -p "$SAVE_DIR" "$TB_DIR" "$HISTORY_DIR"
+read -r -a EXTRA <<< "$EXTRA_ARGS"
+read -r -a SRUN_EXTRA <<< "$SRUN_ARGS"
+ARGS=(--preset "$PRESET" --data-path "$DATA_PATH" --deepspeed-config "$DS_CONFIG" ${PRECISION_ARGS[@]+"${PRECISION_ARGS[@]}"}
+      --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
+      --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval "$SAVE_INTERVAL"
+      --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
+      --tensorboard-dir "$TB_DIR" --history-json "$HISTORY_DIR/job$JOB_ID-restart$RESTART.json"
+      ${EXTRA[@]+"${EXTRA[@]}"})
+
+log "$NNODES node(s) x $GPUS_PER_NODE task(s) on $(tr '\n' ' ' <<< "$NODES")| master $MASTER_ADDR:$MASTER_PORT |" \
+    "$DEVICE $PRECISION | $SAVE_DIR at iteration $START_ITER"
+log "$PYTHON -m megatron_pmlm.pretrain ${ARGS[*]}"
+
+# srun runs in the background so that this shell can act on signals while it waits: bash runs a
+# trap only between commands, and `wait` returns early when one arrives.
+SIGNALLED=""     # USR1 reached this shell (--signal=B:USR1@..., scancel --batch --signal=USR1)
+TERMINATING=""   # SIGTERM: SLURM is ending the job (scancel, scontrol requeue, preemption, time limit)
+SRUN_PID=""
+trap 'SIGNALLED=1; log "received SIGUSR1: relaying it to the training tasks"; [ -z "$SRUN_PID" ] || kill -USR1 "$SRUN_PID" 2>/dev/null || true' USR1
+trap 'TERMINATING=1; log "received SIGTERM: the training tasks got it too and save"' TERM
+
+srun --nodes="$NNODES" --ntasks=$((NNODES * GPUS_PER_NODE)) --ntasks-per-node="$GPUS_PER_NODE" \
+     --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 ${SRUN_EXTRA[@]+"${SRUN_EXTRA[@]}"} \
+     "$PYTHON" -u -m megatron_pmlm.pretrain "${ARGS[@]}" &
+SRUN_PID=$!
+while :; do
+  SIGNALLED_BEFORE=$SIGNALLED TERMINATING_BEFORE=$TERMINATING
+  RC=0; wait "$SRUN_PID" || RC=$?
+  # A trap ran during `wait` (it returned early): wait again for srun itself.
+  if (( RC > 128 )) && { [ "$SIGNALLED" != "$SIGNALLED_BEFORE" ] || [ "$TERMINATING" != "$TERMINATING_BEFORE" ]; }; then
+    continue
+  fi
+  break
+done
+
+read -r ITER TOTAL EXIT_AT <<< "$(checkpoint_state)"
+if (( RC != 0 )); then
+  # 138/143: SIGUSR1/SIGTERM arrived while pretrain was still starting, before its handlers were
+  # installed (e.g. a time limit shorter than the start-up plus the --signal lead).
+  (( RC == 138 || RC == 143 )) && log "a signal stopped the training processes during start-up"
+  log "training exited with status $RC (checkpoint at iteration $ITER); not requeueing"
+  exit "$RC"
+fi
+if (( ITER >= TOTAL && TOTAL > 0 )) || (( EXIT_AT > 0 && ITER >= EXIT_AT )); then
+  log "training complete: checkpoint at iteration $ITER of $TOTAL"
+  exit 0
+fi
+if [ -n "$TERMINATING" ]; then
+  log "stopped at iteration $ITER of $TOTAL by SLURM (requeued or preempted jobs restart by themselves; resubmit a cancelled one)"
+  exit 0
+fi
+if (( ITER <= START_ITER )); then
+  log "stopped at iteration $ITER without progress since the start ($START_ITER); not requeueing"
+  exit 1
+fi
+if [ "$AUTO_REQUEUE" != 1 ]; then
+  log "stopped at iteration $ITER of $TOTAL (signal); AUTO_REQUEUE=$AUTO_REQUEUE: resubmit to continue"
+  exit 0
+fi
+log "stopped at iteration $ITER of $TOTAL (signal): requeueing job $JOB_ID to continue from the checkpoint"
+scontrol requeue "$JOB_ID" || { log "scontrol requeue failed (submitted with --no-requeue?): resubmit to continue"; exit 1; }

@@ -1,0 +1,242 @@
+"""slurm/prepare_data.sh and slurm/pretrain_base.sh on a real one-node SLURM cluster started by the
+test itself (tests/slurm_cluster.py: munged, slurmctld, slurmd from Debian's packages, installed
+here when missing and we are root; skipped otherwise): data preparation, then a tiny CPU
+pre-training that is interrupted three times (`scontrol requeue`; SIGUSR1 to the tasks as
+`--signal=USR1@...` sends it before a time limit; SIGUSR1 to the batch shell) and resumes each time
+from its checkpoint without repeating or skipping a sample."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import SlurmCluster, SlurmUnavailable
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "slurm" / "pretrain_base.sh"
+GLOBAL_BATCH = 16
+TRAIN_ITERS = 80
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM tests need Linux")
+
+
+# ---------------------------------------------------------------------------- the script itself
+def _sbatch_headers(path: Path) -> dict[str, str]:
+    headers = {}
+    for line in path.read_text().splitlines():
+        match = re.match(r"#SBATCH\s+--([\w-]+)(?:=(\S+))?", line)
+        if match:
+            headers[match.group(1)] = match.group(2) or ""
+    return headers
+
+
+def test_pretrain_script_requests_the_papers_run():
+    """8 nodes x 8 GPUs, requeueable, a signal before the time limit, appended logs; the batch
+    arithmetic matches the DeepSpeed config: 20 x 6 x 64 = 7,680."""
+    result = subprocess.run(["bash", "-n", str(SCRIPT)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    headers = _sbatch_headers(SCRIPT)
+    assert headers["nodes"] == "8" and headers["gres"] == "gpu:8"
+    assert "requeue" in headers and headers["open-mode"] == "append"
+    assert re.fullmatch(r"(B:)?USR1@\d+", headers["signal"]), headers["signal"]
+    text = SCRIPT.read_text()
+    defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", text, re.M))
+    assert defaults["PRESET"] == "base" and defaults["GPUS_PER_NODE"] == "8"
+    assert defaults["GLOBAL_BATCH"] == "7680" and defaults["TRAIN_ITERS"] == "500000"
+    assert "--load \"$SAVE_DIR\"" in text and "--save \"$SAVE_DIR\"" in text
+    ds_config = json.loads((REPO / "ds_configs" / "pretrain_base_v100.json").read_text())
+    micro = int(defaults["MICRO_BATCH"])
+    assert micro == ds_config["train_micro_batch_size_per_gpu"]
+    assert micro * ds_config["gradient_accumulation_steps"] * 8 * 8 == 7680 == ds_config["train_batch_size"]
+    assert ds_config["fp16"]["enabled"] and "PRECISION=${PRECISION:-fp16}" in text
+
+
+def test_large_script_runs_the_base_script_with_a_micro_batch_that_fits():
+    large = REPO / "slurm" / "pretrain_large.sh"
+    result = subprocess.run(["bash", "-n", str(large)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    headers = _sbatch_headers(large)
+    assert headers["nodes"] == "8" and headers["gres"] == "gpu:8" and "requeue" in headers
+    text = large.read_text()
+    assert "PRESET=${PRESET:-large}" in text and 'exec bash "$REPO/slurm/pretrain_base.sh"' in text
+    micro = int(re.search(r"MICRO_BATCH=\$\{MICRO_BATCH:-(\d+)\}", text)[1])
+    assert 7680 % (micro * 64) == 0 and f"micro batch {micro} x {7680 // (micro * 64)} accumulation" in text
+
+
+def test_pretrain_script_outside_slurm_says_so(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30)
+    assert result.returncode != 0 and "run this script with sbatch" in result.stderr
+
+
+def test_without_slurm_and_without_root_the_cluster_tests_skip_saying_why(monkeypatch):
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster, "missing_programs", lambda: ["slurmctld", "munged"])
+    monkeypatch.setattr(slurm_cluster.os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match=r"missing \(slurmctld, munged\).*not root.*apt-get install "
+                                               r"slurmctld slurmd slurm-client munge"):
+        slurm_cluster.ensure_installed()
+
+
+# ---------------------------------------------------------------------------- on a real cluster
+@pytest.fixture(scope="module")
+def cluster():
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("the SLURM pre-training test runs 2 tasks and needs 2 CPUs")
+    try:
+        started = SlurmCluster.start(kill_wait=120)
+    except SlurmUnavailable as reason:
+        pytest.skip(str(reason))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def prepared(cluster, tmp_path_factory, wikitext, bert_vocab):
+    """slurm/prepare_data.sh with 2 tasks (each tokenizes its shards, then the merge and
+    build_samples) on a slice of wikitext: returns the samples directory."""
+    work = tmp_path_factory.mktemp("slurm_data")
+    lines = wikitext.read_text(encoding="utf-8")[:150_000].splitlines(keepends=True)
+    last_blank = max(i for i, line in enumerate(lines) if not line.strip())  # whole documents only
+    corpus = work / "wiki.txt"
+    corpus.write_text("".join(lines[:last_blank + 1]), encoding="utf-8")
+    env = cluster.env(VOCAB=str(bert_vocab), PYTHON=sys.executable, SEQ_LENGTH="64", MASK_EPOCHS="2",
+                      SPLIT="95,5,0", SEED="7", SHARD_SIZE_MB="0.05")
+    job = cluster.sbatch(["--ntasks=2", "--cpus-per-task=1", f"--output={work}/prepare-%j.out",
+                          str(REPO / "slurm" / "prepare_data.sh"), str(work / "wiki"), str(corpus)],
+                         env=env, cwd=REPO)
+    info = cluster.wait_until_done(job, timeout=300)
+    log = (work / f"prepare-{job}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-4000:] + cluster.daemon_logs()
+    return work / "wiki-samples", log
+
+
+def test_prepare_data_job_tokenizes_on_two_ranks_and_builds_samples(prepared):
+    samples, log = prepared
+    assert "rank 0/2" in log and "rank 1/2" in log and "done: train with" in log
+    from megatron_pmlm.data import PretrainingSamples
+
+    assert len(PretrainingSamples(samples, "train")) > 100
+
+
+ITERATION = re.compile(r"^iteration\s+(\d+)/(\d+) \| consumed samples (\d+) \| lr \S+ \| loss ([\d.]+)", re.M)
+START = re.compile(r"job (\d+) restart (\d+): \d+ node\(s\) x (\d+) task\(s\)")
+
+
+def _attempts(log: str) -> list[str]:
+    """The job log split at each start of the batch script (one part per restart)."""
+    starts = [m.start() for m in START.finditer(log)]
+    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
+
+
+def _iterations(text: str) -> list[tuple[int, int, float]]:
+    return [(int(m[1]), int(m[3]), float(m[4])) for m in ITERATION.finditer(text)]
+
+
+def _wait_for_iteration(cluster, job: int, log_path: Path, attempt: int, at_least: int, timeout: float) -> int:
+    """Poll the job log (bounded) until attempt `attempt` has logged iteration >= at_least."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        parts = _attempts(text)
+        if len(parts) > attempt:
+            done = [i for i, _, _ in _iterations(parts[attempt])]
+            if done and done[-1] >= at_least:
+                return done[-1]
+        state = cluster.job_state(job)
+        assert state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), f"job ended early ({state}):\n{text[-5000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"attempt {attempt} did not reach iteration {at_least}:\n"
+                         f"{log_path.read_text(errors='replace')[-5000:] if log_path.exists() else ''}"
+                         + cluster.daemon_logs())
+
+
+# How each start of the job is interrupted: (command, what the processes receive). The last
+# start runs to the end.
+INTERRUPTIONS = [
+    # preemption-like: SLURM sends SIGTERM to every process of the job and requeues it
+    (["scontrol", "requeue"], "received signal 15"),
+    # what --signal=USR1@600 does before a time limit: SIGUSR1 to the training tasks; the script
+    # requeues its own job after their checkpoint
+    (["scancel", "--signal=USR1"], "received signal 10"),
+    # --signal=B:USR1@... / `scancel --batch`: only the batch shell gets it and relays it
+    (["scancel", "--batch", "--signal=USR1"], "received SIGUSR1: relaying it to the training tasks"),
+]
+
+
+def test_pretrain_job_resumes_after_requeue_and_usr1_without_repeating_samples(cluster, prepared, tmp_path):
+    samples, _ = prepared
+    save_dir = tmp_path / "checkpoints"
+    env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
+                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS=str(TRAIN_ITERS), LOG_INTERVAL="1",
+                      SAVE_INTERVAL="0", EVAL_ITERS="0", DATA_PATH=str(samples), SAVE_DIR=str(save_dir),
+                      TB_DIR=str(tmp_path / "tensorboard"), PYTHON=sys.executable,
+                      EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", MASTER_ADDR=cluster.node_address,
+                      OMP_NUM_THREADS="1")
+    if cluster.node_address == cluster.node:
+        env.pop("MASTER_ADDR")  # the script's own choice: the first host of the allocation
+    log_path = tmp_path / "pretrain.out"
+    # The documented CPU-only way: the script's #SBATCH asks for 8 nodes with 8 GPUs each.
+    job = cluster.sbatch(["--nodes=1", "--gres=none", f"--output={log_path}", str(SCRIPT)], env=env, cwd=REPO)
+
+    seen = [0]
+    for attempt, (command, _) in enumerate(INTERRUPTIONS):
+        # Interrupt once this start has done 3 iterations of its own.
+        seen.append(_wait_for_iteration(cluster, job, log_path, attempt, at_least=seen[-1] + 3, timeout=240))
+        cluster.run([*command, str(job)])
+    info = cluster.wait_until_done(job, timeout=300)
+    log = log_path.read_text(errors="replace")
+    context = f"\n{log[-6000:]}\n{info}"
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", context
+    assert info["Restarts"] == str(len(INTERRUPTIONS)), context
+
+    attempts = _attempts(log)
+    assert [int(START.search(a)[2]) for a in attempts] == list(range(len(INTERRUPTIONS) + 1)), context
+    runs = [_iterations(a) for a in attempts]
+    assert all(runs), context
+    stops = [run[-1][0] for run in runs]
+    assert stops[-1] == TRAIN_ITERS and "training complete" in attempts[-1], (stops, context)
+    assert "no complete checkpoint in" in attempts[0] and "starting from scratch" in attempts[0], context
+
+    for attempt, (_, received) in enumerate(INTERRUPTIONS):
+        stop = stops[attempt]
+        # It stopped after the iteration the test saw and before the next start's.
+        assert seen[attempt + 1] <= stop < seen[attempt + 2] if attempt + 2 < len(seen) else stop >= seen[-1]
+        assert received in attempts[attempt], (attempt, context)
+        assert f"saved checkpoint {save_dir}/iter_{stop:07d}" in attempts[attempt], (attempt, context)
+        if "USR1" in " ".join(INTERRUPTIONS[attempt][0]):  # the script requeued the job itself
+            assert f"requeueing job {job}" in attempts[attempt], (attempt, context)
+        state = json.loads((save_dir / f"iter_{stop:07d}" / "run_state.json").read_text())
+        assert state["iteration"] == stop and state["consumed_samples"] == stop * GLOBAL_BATCH
+        # The next start resumes from that checkpoint and goes on with the next iteration and samples.
+        assert (f"resumed from {save_dir}/iter_{stop:07d}: iteration {stop}, "
+                f"consumed samples {stop * GLOBAL_BATCH}") in attempts[attempt + 1], (attempt, context)
+        assert runs[attempt + 1][0][:2] == (stop + 1, (stop + 1) * GLOBAL_BATCH), (attempt, context)
+
+    # Over all starts every iteration ran exactly once and each consumed the next GLOBAL_BATCH
+    # samples: none repeated, none skipped.
+    everything = [step for run in runs for step in run]
+    assert [i for i, _, _ in everything] == list(range(1, TRAIN_ITERS + 1)), context
+    assert all(consumed == i * GLOBAL_BATCH for i, consumed, _ in everything), context
+    # The metrics files of the starts agree with the log.
+    histories = [save_dir / "history" / f"job{job}-restart{r}.json" for r in range(len(attempts))]
+    logged = [[(r["iteration"], r["consumed_samples"]) for r in json.loads(p.read_text()) if "loss" in r]
+              for p in histories]
+    assert logged == [[(i, c) for i, c, _ in run] for run in runs]
+
+    # Training works: the loss falls (averages of the first and last 10 iterations).
+    losses = [loss for _, _, loss in everything]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < first - 1.0, (first, last, context)
+    final = json.loads((save_dir / f"iter_{TRAIN_ITERS:07d}" / "run_state.json").read_text())
+    assert final["iteration"] == TRAIN_ITERS and final["consumed_samples"] == TRAIN_ITERS * GLOBAL_BATCH
+    assert (save_dir / "latest").read_text().strip() == f"iter_{TRAIN_ITERS:07d}"
+    assert any((tmp_path / "tensorboard").iterdir())
