@@ -116,15 +116,22 @@ def prepared(cluster, tmp_path_factory, wikitext, bert_vocab):
     info = cluster.wait_until_done(job, timeout=300)
     log = (work / f"prepare-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-4000:] + cluster.daemon_logs()
-    return work / "wiki-samples", log
+    return work / "wiki-samples", log, corpus, work / "wiki"
 
 
-def test_prepare_data_job_tokenizes_on_two_ranks_and_builds_samples(prepared):
-    samples, log = prepared
+def test_prepare_data_job_tokenizes_on_two_ranks_and_builds_samples(prepared, bert_vocab, tmp_path):
+    samples, log, corpus, prefix = prepared
     assert "rank 0/2" in log and "rank 1/2" in log and "done: train with" in log
+    from data_prep.preprocess import PreprocessConfig, run
     from megatron_pmlm.data import PretrainingSamples
 
     assert len(PretrainingSamples(samples, "train")) > 100
+    # Two ranks with their shards, then the merge: byte for byte what one process writes.
+    single = tmp_path / "single"
+    run(PreprocessConfig(inputs=[str(corpus)], output_prefix=str(single), vocab_file=str(bert_vocab),
+                         shard_size_mb=0.05, progress=False))
+    for extension in (".bin", ".idx"):
+        assert Path(f"{prefix}{extension}").read_bytes() == Path(f"{single}{extension}").read_bytes(), extension
 
 
 ITERATION = re.compile(r"^iteration\s+(\d+)/(\d+) \| consumed samples (\d+) \| lr \S+ \| loss ([\d.]+)", re.M)

@@ -256,43 +256,6 @@ def test_slurm_ranks_as_separate_processes_then_merge(tmp_path, corpus_slices, v
     assert _same_files(prefix, tokenized)
 
 
-def _slurm_cluster_is_up() -> bool:
-    import shutil as _shutil
-    import subprocess
-
-    if not (_shutil.which("sbatch") and _shutil.which("sinfo")):
-        return False
-    try:  # without a controller sinfo retries for a while: a short wait says enough
-        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=3)
-    except subprocess.TimeoutExpired:
-        return False
-    return states.returncode == 0 and any(s.startswith(("idle", "mix")) for s in states.stdout.split())
-
-
-def test_slurm_prepare_data_script_runs_end_to_end(tmp_path, corpus_slices, tokenized):
-    """slurm/prepare_data.sh under a real SLURM (2 tasks): the merged corpus is byte-identical to
-    a one-process run and the samples open. Skipped where no SLURM cluster answers."""
-    import subprocess
-
-    if not _slurm_cluster_is_up():
-        pytest.skip("no SLURM cluster here (sbatch/sinfo absent or no idle node)")
-    repo = Path(__file__).resolve().parents[2]
-    prefix = tmp_path / "slurm"
-    inputs = " ".join(str(p) for p in corpus_slices)
-    env = {**__import__("os").environ, "SHARD_SIZE_MB": "0.05", "SEQ_LENGTH": "64", "MASK_EPOCHS": "1",
-           "SPLIT": "9,1", "PYTHON": str(repo / ".venv" / "bin" / "python")}
-    result = subprocess.run(["sbatch", "--wait", "--ntasks=2", "--cpus-per-task=1", f"--output={tmp_path}/job.out",
-                             str(repo / "slurm" / "prepare_data.sh"), str(prefix), inputs],
-                            cwd=repo, env=env, capture_output=True, text=True, timeout=300)
-    log = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
-    assert result.returncode == 0, result.stderr + log
-    assert "rank 0/2" in log and "rank 1/2" in log and "done: train with" in log
-    assert _same_files(prefix, tokenized)
-    from megatron_pmlm.data import PretrainingSamples
-
-    assert len(PretrainingSamples(Path(f"{prefix}-samples"), "train")) > 0
-
-
 def test_mpi_ranks_tokenize_and_rank_zero_merges(tmp_path, corpus_slices, vocab_file, tokenized):
     """Under mpirun with mpi4py (optional extra `mpi`): ranks split the shards, rank 0 merges after
     the others are done. Skipped without an MPI runtime and mpi4py."""
