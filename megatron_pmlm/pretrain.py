@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
 
     data = parser.add_argument_group("data")
-    data.add_argument("--data-path", required=True, help="a `python -m data_prep.build_samples` output directory")
+    data.add_argument("--data-path", required=True, nargs="+",
+                      help="a `python -m data_prep.build_samples` output directory (corpora are blended, "
+                           "with Megatron-style weights, when the samples are built)")
     data.add_argument("--seq-length", type=int, default=None,
                       help="must match the samples' build (default: taken from it)")
 
@@ -138,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     # Everything that can be refused is checked before processes start talking to each other.
     objective = get_objective(args.objective)
+    if len(args.data_path) != 1:
+        raise ConfigError(
+            f"--data-path takes one samples directory, got {' '.join(args.data_path)}; blend corpora "
+            "when building the samples: python -m data_prep.build_samples --data-path W1 PREFIX1 W2 PREFIX2 "
+            "... --output DIR, then --data-path DIR")
+    args.data_path = args.data_path[0]
     from .data import build_pretraining_loaders, read_metadata
 
     metadata = read_metadata(args.data_path)

@@ -65,6 +65,7 @@ def _bad(pretraining_samples, *args):
     (["--preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "16"],
      "not divisible by micro batch size 3"),
     (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config not found: nope.json"),
+    (["--preset", "tiny", "--data-path", "0.3", "a", "0.7", "b"], "blend corpora when building the samples"),
 ])
 def test_bad_arguments_give_a_clear_error(pretraining_samples, args, message):
     result = _bad(pretraining_samples, *args)
