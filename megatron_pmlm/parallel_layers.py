@@ -79,9 +79,13 @@ class MegatronCoreLayers:
 
         self.tensor_parallel_size = parallel_state.get_tensor_model_parallel_world_size()
         self.tensor_parallel_rank = parallel_state.get_tensor_model_parallel_rank()
+        # The model overwrites every weight (model.initialize_weights: the same values for any
+        # layout). megatron-core's own initialisation still runs because it is what marks the split
+        # parameters (`tensor_model_parallel`, which gradient norms rely on); on the CPU, which keeps
+        # its CUDA RNG tracker out of the way. DeepSpeed moves the module to the GPU.
         self._config = ModelParallelConfig(
             tensor_model_parallel_size=self.tensor_parallel_size,
-            use_cpu_initialization=not torch.cuda.is_available(),
+            use_cpu_initialization=True,
             params_dtype=params_dtype or torch.float32,
             perform_initialization=True)
         self._init = lambda weight: nn.init.normal_(weight, std=init_std)
