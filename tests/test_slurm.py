@@ -180,7 +180,7 @@ INTERRUPTIONS = [
 
 
 def test_pretrain_job_resumes_after_requeue_and_usr1_without_repeating_samples(cluster, prepared, tmp_path):
-    samples, _ = prepared
+    samples = prepared[0]
     save_dir = tmp_path / "checkpoints"
     env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
                       GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS=str(TRAIN_ITERS), LOG_INTERVAL="1",
