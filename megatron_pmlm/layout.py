@@ -50,6 +50,11 @@ def pmlm_attention_allowed(roles: torch.Tensor, steps: torch.Tensor) -> torch.Te
     return key_is_visible_context | key_is_earlier_original | key_is_same_step_pseudo
 
 
+def predicted_slots(roles: torch.Tensor, labels: torch.Tensor, role: int) -> torch.Tensor:
+    """Where a loss is taken: the labelled slots of `role` (MASKED for L_AE, PSEUDO for L_PAR)."""
+    return (roles == role) & (labels != IGNORE_INDEX)
+
+
 @dataclass
 class PMLMBatch:
     """Model inputs and targets of one batch; every tensor is [B, T] unless noted."""
@@ -67,11 +72,11 @@ class PMLMBatch:
 
     @property
     def ae_label_mask(self) -> torch.Tensor:
-        return (self.roles == MASKED) & (self.labels != IGNORE_INDEX)
+        return predicted_slots(self.roles, self.labels, MASKED)
 
     @property
     def par_label_mask(self) -> torch.Tensor:
-        return (self.roles == PSEUDO) & (self.labels != IGNORE_INDEX)
+        return predicted_slots(self.roles, self.labels, PSEUDO)
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))

@@ -18,7 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .config import ConfigError, ModelConfig
-from .layout import IGNORE_INDEX, MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed
+from .layout import MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed, predicted_slots
 from .objectives import Objective, get_objective
 from .parallel_layers import LocalLayers, ParallelLayers
 
@@ -289,7 +289,7 @@ def pmlm_losses(hidden: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
     losses = {}
     for name, role, enabled in (("ae", MASKED, objective.autoencoding),
                                 ("par", PSEUDO, objective.pseudo_masked)):
-        selected = (roles == role) & (labels != IGNORE_INDEX)
+        selected = predicted_slots(roles, labels, role)
         if not enabled:
             selected = torch.zeros_like(selected)
         # Only the predicted slots go through the head: the vocabulary projection is the largest

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layout import IGNORE_INDEX, MASKED, PSEUDO, AttentionRule, pmlm_attention_allowed
+from .layout import MASKED, PSEUDO, AttentionRule, pmlm_attention_allowed, predicted_slots
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
@@ -84,9 +84,8 @@ class HeadTransformPipe(nn.Module):
 
     def forward(self, activations):
         hidden, _, roles, labels = activations
-        labelled = labels != IGNORE_INDEX
-        is_ae_slot = labelled & (roles == MASKED) & self.objective.autoencoding
-        is_par_slot = labelled & (roles == PSEUDO) & self.objective.pseudo_masked
+        is_ae_slot = predicted_slots(roles, labels, MASKED) & self.objective.autoencoding
+        is_par_slot = predicted_slots(roles, labels, PSEUDO) & self.objective.pseudo_masked
         selected = is_ae_slot | is_par_slot
         return self.transform(hidden[selected]), labels[selected], is_ae_slot[selected]
 
