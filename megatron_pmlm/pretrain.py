@@ -18,7 +18,8 @@ from typing import Sequence
 
 from .config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective
-from .training import CheckpointError, ExitSignal, TrainingConfig, check_zero_with_pipeline
+from .training import (CheckpointError, ExitSignal, TrainingConfig, check_precision_supported,
+                       check_zero_with_pipeline)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
     training = training_config_from_args(args, seq_length, ds_config_base)
     check_zero_with_pipeline(training.zero_stage, pp > 1)
+    check_precision_supported(training.precision)
     if model_config.num_attention_heads % tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {model_config.num_attention_heads} "
                           "attention heads")

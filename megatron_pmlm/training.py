@@ -255,6 +255,21 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
+def check_precision_supported(precision: str) -> None:
+    """Refuse fp16/bf16 up front where DeepSpeed's accelerator says the device lacks it (the same
+    question DeepSpeed asks later, deep inside engine start-up), naming the flag and the way out."""
+    if precision == "fp32":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = accelerator.is_fp16_supported() if precision == "fp16" else accelerator.is_bf16_supported()
+    if not supported:
+        other = "--bf16 or fp32" if precision == "fp16" else "--fp16 or fp32"
+        raise ConfigError(f"--{precision}: DeepSpeed's {accelerator.device_name()} accelerator reports no {precision} "
+                          f"support on this machine; use {other}")
+
+
 def check_zero_with_pipeline(zero_stage: int, pipeline: bool) -> None:
     if pipeline and zero_stage > 1:
         raise ConfigError(

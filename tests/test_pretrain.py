@@ -105,8 +105,19 @@ def test_deepspeed_config_files_and_overrides():
     assert ds["zero_optimization"]["overlap_comm"]  # the file's other settings survive
 
 
+def _precision_supported(precision: str) -> bool:
+    """The question DeepSpeed itself asks (on CPU: does oneDNN have fp16 kernels for this processor)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    return accelerator.is_fp16_supported() if precision == "--fp16" else accelerator.is_bf16_supported()
+
+
 @pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
 def test_mixed_precision_runs_and_reports_the_loss_scale(precision, pretraining_samples, tmp_path):
+    if not _precision_supported(precision):
+        pytest.skip(f"DeepSpeed's accelerator reports no {precision[2:]} support on this machine's CPU "
+                    "(test_unsupported_precision_is_refused_clearly covers it)")
     history = tmp_path / "history.json"
     result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
                         "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "3",
@@ -117,3 +128,14 @@ def test_mixed_precision_runs_and_reports_the_loss_scale(precision, pretraining_
     if precision == "--fp16":
         assert "loss scale" in result.stdout and records[0]["loss_scale"] >= 1.0
     assert f"{precision[2:]}, micro batch 8" in result.stdout
+
+
+@pytest.mark.parametrize("precision", ["--fp16", "--bf16"])
+def test_unsupported_precision_is_refused_clearly(precision, pretraining_samples):
+    if _precision_supported(precision):
+        pytest.skip(f"this machine supports {precision[2:]} (test_mixed_precision_runs_and_reports_the_loss_scale "
+                    "covers it)")
+    result = _bad(pretraining_samples, "--preset", "tiny", precision)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"{precision}: DeepSpeed's cpu accelerator reports no {precision[2:]} support" in result.stderr
+    assert "Traceback" not in result.stderr
