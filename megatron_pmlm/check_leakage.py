@@ -40,7 +40,9 @@ PAD_ID, CLS_ID, SEP_ID, MASK_ID, PSEUDO_ID = range(NUM_SPECIAL)
 def _broken_rule(fault: str) -> AttentionRule:
     """Deliberately wrong attention rules, to show the check catches them."""
 
-    def rule(roles: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    def rule(roles: torch.Tensor, steps: torch.Tensor, key_roles=None, key_steps=None) -> torch.Tensor:
+        if key_roles is not None:
+            raise NotImplementedError("the injected faults are for full forward passes")
         allowed = pmlm_attention_allowed(roles, steps)
         q_role, k_role = roles[:, :, None], roles[:, None, :]
         same_step = steps[:, :, None] == steps[:, None, :]
@@ -63,7 +65,8 @@ class LeakageReport:
     checks: Counter = field(default_factory=Counter)
     violations: Counter = field(default_factory=Counter)
     examples: list[str] = field(default_factory=list)
-    ae_max_difference: float = 0.0
+    ae_max_difference: float | None = 0.0
+    """None where there is no AE view to compare (fine-tuning modes)."""
 
     def record(self, category: str, ok: np.ndarray, detail: str) -> None:
         self.checks[category] += int(ok.size)
@@ -81,8 +84,9 @@ class LeakageReport:
         lines = [f"{'check':<48}{'positions':>10}{'violations':>12}"]
         for category in sorted(self.checks):
             lines.append(f"{category:<48}{self.checks[category]:>10}{self.violations[category]:>12}")
-        lines.append(f"AE outputs vs a plain forward over the corrupted sequence: max |diff| "
-                     f"{self.ae_max_difference:.2e}")
+        if self.ae_max_difference is not None:
+            lines.append(f"AE outputs vs a plain forward over the corrupted sequence: max |diff| "
+                         f"{self.ae_max_difference:.2e}")
         lines.extend("  " + e for e in self.examples)
         lines.append("PASS: no leakage, masks not over-restrictive" if self.passed else
                      f"FAIL: {sum(self.violations.values())} violation(s)")
@@ -205,12 +209,70 @@ def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8
     return report
 
 
+@torch.no_grad()
+def run_seq2seq_check(preset: str = "tiny", mode: str = "pseudo-masked", examples: int = 8,
+                      seq_length: int | None = None, seed: int = 0, rel_pos: bool = True,
+                      vocab_size: int = 1000) -> LeakageReport:
+    """Perturbation check of a fine-tuning mode's batches (SPEC §7.1): the source never reacts to
+    the target; a target token reacts to the source and to targets up to itself, never to a later
+    one; a [P] reacts to the source, earlier targets and itself only. Exact (float64)."""
+    from .seq2seq import Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng
+
+    config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
+                                      attention_dropout=0.0, rel_pos=rel_pos)
+    seq_length = seq_length or min(64, config.max_position_embeddings)
+    if not 8 <= seq_length <= config.max_position_embeddings:
+        raise ConfigError(f"--seq-length must be in [8, {config.max_position_embeddings}], got {seq_length}")
+    s2s = Seq2SeqConfig(mode=mode, max_source_length=seq_length // 2, max_target_length=seq_length // 2)
+    special = SpecialIds(cls=CLS_ID, sep=SEP_ID, mask=MASK_ID, pad=PAD_ID)
+    torch.manual_seed(seed)
+    model = PMLMForPreTraining(config).double().eval()
+    rng = np.random.default_rng(seed)
+    report = LeakageReport(ae_max_difference=None)
+    for index in range(examples):
+        source = rng.integers(NUM_SPECIAL, vocab_size, int(rng.integers(2, seq_length // 2)))
+        target = rng.integers(NUM_SPECIAL, vocab_size, int(rng.integers(2, seq_length // 2)))
+        built = build_examples([source], [target], s2s, special)
+        batch = build_seq2seq_batch(built.source_ids, built.target_ids, [example_rng(seed, index)], s2s, special,
+                                    vocab_size)
+        roles, steps = batch.roles[0].numpy(), batch.steps[0].numpy()
+        base = _hidden(model, batch)[0]
+        targets = np.flatnonzero(roles == ORIGINAL)
+        pseudos = np.flatnonzero(roles == PSEUDO)
+        perturbations = ([np.array([c]) for c in targets] + [np.array([c]) for c in pseudos]
+                         + [rng.choice(np.flatnonzero(roles == CONTEXT), 1)])
+        moved = ((_hidden(model, _replace_ids(batch, perturbations, rng, vocab_size)) - base[None]).abs()
+                 .amax(dim=-1) > TOLERANCE).numpy()
+        source_slots, real = roles == CONTEXT, roles != PAD
+        for row, columns in enumerate(perturbations):
+            column = int(columns[0])
+            row_moved, role, step = moved[row], roles[column], steps[column]
+            if role == ORIGINAL:
+                report.record("source ignores the target", ~row_moved[source_slots],
+                              f"changing target step {step} moved source outputs")
+                earlier = (roles == ORIGINAL) & (steps < step) | (roles == PSEUDO) & (steps <= step)
+                report.record("no output reacts to a later target token", ~row_moved[earlier],
+                              f"changing target step {step} moved an output of an earlier or equal step")
+                later = (roles == ORIGINAL) & (steps >= step) | (roles == PSEUDO) & (steps > step)
+                report.record("targets and [P] see earlier targets", row_moved[later],
+                              f"changing target step {step} left a later target or [P] unchanged")
+            elif role == PSEUDO:
+                report.record("nothing but itself sees a [P]", ~row_moved[real & (np.arange(len(roles)) != column)],
+                              f"changing the [P] of step {step} moved other outputs")
+            else:
+                report.record("every token sees the source", row_moved[real],
+                              f"changing source column {column} left some outputs unchanged")
+    return report
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.check_leakage",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--objective", default="ae+par", help=f"one of {', '.join(OBJECTIVES)}")
+    parser.add_argument("--mode", default=None, choices=["pseudo-masked", "masked", "causal"],
+                        help="check a sequence-to-sequence fine-tuning mode's masks instead of a pre-training objective")
     parser.add_argument("--examples", type=int, default=8, help="random examples to check")
     parser.add_argument("--seq-length", type=int, default=None, help="default: min(64, model maximum)")
     parser.add_argument("--seed", type=int, default=0)
@@ -218,13 +280,22 @@ def main(argv=None) -> int:
     parser.add_argument("--inject-fault", choices=FAULTS, default=None,
                         help="break the attention mask on purpose; the check must then fail")
     args = parser.parse_args(argv)
+    if args.mode and args.inject_fault:
+        print("error: --inject-fault applies to pre-training objectives, not to --mode", file=sys.stderr)
+        return 2
     try:
-        report = run_check(args.preset, args.objective, args.examples, args.seq_length, args.seed,
-                           not args.no_rel_pos, args.inject_fault)
+        if args.mode:
+            report = run_seq2seq_check(args.preset, args.mode, args.examples, args.seq_length, args.seed,
+                                       not args.no_rel_pos)
+        else:
+            report = run_check(args.preset, args.objective, args.examples, args.seq_length, args.seed,
+                               not args.no_rel_pos, args.inject_fault)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"leakage check: preset {args.preset}, objective {args.objective}, {args.examples} examples"
+    print(f"leakage check: preset {args.preset}, "
+          + (f"fine-tuning mode {args.mode}" if args.mode else f"objective {args.objective}")
+          + f", {args.examples} examples"
           + (f", injected fault: {args.inject_fault}" if args.inject_fault else ""))
     print(report.summary())
     return 0 if report.passed else 1

@@ -30,19 +30,25 @@ ROLE_NAMES = {CONTEXT: "context", MASKED: "[M]", ORIGINAL: "original", PSEUDO: "
 
 IGNORE_INDEX = -100
 
-AttentionRule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AttentionRule = Callable[..., torch.Tensor]
+"""(query roles, query steps[, key roles, key steps]) -> boolean [B, queries, keys]."""
 
 
-def pmlm_attention_allowed(roles: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+def pmlm_attention_allowed(roles: torch.Tensor, steps: torch.Tensor, key_roles: torch.Tensor | None = None,
+                           key_steps: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [B, T, T] (query, key): may the query attend to the key? SPEC §3.
 
     - context and [M] are seen by every token (padding queries included, so no row is empty);
     - the original of step j is seen by originals of steps k >= j and by [P] of steps k > j;
     - the [P] of step j is seen only by the [P] tokens of step j;
     - padding is seen by nobody.
+    Keys default to the queries; incremental decoding passes the cached slots plus the new ones as
+    keys and only the new slots as queries, so one rule serves training and decoding.
     """
-    q_role, k_role = roles[:, :, None], roles[:, None, :]
-    q_step, k_step = steps[:, :, None], steps[:, None, :]
+    key_roles = roles if key_roles is None else key_roles
+    key_steps = steps if key_steps is None else key_steps
+    q_role, k_role = roles[:, :, None], key_roles[:, None, :]
+    q_step, k_step = steps[:, :, None], key_steps[:, None, :]
     key_is_visible_context = (k_role == CONTEXT) | (k_role == MASKED)
     key_is_earlier_original = (k_role == ORIGINAL) & (
         ((q_role == ORIGINAL) & (k_step <= q_step)) | ((q_role == PSEUDO) & (k_step < q_step)))

@@ -54,9 +54,11 @@ class RelativePositionBias(nn.Module):
         self.max_distance = max_distance
         self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
 
-    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        """[B, heads, T, T] from position ids, so appended tokens get their twins' distances."""
-        relative = position_ids[:, None, :] - position_ids[:, :, None]  # key - query
+    def forward(self, position_ids: torch.Tensor, key_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
+        (keys default to the queries; decoding passes cached + new slots as keys)."""
+        key_position_ids = position_ids if key_position_ids is None else key_position_ids
+        relative = key_position_ids[:, None, :] - position_ids[:, :, None]  # key - query
         buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
         return F.embedding(buckets, self.weight.t()).permute(0, 3, 1, 2)
 
@@ -90,10 +92,13 @@ class BertSelfAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.heads_per_partition, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden: torch.Tensor, attention_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_bias: torch.Tensor,
+                cache: "LayerKeyValues | None" = None) -> torch.Tensor:
         query = self._split_heads(self.query(hidden))
         key = self._split_heads(self.key(hidden))
         value = self._split_heads(self.value(hidden))
+        if cache is not None:
+            key, value = cache.extend(key, value)
         context = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_bias,
             dropout_p=self.dropout_p if self.training else 0.0)
@@ -120,8 +125,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(config, layers)
         self.output = BertSelfOutput(config, layers, config.hidden_size)
 
-    def forward(self, hidden, attention_bias):
-        return self.output(self.self(hidden, attention_bias), hidden)
+    def forward(self, hidden, attention_bias, cache=None):
+        return self.output(self.self(hidden, attention_bias, cache), hidden)
 
 
 class BertIntermediate(nn.Module):
@@ -140,8 +145,8 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(config, layers)
         self.output = BertSelfOutput(config, layers, config.ffn_hidden_size)
 
-    def forward(self, hidden, attention_bias):
-        attended = self.attention(hidden, attention_bias)
+    def forward(self, hidden, attention_bias, cache=None):
+        attended = self.attention(hidden, attention_bias, cache)
         return self.output(self.intermediate(attended), attended)
 
 
@@ -189,16 +194,91 @@ class BertModel(nn.Module):
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         return self.encoder(*self.embed(input_ids, position_ids, token_type_ids, roles, steps))
 
+    def forward_incremental(self, input_ids, position_ids, token_type_ids, roles, steps,
+                            cache: "KeyValueCache") -> torch.Tensor:
+        """Final hidden states of new slots only, attending to the cached slots and to each other.
+
+        The attention rule and the relative bias are those of a full forward over [cached; new]
+        (the same roles/steps rule), restricted to the new slots' rows; `cache.commit` then keeps
+        the slots later ones may see. Equivalent to the full forward, at a fraction of the cost.
+        """
+        hidden = self.embeddings(input_ids, position_ids, token_type_ids)
+        key_positions, key_roles, key_steps = cache.keys_with(position_ids, roles, steps)
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype,
+                              key_positions, key_roles, key_steps)
+        for layer, layer_cache in zip(self.encoder.layer, cache.layers):
+            hidden = layer(hidden, bias, layer_cache)
+        cache.stage(position_ids, roles, steps)
+        return hidden
+
+
+class LayerKeyValues:
+    """One layer's keys and values of the committed slots, and those of the slots just run."""
+
+    def __init__(self) -> None:
+        self.key: torch.Tensor | None = None  # [B, heads, committed, head_dim]
+        self.value: torch.Tensor | None = None
+        self.new_key: torch.Tensor | None = None
+        self.new_value: torch.Tensor | None = None
+
+    def extend(self, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.new_key, self.new_value = key, value
+        if self.key is None:
+            return key, value
+        return torch.cat([self.key, key], dim=2), torch.cat([self.value, value], dim=2)
+
+
+class KeyValueCache:
+    """Per-layer keys/values of committed slots plus their positions, roles and steps (for the rule
+    and the relative bias): what incremental decoding keeps between steps."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.layers = [LayerKeyValues() for _ in range(num_layers)]
+        self.positions = self.roles = self.steps = None
+        self._new: tuple[torch.Tensor, ...] | None = None
+
+    def keys_with(self, positions, roles, steps) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.positions is None:
+            return positions, roles, steps
+        return (torch.cat([self.positions, positions], 1), torch.cat([self.roles, roles], 1),
+                torch.cat([self.steps, steps], 1))
+
+    def stage(self, positions, roles, steps) -> None:
+        self._new = (positions, roles, steps)
+
+    def commit(self, count: int) -> None:
+        """Keep the first `count` slots of the last call (later slots, e.g. the [MASK], are dropped)."""
+        def keep(old, new, dim):
+            new = new.narrow(dim, 0, count)
+            return new if old is None else torch.cat([old, new], dim)
+
+        for layer in self.layers:
+            layer.key, layer.value = keep(layer.key, layer.new_key, 2), keep(layer.value, layer.new_value, 2)
+            layer.new_key = layer.new_value = None
+        positions, roles, steps = self._new
+        self.positions, self.roles, self.steps = (keep(self.positions, positions, 1), keep(self.roles, roles, 1),
+                                                  keep(self.steps, steps, 1))
+        self._new = None
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Rows of the batch become rows `index` (beam search: replication and back-pointers)."""
+        for layer in self.layers:
+            layer.key, layer.value = layer.key.index_select(0, index), layer.value.index_select(0, index)
+        self.positions, self.roles, self.steps = (t.index_select(0, index) for t in (self.positions, self.roles, self.steps))
+
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
-                   position_ids, roles, steps, dtype) -> torch.Tensor:
-    """Additive [B, heads or 1, T, T] bias: relative positions plus -inf where attention is not allowed."""
-    allowed = attention_rule(roles, steps)[:, None]
+                   position_ids, roles, steps, dtype, key_position_ids=None, key_roles=None,
+                   key_steps=None) -> torch.Tensor:
+    """Additive [B, heads or 1, queries, keys] bias: relative positions plus -inf where attention is
+    not allowed. Keys default to the queries (a full forward)."""
+    allowed = (attention_rule(roles, steps) if key_roles is None else
+               attention_rule(roles, steps, key_roles, key_steps))[:, None]
     blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
     if rel_pos_bias is None:
         return blocked
     # Contiguous: SDPA's fused kernels and pipeline sends want a plain [B, heads, T, T] layout.
-    return (rel_pos_bias(position_ids).to(dtype) + blocked).contiguous()
+    return (rel_pos_bias(position_ids, key_position_ids).to(dtype) + blocked).contiguous()
 
 
 class BertPredictionHeadTransform(nn.Module):

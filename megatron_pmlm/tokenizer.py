@@ -36,12 +36,12 @@ class SpecialTokenIds:
 class WordPieceTokenizer:
     """A thin wrapper: vocabulary, special ids, and batch encoding to numpy id arrays."""
 
-    def __init__(self, vocab_file: str | os.PathLike):
+    def __init__(self, vocab_file: str | os.PathLike, lowercase: bool = True):
         vocab_file = Path(vocab_file)
         if not vocab_file.is_file():
             raise FileNotFoundError(f"vocabulary file not found: {vocab_file}")
         self.vocab_file = vocab_file
-        self._tokenizer = BertWordPieceTokenizer(str(vocab_file), lowercase=True)
+        self._tokenizer = BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
         vocab = self._tokenizer.get_vocab()
         missing = [t for t in (PAD, UNK, CLS, SEP, MASK) if t not in vocab]
         if missing:
@@ -58,6 +58,9 @@ class WordPieceTokenizer:
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         return [self._id_to_token.get(int(i), UNK) for i in ids]
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
 
 
 def train_wordpiece(texts: Iterable[str], vocab_size: int, output_dir: str | os.PathLike) -> Path:

@@ -126,6 +126,8 @@ class AdamW(torch.optim.AdamW):
         self.norm_group = None  # set once the process groups exist; None: no norm
         self.tensor_parallel_rank = 0
         self.last_grad_norm: float | None = None
+        self.max_grad_norm = 0.0
+        """Clip to this norm (0: off) after measuring it, so the logged norm is the unclipped one."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -141,6 +143,14 @@ class AdamW(torch.optim.AdamW):
                 squares = squares.to(_collective_device())
                 dist.all_reduce(squares, group=self.norm_group)
             self.last_grad_norm = float(squares.sqrt())
+            if self.max_grad_norm > 0:
+                # torch.nn.utils.clip_grad_norm_'s rule, on the norm measured above.
+                coefficient = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
+                if coefficient < 1.0:
+                    for group in self.param_groups:
+                        for param in group["params"]:
+                            if param.grad is not None:
+                                param.grad.mul_(coefficient)
         return super().step(closure)
 
 
@@ -195,27 +205,46 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """What a model's `metrics()` vector holds: losses (averaged over micro-batches) and
+    (correct, count) pairs (summed, then divided: accuracy over tokens)."""
+
+    names: tuple[str, ...]
+    accuracies: tuple[tuple[str, str, str], ...]
+    """(reported name, correct field, count field)."""
+
+    @property
+    def losses(self) -> tuple[str, ...]:
+        return tuple(n for n in self.names if n.startswith("loss"))
+
+
+PMLM_METRICS = MetricSpec(("loss", "loss_ae", "loss_par", "ae_correct", "ae_count"),
+                          (("mlm_acc", "ae_correct", "ae_count"),))
+
+
 class MetricSums:
     """Sums of per-micro-batch losses and counts, reduced and averaged at log time."""
 
-    FIELDS = ("loss", "loss_ae", "loss_par", "ae_correct", "ae_count", "micro_batches")
-
-    def __init__(self) -> None:
-        self.values = torch.zeros(len(self.FIELDS), dtype=torch.float64)
+    def __init__(self, spec: MetricSpec = PMLM_METRICS) -> None:
+        self.spec = spec
+        self.values = torch.zeros(len(spec.names) + 1, dtype=torch.float64)  # + micro-batch count
 
     def add_tensor(self, metrics: torch.Tensor) -> None:
-        """metrics: [loss, loss_ae, loss_par, ae_correct, ae_count] of one micro batch."""
-        self.values[:5] += metrics.detach().double().cpu()
-        self.values[5] += 1
+        """metrics: one micro batch's vector, in `spec.names` order."""
+        self.values[:-1] += metrics.detach().double().cpu()
+        self.values[-1] += 1
 
     def merge(self, other: "MetricSums") -> None:
         self.values += other.values
 
     def averages(self) -> dict[str, float]:
-        v = self.values.tolist()
-        batches = max(1.0, v[5])
-        return {"loss": v[0] / batches, "loss_ae": v[1] / batches, "loss_par": v[2] / batches,
-                "mlm_acc": v[3] / max(1.0, v[4])}
+        v = dict(zip(self.spec.names, self.values.tolist()))
+        batches = max(1.0, float(self.values[-1]))
+        out = {name: v[name] / batches for name in self.spec.losses}
+        for name, correct, count in self.spec.accuracies:
+            out[name] = v[correct] / max(1.0, v[count])
+        return out
 
 
 class ExitSignal:
@@ -291,7 +320,7 @@ class Trainer:
                  ds_config_base: dict[str, Any] | None = None, mpu: Any = None,
                  pipeline: bool = False, flops_per_token: float = 0.0,
                  tensorboard_dir: str | None = None, log: Callable[[str], None] | None = None,
-                 run_args: dict[str, Any] | None = None):
+                 run_args: dict[str, Any] | None = None, metrics: MetricSpec = PMLM_METRICS):
         import deepspeed
 
         self.config = config
@@ -301,6 +330,7 @@ class Trainer:
         self.is_logging_rank = self.rank == self.world_size - 1  # holds the loss under pipelining
         self._log = log or print
         self.run_args = run_args or {}
+        self.metrics = metrics
         self.flops_per_token = flops_per_token
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = mpu.get_model_parallel_world_size() if mpu else 1
@@ -318,6 +348,9 @@ class Trainer:
         # DeepSpeed reports the gradient norm from its ZeRO, fp16 and bf16 optimizers (which
         # accept only the stock AdamW); in plain fp32 our AdamW measures it.
         tracks_norm = config.zero_stage == 0 and config.precision == "fp32"
+        if tracks_norm:
+            # DeepSpeed would clip before our optimizer sees the gradients (and not report the norm).
+            self.ds_config["gradient_clipping"] = 0.0
         optimizer = (AdamW if tracks_norm else torch.optim.AdamW)(
             parameter_groups(model, config.weight_decay), lr=config.lr,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
@@ -332,6 +365,7 @@ class Trainer:
             optimizer.norm_group = (self.engine.grid.get_model_parallel_group() if pipeline
                                     else mpu.get_model_parallel_group() if mpu else dist.group.WORLD)
             optimizer.tensor_parallel_rank = mpu.get_model_parallel_rank() if mpu else 0
+            optimizer.max_grad_norm = config.clip_grad
         self.iteration = 0
         self.consumed_samples = 0
         self.history: list[dict[str, float]] = []
@@ -354,7 +388,7 @@ class Trainer:
     def train_step(self, batches: Iterator[PMLMBatch]) -> tuple[MetricSums, int]:
         """One optimizer step; returns the metric sums and the number of processed tokens."""
         self.engine.train()
-        sums, tokens = MetricSums(), 0
+        sums, tokens = MetricSums(self.metrics), 0
         if self.pipeline:
             counted = _CountingIterator(batches, self.device)
             self.engine.train_batch(data_iter=counted)
@@ -376,7 +410,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, batches: Iterator[PMLMBatch], num_batches: int) -> dict[str, float]:
         self.engine.eval()
-        sums = MetricSums()
+        sums = MetricSums(self.metrics)
         if self.pipeline:
             for _ in range(max(1, num_batches // self.engine.gradient_accumulation_steps())):
                 self.engine.eval_batch(data_iter=_CountingIterator(batches, self.device))
@@ -394,7 +428,7 @@ class Trainer:
             return sums
         values = sums.values.float().to(_collective_device())
         dist.all_reduce(values)
-        reduced = MetricSums()
+        reduced = MetricSums(self.metrics)
         reduced.values = values.double().cpu()
         return reduced
 
@@ -404,7 +438,7 @@ class Trainer:
               save_dir: str | None = None) -> list[dict[str, float]]:
         """Train to `train_iters` (or `exit_interval`, or a signal), logging, evaluating and saving."""
         config = self.config
-        interval, interval_tokens = MetricSums(), 0
+        interval, interval_tokens = MetricSums(self.metrics), 0
         interval_start, interval_first = time.time(), self.iteration
         stop_reason = None
         if self.exit_signal.any_rank_received():
@@ -419,7 +453,7 @@ class Trainer:
             if self.iteration % config.log_interval == 0 or self.iteration == config.train_iters:
                 self._log_interval(interval, interval_tokens, time.time() - interval_start,
                                    self.iteration - interval_first)
-                interval, interval_tokens = MetricSums(), 0
+                interval, interval_tokens = MetricSums(self.metrics), 0
                 interval_start, interval_first = time.time(), self.iteration
             if valid_batches is not None and config.eval_iters > 0 and (
                     self.iteration % config.eval_interval == 0 or self.iteration == config.train_iters):
@@ -456,11 +490,12 @@ class Trainer:
         if grad_norm is None:
             grad_norm = getattr(self._base_optimizer, "last_grad_norm", None)
         loss_scale = float(getattr(self.optimizer, "cur_scale", getattr(self.optimizer, "loss_scale", 1.0)) or 1.0)
+        losses = {name: averages[name] for name in self.metrics.losses}
         record = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
             "lr": self.scheduler.get_last_lr()[0],
-            "loss": averages["loss"], "loss_ae": averages["loss_ae"], "loss_par": averages["loss_par"],
+            **losses,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "loss_scale": loss_scale if config.precision == "fp16" else 1.0,
             "samples_per_sec": iterations * config.global_batch_size / elapsed,
@@ -470,26 +505,25 @@ class Trainer:
         self.history.append(record)
         remaining = (config.train_iters - self.iteration) * elapsed / max(1, iterations)
         self.log(f"iteration {self.iteration:>8}/{config.train_iters} | consumed samples {self.consumed_samples} | "
-                 f"lr {record['lr']:.3e} | loss {record['loss']:.4f} | loss_ae {record['loss_ae']:.4f} | "
-                 f"loss_par {record['loss_par']:.4f} | grad norm {record['grad_norm']:.3f} | "
+                 f"lr {record['lr']:.3e} | " + "".join(f"{name} {value:.4f} | " for name, value in losses.items())
+                 + f"grad norm {record['grad_norm']:.3f} | "
                  + (f"loss scale {record['loss_scale']:.0f} | " if config.precision == "fp16" else "")
                  + f"samples/s {record['samples_per_sec']:.1f} | tokens/s {record['tokens_per_sec']:.0f} | "
                  f"TFLOP/s/GPU {record['tflops_per_gpu']:.2f} | ETA {_format_seconds(remaining)}")
         if self.tensorboard:
-            for key in ("loss", "loss_ae", "loss_par", "lr", "grad_norm", "loss_scale", "samples_per_sec",
-                        "tokens_per_sec", "tflops_per_gpu"):
+            for key in (*losses, "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec",
+                        "tflops_per_gpu"):
                 if math.isfinite(record[key]):
                     self.tensorboard.add_scalar(f"train/{key}", record[key], self.iteration)
 
     def _validate(self, valid_batches: Callable[[], Iterator[PMLMBatch]]) -> None:
         valid = self.evaluate(valid_batches(), self.config.eval_iters)
         self.history.append({"iteration": self.iteration, **{f"valid_{k}": v for k, v in valid.items()}})
-        self.log(f"validation at iteration {self.iteration} | loss {valid['loss']:.4f} | "
-                 f"loss_ae {valid['loss_ae']:.4f} | loss_par {valid['loss_par']:.4f} | "
-                 f"mlm_acc {valid['mlm_acc']:.4f}")
+        self.log(f"validation at iteration {self.iteration} | "
+                 + " | ".join(f"{name} {value:.4f}" for name, value in valid.items()))
         if self.tensorboard:
-            for key in ("loss", "loss_ae", "loss_par", "mlm_acc"):
-                self.tensorboard.add_scalar(f"valid/{key}", valid[key], self.iteration)
+            for key, value in valid.items():
+                self.tensorboard.add_scalar(f"valid/{key}", value, self.iteration)
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike) -> str:

@@ -420,10 +420,11 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, s
     state, dropped = {}, []
     for name, tensor in hf_state.items():
         new = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-        if not new.startswith(("bert.", "cls.")):
+        if not new.startswith(("bert.", "cls.", "crit_mask_lm_smoothed.")):
             new = "bert." + new  # a BertModel checkpoint (no prefix)
         if new in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias") or \
-                new.startswith(("bert.pooler.", "cls.seq_relationship.")) or new.endswith("position_ids"):
+                new.startswith(("bert.pooler.", "cls.seq_relationship.", "crit_mask_lm_smoothed.")) or \
+                new.endswith("position_ids"):
             dropped.append(name)
             continue
         state[new] = tensor

@@ -1,0 +1,131 @@
+"""Load a model for fine-tuning or decoding from whatever a user has: a Hugging Face folder (ours, a
+plain BERT, a released UniLMv2 / s2s-ft folder) or a checkpoint directory of ours (pre-training or
+fine-tuning `--save`, any parallel layout the converter reads).
+
+The result is our ModelConfig with an unpadded vocabulary, a state dict in our (= Hugging Face BERT)
+names, the vocabulary file and lower-casing, plus the seq2seq settings a fine-tuned folder records
+(`source_type_id`, `target_type_id`, `s2s_mode`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import ConfigError, ModelConfig
+from .training import LATEST_FILE, RUN_STATE_FILE
+
+HF_EXPORT_DIR = "hf"
+"""A fine-tuning `--save` directory keeps its Hugging Face export here."""
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    vocab_file: Path
+    do_lower_case: bool
+    source: str
+    """What was read, for logs."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Seq2seq settings recorded with the model: source_type_id, target_type_id, s2s_mode."""
+
+    @property
+    def source_type_id(self) -> int:
+        return int(self.settings.get("source_type_id", 0))
+
+    @property
+    def target_type_id(self) -> int:
+        return int(self.settings.get("target_type_id", 1))
+
+
+def load_model(path: str | os.PathLike) -> LoadedModel:
+    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date)."""
+    from .hf.convert import ConversionError
+
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"--model {path} does not exist")
+    if (path / "config.json").is_file():
+        return load_hf_folder(path)
+    if (path / LATEST_FILE).is_file():
+        export = path / HF_EXPORT_DIR
+        latest = (path / LATEST_FILE).read_text().strip()
+        if (export / "config.json").is_file():
+            with contextlib.suppress(json.JSONDecodeError, OSError):
+                if json.loads((export / "config.json").read_text()).get("checkpoint_tag") == latest:
+                    return load_hf_folder(export)
+        try:
+            return load_checkpoint_dir(path)
+        except ConversionError as error:
+            raise ConfigError(str(error)) from None
+    raise ConfigError(f"--model {path} is neither a Hugging Face folder (no config.json) nor a checkpoint "
+                      f"directory (no '{LATEST_FILE}' file)")
+
+
+def _check_vocab(vocab_file: Path, config: ModelConfig, source: str) -> None:
+    from .hf.convert import read_vocab
+
+    if not vocab_file.is_file():
+        raise ConfigError(f"{source} has no vocabulary ({vocab_file} is missing)")
+    size = len(read_vocab(vocab_file))
+    if size != config.vocab_size:
+        raise ConfigError(f"{vocab_file} has {size} entries but the model's embedding has {config.vocab_size} rows: "
+                          "not this model's vocabulary")
+
+
+def load_hf_folder(folder: Path) -> LoadedModel:
+    from .hf.convert import ConversionError, from_hf_state_dict, model_config_from_hf, read_hf_weights
+
+    config_file = folder / "config.json"
+    try:
+        hf = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{config_file} is not valid JSON ({error})") from None
+    try:
+        config = model_config_from_hf(hf, str(config_file), padded_vocab_size=0)
+        _check_vocab(folder / "vocab.txt", config, str(folder))
+        state, _ = from_hf_state_dict(read_hf_weights(folder), config, str(folder))
+    except ConversionError as error:
+        raise ConfigError(str(error)) from None
+    do_lower_case = True
+    tokenizer_config = folder / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    settings = {k: hf[k] for k in ("source_type_id", "target_type_id", "s2s_mode") if k in hf}
+    return LoadedModel(config, state, folder / "vocab.txt", do_lower_case, f"Hugging Face folder {folder}", settings)
+
+
+def load_checkpoint_dir(directory: Path) -> LoadedModel:
+    from .hf.convert import find_vocab_file, load_pretraining_checkpoint, to_hf_state_dict
+
+    checkpoint = load_pretraining_checkpoint(directory)
+    args = checkpoint.run_state.get("args", {})
+    if args.get("vocab_file") and Path(args["vocab_file"]).is_file():
+        vocab_file = Path(args["vocab_file"])
+        _check_vocab(vocab_file, checkpoint.model_config, str(checkpoint.tag_dir))
+    else:
+        vocab_file = find_vocab_file(checkpoint, None)
+    config = replace(checkpoint.model_config, padded_vocab_size=0)
+    state = to_hf_state_dict(checkpoint.state_dict, checkpoint.model_config)  # vocabulary padding cut
+    settings = {k: args[k] for k in ("source_type_id", "target_type_id", "s2s_mode") if k in args}
+    return LoadedModel(config, state, vocab_file, bool(args.get("do_lower_case", True)),
+                       f"checkpoint {checkpoint.tag_dir} ({checkpoint.layout})", settings)
+
+
+def resize_position_embeddings(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """s2s-ft's `reuse_position_embedding`: a longer table repeats the trained rows (row k = old
+    row k mod old rows); a table is never shrunk here (longer inputs are refused elsewhere)."""
+    name = "bert.embeddings.position_embeddings.weight"
+    table = state[name]
+    if rows <= table.shape[0]:
+        return state
+    index = torch.arange(rows) % table.shape[0]
+    return {**state, name: table[index].clone()}
