@@ -47,7 +47,12 @@ HF_CODE_FILES = ("configuration_pmlm.py", "modeling_pmlm.py")
 IMPORT_TAG = "iter_0000000"
 AUTO_MAP = {"AutoConfig": "configuration_pmlm.PMLMConfig",
             "AutoModel": "modeling_pmlm.PMLMBertModel",
-            "AutoModelForMaskedLM": "modeling_pmlm.PMLMForMaskedLM"}
+            "AutoModelForMaskedLM": "modeling_pmlm.PMLMForMaskedLM",
+            "AutoModelForPreTraining": "modeling_pmlm.PMLMForPreTraining",
+            "AutoModelForSequenceClassification": "modeling_pmlm.PMLMForSequenceClassification",
+            "AutoModelForQuestionAnswering": "modeling_pmlm.PMLMForQuestionAnswering",
+            "AutoModelForTokenClassification": "modeling_pmlm.PMLMForTokenClassification",
+            "AutoModelForMultipleChoice": "modeling_pmlm.PMLMForMultipleChoice"}
 
 
 class ConversionError(ValueError):
@@ -571,19 +576,38 @@ def write_hf_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: Mod
         save_file(hf_state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     else:
         torch.save(hf_state, folder / "pytorch_model.bin")
-    shutil.copyfile(vocab_file, folder / "vocab.txt")
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "BertTokenizer", "do_lower_case": do_lower_case,
-        "model_max_length": config.max_position_embeddings,
-        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-        "mask_token": "[MASK]"}, indent=2) + "\n")
-    (folder / "special_tokens_map.json").write_text(json.dumps({
-        "unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
-        "mask_token": "[MASK]"}, indent=2) + "\n")
+    write_hf_tokenizer(folder, vocab_file, vocab, do_lower_case, config.max_position_embeddings)
     if config.rel_pos:
         here = Path(__file__).resolve().parent
         for name in HF_CODE_FILES:
             shutil.copyfile(here / name, folder / name)
+
+
+def write_hf_tokenizer(folder: Path, vocab_file: Path, vocab: list[str], do_lower_case: bool,
+                       model_max_length: int) -> None:
+    """vocab.txt (as trained; s2s-ft reads it), tokenizer.json (the fast tokenizer, so that
+    `AutoTokenizer` needs no conversion), tokenizer_config.json and special_tokens_map.json.
+
+    `[P]`, when the vocabulary has it, is an additional special token: never split, never
+    lower-cased. The class stays `BertTokenizer` (transformers 5's is the fast one; older versions
+    pick BertTokenizerFast from tokenizer.json, or the slow one from vocab.txt)."""
+    from tokenizers import BertWordPieceTokenizer
+
+    from ..tokenizer import PSEUDO
+
+    shutil.copyfile(vocab_file, folder / "vocab.txt")
+    extra = [PSEUDO] if PSEUDO in vocab else []
+    special = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+               "mask_token": "[MASK]"}
+    if extra:
+        special["additional_special_tokens"] = extra
+    fast = BertWordPieceTokenizer(str(vocab_file), lowercase=do_lower_case)  # adds the present BERT specials
+    fast.add_special_tokens(extra)
+    (folder / "tokenizer.json").write_text(fast.to_str(pretty=True) + "\n", encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "BertTokenizer", "do_lower_case": do_lower_case,
+        "model_max_length": model_max_length, **special}, indent=2) + "\n")
+    (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
 def load_hf_model(folder: Path, rel_pos: bool):

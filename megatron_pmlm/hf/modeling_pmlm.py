@@ -1,7 +1,12 @@
 """Hugging Face model of a PMLM (UniLMv2) checkpoint: BERT plus one shared relative position bias.
 
-Written into every converted folder (remote code): `AutoModelForMaskedLM.from_pretrained(folder,
-trust_remote_code=True)` gives `PMLMForMaskedLM`, `AutoModel` gives `PMLMBertModel`. The weights
+Written into every converted folder (remote code, config.json's `auto_map`): with
+`trust_remote_code=True`, `AutoModel` gives `PMLMBertModel`, `AutoModelForMaskedLM` `PMLMForMaskedLM`,
+and the fine-tuning heads `AutoModelFor{PreTraining, SequenceClassification, QuestionAnswering,
+TokenClassification, MultipleChoice}` give `PMLMFor...`: transformers' own `BertFor...` classes (same
+module names: `bert`, `bert.pooler`, `dropout`, `classifier`, `qa_outputs`, `cls`; same forward,
+losses and outputs) over `PMLMBertModel`, so the bias is applied in every layer. A plain `Bert*`
+class reading such a folder drops `bert.rel_pos_bias.weight` (reported as unexpected). The weights
 keep BERT's names plus `bert.rel_pos_bias.weight` [heads, bins] (a bias-free Linear from one-hot
 distance buckets to heads, as in the released UniLMv2 s2s-ft code). The bias is computed once per
 forward from the position ids (relative distance = position[key] - position[query], T5
@@ -14,8 +19,11 @@ import math
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
-from transformers.models.bert.modeling_bert import (BertEmbeddings, BertEncoder, BertForMaskedLM, BertModel,
-                                                    BertOnlyMLMHead, BertPooler, BertPreTrainedModel)
+from transformers.models.bert.modeling_bert import (BertEmbeddings, BertEncoder, BertForMaskedLM,
+                                                    BertForMultipleChoice, BertForPreTraining,
+                                                    BertForQuestionAnswering, BertForSequenceClassification,
+                                                    BertForTokenClassification, BertModel, BertOnlyMLMHead,
+                                                    BertPooler, BertPreTrainedModel, BertPreTrainingHeads)
 
 from .configuration_pmlm import PMLMConfig
 
@@ -115,4 +123,97 @@ class PMLMForMaskedLM(BertForMaskedLM):
         BertPreTrainedModel.__init__(self, config)
         self.bert = PMLMBertModel(config, add_pooling_layer=False)
         self.cls = BertOnlyMLMHead(config)
+        self.post_init()
+
+
+# A converted folder holds the pre-training MLM head; a fine-tuning head does not use it.
+MLM_HEAD_KEYS = [r"^cls\.predictions\."]
+
+
+def _classifier_dropout(config):
+    return config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+
+
+class PMLMForPreTraining(BertForPreTraining):
+    """BertForPreTraining (MLM + next-sentence heads) over PMLMBertModel.
+
+    PMLM has no next-sentence objective: a converted checkpoint has no `cls.seq_relationship` nor
+    `bert.pooler`, which start newly initialised (reported as missing when loading).
+    """
+
+    config_class = PMLMConfig
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.bert = PMLMBertModel(config)
+        self.cls = BertPreTrainingHeads(config)
+        self.post_init()
+
+
+class PMLMForSequenceClassification(BertForSequenceClassification):
+    """BertForSequenceClassification (pooled [CLS] -> dropout -> classifier) over PMLMBertModel."""
+
+    config_class = PMLMConfig
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.config = config
+        self.bert = PMLMBertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class PMLMForMultipleChoice(BertForMultipleChoice):
+    """BertForMultipleChoice (pooled [CLS] of each choice -> dropout -> one score) over PMLMBertModel."""
+
+    config_class = PMLMConfig
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.bert = PMLMBertModel(config)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, 1)
+        self.post_init()
+
+
+class PMLMForTokenClassification(BertForTokenClassification):
+    """BertForTokenClassification (every token -> dropout -> classifier) over PMLMBertModel."""
+
+    config_class = PMLMConfig
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = PMLMBertModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(_classifier_dropout(config))
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+
+class PMLMForQuestionAnswering(BertForQuestionAnswering):
+    """BertForQuestionAnswering (start/end logits per token, `qa_outputs`) over PMLMBertModel."""
+
+    config_class = PMLMConfig
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+
+    def __init__(self, config):
+        BertPreTrainedModel.__init__(self, config)
+        self.num_labels = config.num_labels
+        self.bert = PMLMBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
