@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     run_args = {**vars(args), "model_config": asdict(config), "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1, "vocab_file": str(Path(loaded.vocab_file).resolve()),
                 "do_lower_case": loaded.do_lower_case, "s2s_mode": s2s.mode,
+                "s2s_max_source_length": s2s.max_source_length, "s2s_max_target_length": s2s.max_target_length,
                 "source_type_id": s2s.source_type_id, "target_type_id": s2s.target_type_id}
     trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       flops_per_token=flops_per_token(config, s2s.max_length, mask_prob=0.5 if s2s.pseudo_masked else 0),
@@ -210,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
 def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=print) -> Path:
     """SAVE/hf: the latest checkpoint as a Hugging Face folder, with the seq2seq settings decoding
-    needs (s2s_mode, source/target type ids) and the tag it came from in config.json."""
+    needs (s2s_mode, source/target type ids, the source/target lengths trained with) and the tag it
+    came from in config.json."""
     from .hf.convert import export_to_hf
     from .pretrained import HF_EXPORT_DIR
     from .training import LATEST_FILE
@@ -221,6 +223,7 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     config_file = output / "config.json"
     values = json.loads(config_file.read_text())
     values.update(s2s_mode=s2s.mode, source_type_id=s2s.source_type_id, target_type_id=s2s.target_type_id,
+                  s2s_max_source_length=s2s.max_source_length, s2s_max_target_length=s2s.max_target_length,
                   checkpoint_tag=(save_dir / LATEST_FILE).read_text().strip())
     tmp = config_file.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(dict(sorted(values.items())), indent=2) + "\n")

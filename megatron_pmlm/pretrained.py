@@ -23,6 +23,8 @@ from .training import LATEST_FILE, RUN_STATE_FILE
 
 HF_EXPORT_DIR = "hf"
 """A fine-tuning `--save` directory keeps its Hugging Face export here."""
+SETTINGS = ("source_type_id", "target_type_id", "s2s_mode", "s2s_max_source_length", "s2s_max_target_length")
+"""Seq2seq settings a fine-tuned model records (config.json, or run_state.json's args)."""
 
 
 @dataclass
@@ -99,7 +101,7 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     if tokenizer_config.is_file():
         with contextlib.suppress(json.JSONDecodeError):
             do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
-    settings = {k: hf[k] for k in ("source_type_id", "target_type_id", "s2s_mode") if k in hf}
+    settings = {k: hf[k] for k in SETTINGS if k in hf}
     return LoadedModel(config, state, folder / "vocab.txt", do_lower_case, f"Hugging Face folder {folder}", settings)
 
 
@@ -115,7 +117,7 @@ def load_checkpoint_dir(directory: Path) -> LoadedModel:
         vocab_file = find_vocab_file(checkpoint, None)
     config = replace(checkpoint.model_config, padded_vocab_size=0)
     state = to_hf_state_dict(checkpoint.state_dict, checkpoint.model_config)  # vocabulary padding cut
-    settings = {k: args[k] for k in ("source_type_id", "target_type_id", "s2s_mode") if k in args}
+    settings = {k: args[k] for k in SETTINGS if k in args}
     return LoadedModel(config, state, vocab_file, bool(args.get("do_lower_case", True)),
                        f"checkpoint {checkpoint.tag_dir} ({checkpoint.layout})", settings)
 
