@@ -1,0 +1,231 @@
+"""Generate text with a fine-tuned sequence-to-sequence model, as s2s-ft's decode_seq2seq.py does.
+
+    python -m megatron_pmlm.decode_s2s --model DIR --input src.txt|src.jsonl --output pred.txt
+        [--beam-size K] [--length-penalty A] [--min-length N] [--max-target-length N]
+        [--no-repeat-ngram-size N [--ngram-ignore-tokens ". , ?"]] [--batch-size B]
+        [--fp16|--bf16] [--max-seq-length 512] [--pos-shift] [--device cpu|cuda]
+
+Input: one source per line, or with a .jsonl file the `src` field of each line (a string, or a
+list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
+atomically. SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .config import ConfigError
+
+
+class InputError(ValueError):
+    """Bad input files or options; printed as one `error:` line, exit status 2."""
+
+
+def read_sources(path: Path) -> list[str | list[str]]:
+    """Sources from a text file (one per line) or a .jsonl file (`src` per line); a final newline is
+    optional, empty sources are refused with their line number."""
+    if not path.exists():
+        raise InputError(f"input file {path} does not exist")
+    if not path.is_file():
+        raise InputError(f"input {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"input file {path} is not UTF-8 text (byte {error.start})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise InputError(f"input file {path} is empty")
+    is_jsonl = path.suffix.lower() == ".jsonl"
+    sources: list[str | list[str]] = []
+    for number, line in enumerate(lines, 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            raise InputError(f"{path} line {number}: empty source")
+        if not is_jsonl:
+            sources.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path} line {number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or "src" not in record:
+            raise InputError(f"{path} line {number}: no `src` field")
+        source = record["src"]
+        is_tokens = isinstance(source, list) and all(isinstance(t, str) for t in source)
+        if not (isinstance(source, str) or is_tokens):
+            raise InputError(f"{path} line {number}: `src` must be a string or a list of wordpieces")
+        if not source or (isinstance(source, str) and not source.strip()):
+            raise InputError(f"{path} line {number}: empty source")
+        sources.append(source)
+    return sources
+
+
+def encode_sources(sources: list[str | list[str]], tokenizer) -> list[list[int]]:
+    """Wordpiece ids (no specials); pre-tokenized sources map unknown pieces to [UNK], as s2s-ft."""
+    texts = [(i, s) for i, s in enumerate(sources) if isinstance(s, str)]
+    encoded: list[list[int]] = [[] for _ in sources]
+    for (index, _), ids in zip(texts, tokenizer.encode_batch([s for _, s in texts])):
+        encoded[index] = ids.tolist()
+    for index, source in enumerate(sources):
+        if isinstance(source, list):
+            encoded[index] = [tokenizer.special.unk if (i := tokenizer.token_to_id(t)) is None else i for t in source]
+    return encoded
+
+
+def write_lines_atomically(path: Path, lines: list[str]) -> None:
+    """Temp file beside the output, then os.replace: readers see no file or the whole new one."""
+    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp", delete=False)
+    try:
+        with handle:
+            handle.writelines(line + "\n" for line in lines)
+        os.replace(handle.name, path)
+    except BaseException:
+        os.unlink(handle.name)
+        raise
+
+
+def half_matmul_works(device: str) -> bool:
+    import torch
+
+    try:
+        a = torch.ones(2, 2, dtype=torch.float16, device=device)
+        return bool((a @ a).float().sum().item() == 8.0)
+    except RuntimeError:
+        return False
+
+
+DEFAULT_MAX_TARGET_LENGTH = 128
+DEFAULT_MAX_SEQ_LENGTH = 512
+
+
+def lengths_from_model(args: argparse.Namespace, settings: dict) -> tuple[int, int]:
+    """(max target length, max sequence length): the flags, else what the model was fine-tuned with
+    (recorded by finetune_s2s), else s2s-ft's defaults."""
+    trained_source, trained_target = settings.get("s2s_max_source_length"), settings.get("s2s_max_target_length")
+    target = args.max_target_length or trained_target or DEFAULT_MAX_TARGET_LENGTH
+    if args.max_seq_length:
+        return target, args.max_seq_length
+    if trained_source and trained_target:
+        return target, int(trained_source) + int(target)
+    return target, DEFAULT_MAX_SEQ_LENGTH
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_pmlm.decode_s2s", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="a Hugging Face folder or a checkpoint directory (fine-tuning --save)")
+    parser.add_argument("--input", required=True, type=Path, metavar="FILE",
+                        help="sources: text (one per line) or .jsonl (the `src` field of each line)")
+    parser.add_argument("--output", required=True, type=Path, metavar="FILE", help="predictions, one line per input")
+    parser.add_argument("--beam-size", type=int, default=1, metavar="K",
+                        help="beam width (default 1 = greedy, s2s-ft's: argmax at every step, ignoring "
+                        "--min-length, --no-repeat-ngram-size and --length-penalty, which are beam search only)")
+    parser.add_argument("--length-penalty", type=float, default=0.0, metavar="A",
+                        help="beam search: rank finished hypotheses by score / ((5 + length) / 6) ** A when A > 0 "
+                        "(default 0)")
+    parser.add_argument("--min-length", type=int, default=1, metavar="N",
+                        help="beam search: no [SEP] before N tokens (default 1)")
+    parser.add_argument("--max-target-length", type=int, default=None, metavar="N",
+                        help="tokens generated at most, [SEP] included (default: the --max-target-length the "
+                        f"model was fine-tuned with, else s2s-ft's {DEFAULT_MAX_TARGET_LENGTH})")
+    parser.add_argument("--max-seq-length", type=int, default=None, metavar="N",
+                        help="source + target slots; sources are cut to N - 2 - max-target-length wordpieces "
+                        "(default: the fine-tuning's source + target lengths, so sources are cut as in "
+                        f"training; else s2s-ft's {DEFAULT_MAX_SEQ_LENGTH})")
+    parser.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+                        help="beam search: never repeat an n-gram of N tokens (default 0 = off; s2s-ft's "
+                        "--forbid_duplicate_ngrams --ngram_size N)")
+    parser.add_argument("--ngram-ignore-tokens", default="", metavar="TOKENS",
+                        help="tokens exempt from n-gram blocking, separated by spaces or '|', e.g. \". , ?\"")
+    parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="sources per batch (default 32)")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--fp16", action="store_true", help="cast the model to float16")
+    precision.add_argument("--bf16", action="store_true", help="cast the model to bfloat16")
+    parser.add_argument("--pos-shift", action="store_true",
+                        help="decode with the position shift (default: when the model's s2s_mode is 'causal')")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
+    from .decoding import DecodingConfig, parse_ignore_tokens
+
+    # Everything a user can get wrong is refused before the model is loaded.
+    target_length, seq_length = lengths_from_model(args, {})
+    settings = dict(beam_size=args.beam_size, length_penalty=args.length_penalty, min_length=args.min_length,
+                    max_target_length=target_length, max_seq_length=seq_length,
+                    no_repeat_ngram_size=args.no_repeat_ngram_size,
+                    ngram_ignore_tokens=parse_ignore_tokens(args.ngram_ignore_tokens))
+    DecodingConfig(**settings)
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.output.is_dir():
+        raise InputError(f"--output {args.output} is a folder; give a file name")
+    if not args.output.parent.is_dir():
+        raise InputError(f"the output folder {args.output.parent} does not exist")
+    sources = read_sources(args.input)
+
+    import torch
+
+    from .decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches, detokenize, generated_length
+    from .pretrained import load_model
+    from .tokenizer import WordPieceTokenizer
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available")
+    if args.fp16 and device == "cpu" and not half_matmul_works("cpu"):
+        raise InputError("--fp16: this torch cannot multiply float16 matrices on the CPU; use --bf16 or --device cuda")
+    dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
+
+    loaded = load_model(args.model)
+    pos_shift = args.pos_shift or loaded.settings.get("s2s_mode") == "causal"
+    settings["max_target_length"], settings["max_seq_length"] = lengths_from_model(args, loaded.settings)
+    config = DecodingConfig(**settings, pos_shift=pos_shift)
+    tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+    model = build_decoding_model(loaded, config.max_seq_length, dtype, device)
+    decoder = Seq2SeqDecoder(model, tokenizer.special, config, loaded.source_type_id, loaded.target_type_id,
+                             token_to_id=tokenizer.token_to_id)
+    encoded = encode_sources(sources, tokenizer)
+    print(f"model: {loaded.source} ({model.config.num_layers} layers, hidden {model.config.hidden_size}, "
+          f"{str(dtype).replace('torch.', '')} on {device}); {'position shift (causal mode), ' if pos_shift else ''}"
+          f"{'greedy' if config.beam_size == 1 else f'beam {config.beam_size}'}, {len(encoded)} sources "
+          f"(cut to {config.max_source_tokens} wordpieces)", file=sys.stderr)
+
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
+    seconds = time.perf_counter() - started
+    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
+    write_lines_atomically(args.output, lines)
+    stop_ids = {tokenizer.special.sep, tokenizer.special.pad}
+    tokens = sum(generated_length(ids, stop_ids) for ids in outputs)
+    print(f"decoded {len(lines)} examples in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, "
+          f"{tokens} tokens); wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
