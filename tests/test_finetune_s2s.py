@@ -346,3 +346,35 @@ def test_two_data_parallel_processes_with_zero2_reproduce_one(tiny_hf_model, qg_
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         losses.append([r["loss"] for r in json.loads(history.read_text()) if "loss" in r])
     assert losses[0] == pytest.approx(losses[1], rel=2e-4)
+
+
+def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_model, shared_data, tmp_path):
+    """Training and decoding agree on the layout: what the [P] slots learned, the cached decoder
+    generates (greedy and beam), for every pair (targets as the tokenizer splits and cuts them)."""
+    from megatron_pmlm.decoding import detokenize
+    from megatron_pmlm.tokenizer import WordPieceTokenizer
+
+    pairs, seen = [], set()
+    for src, tgt in zip((shared_data / "qg" / "src-dev.txt").read_text().splitlines(),
+                        (shared_data / "qg" / "tgt-dev.txt").read_text().splitlines()):
+        if src not in seen:  # distinct sources, so each has one answer
+            seen.add(src)
+            pairs.append((" ".join(src.split()[:16]), tgt))
+        if len(pairs) == 32:
+            break
+    (tmp_path / "m.src").write_text("\n".join(p[0] for p in pairs) + "\n")
+    (tmp_path / "m.tgt").write_text("\n".join(p[1] for p in pairs) + "\n")
+    _finetune(tiny_hf_model, tmp_path / "m.src", tmp_path / "m.tgt", tmp_path, "--max-source-length", "24",
+              "--max-target-length", "16", "--micro-batch-size", "32", "--global-batch-size", "32",
+              "--train-iters", "250", "--lr", "5e-3", "--lr-warmup-iters", "10", "--log-interval", "50",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--label-smoothing", "0",
+              "--target-mask-prob", "0.1", "--save", str(tmp_path / "ft"))
+    tokenizer = WordPieceTokenizer(tiny_hf_model / "vocab.txt")
+    expected = [detokenize(tokenizer.convert_ids_to_tokens(ids[:15])) for ids in
+                tokenizer.encode_batch([p[1] for p in pairs])]
+    for beam in ("1", "3"):
+        output = tmp_path / f"pred{beam}.txt"
+        result = run_module("megatron_pmlm.decode_s2s", "--model", str(tmp_path / "ft"), "--input",
+                            str(tmp_path / "m.src"), "--output", str(output), "--beam-size", beam, "--no-progress")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert output.read_text().splitlines() == expected
