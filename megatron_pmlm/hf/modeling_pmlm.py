@@ -60,6 +60,8 @@ class PMLMBertModel(BertModel):
     config_class = PMLMConfig
     _supports_flash_attn = False  # the bias is a dense additive [B, heads, T, T] tensor
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
 
     def __init__(self, config, add_pooling_layer=True):
         BertPreTrainedModel.__init__(self, config)
@@ -118,6 +120,8 @@ class PMLMForMaskedLM(BertForMaskedLM):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -144,6 +148,8 @@ class PMLMForPreTraining(BertForPreTraining):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -158,6 +164,8 @@ class PMLMForSequenceClassification(BertForSequenceClassification):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
 
     def __init__(self, config):
@@ -176,6 +184,8 @@ class PMLMForMultipleChoice(BertForMultipleChoice):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
 
     def __init__(self, config):
@@ -192,6 +202,8 @@ class PMLMForTokenClassification(BertForTokenClassification):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
 
     def __init__(self, config):
@@ -209,6 +221,8 @@ class PMLMForQuestionAnswering(BertForQuestionAnswering):
     config_class = PMLMConfig
     _supports_flash_attn = False
     _supports_flex_attn = False
+    # The heads average their loss themselves: Trainer must not rescale it by the item count.
+    accepts_loss_kwargs = False
     _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
 
     def __init__(self, config):
