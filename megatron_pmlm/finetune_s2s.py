@@ -26,7 +26,7 @@ TRAINING_DEFAULTS = dict(
     # s2s-ft: code defaults (run_seq2seq.py) and the paper's Appendix A where the code has none.
     lr=5e-5, min_lr=0.0, lr_warmup_iters=1000, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999,
     adam_eps=1e-6, clip_grad=1.0, micro_batch_size=8, global_batch_size=64, log_interval=50,
-    eval_interval=500, save_interval=0, exit_interval=0, seed=42,
+    eval_interval=500, save_interval=0, exit_interval=0, seed=42, keep_last_checkpoints=0, keep_checkpoint_every=0,
 )
 DEFAULT_EPOCHS = 10
 
@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--train-iters", type=int, default=None, help=f"default: --epochs {DEFAULT_EPOCHS} worth")
     train.add_argument("--epochs", type=float, default=None, help="passes over the training set (if no --train-iters)")
     for name in ("micro_batch_size", "global_batch_size", "lr_warmup_iters", "seed", "log_interval",
-                 "eval_interval", "save_interval", "exit_interval"):
+                 "eval_interval", "save_interval", "exit_interval", "keep_last_checkpoints",
+                 "keep_checkpoint_every"):
         train.add_argument("--" + name.replace("_", "-"), type=int, default=TRAINING_DEFAULTS[name])
     for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"):
         train.add_argument("--" + name.replace("_", "-"), type=float, default=TRAINING_DEFAULTS[name])

@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--global-batch-size", type=int, default=None,
                        help=f"sequences per step (default: the DeepSpeed config's, else {defaults.global_batch_size})")
     for name in ("train_iters", "lr_warmup_iters", "seed",
-                 "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval"):
+                 "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
+                 "keep_last_checkpoints", "keep_checkpoint_every"):
         train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
     for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
         train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))

@@ -59,13 +59,18 @@ class TrainingConfig:
     """Save every N iterations (0: only at the end and on exit)."""
     exit_interval: int = 0
     """Save and stop after iteration N (the schedule still follows train_iters); 0: off."""
+    keep_last_checkpoints: int = 0
+    """Keep only the newest N complete checkpoints (0: keep all)."""
+    keep_checkpoint_every: int = 0
+    """Never delete checkpoints whose iteration is a multiple of M (0: none kept forever)."""
 
     def __post_init__(self) -> None:
         for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters",
                      "log_interval", "eval_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"training config: {name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_iters", "save_interval", "exit_interval", "lr_warmup_iters"):
+        for name in ("eval_iters", "save_interval", "exit_interval", "lr_warmup_iters", "keep_last_checkpoints",
+                     "keep_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"training config: {name} must be >= 0, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
@@ -542,9 +547,28 @@ class Trainer:
             tmp = save_dir / f".{LATEST_FILE}.tmp"
             tmp.write_text(tag)
             os.replace(tmp, save_dir / LATEST_FILE)
+        if self.rank == 0:
+            self._delete_old_checkpoints(save_dir, tag)
         dist.barrier()
         self.log(f"saved checkpoint {save_dir / tag}")
         return tag
+
+    def _delete_old_checkpoints(self, save_dir: Path, latest_tag: str) -> None:
+        """Retention, run once `latest` names the new complete checkpoint: the newest
+        `keep_last_checkpoints` stay, so do multiples of `keep_checkpoint_every`, never `latest`'s."""
+        keep_last, keep_every = self.config.keep_last_checkpoints, self.config.keep_checkpoint_every
+        if not keep_last:
+            return
+        import re
+        import shutil
+
+        complete = sorted((int(m.group(1)), p) for p in save_dir.iterdir()
+                          if (m := re.fullmatch(r"iter_(\d+)", p.name)) and (p / RUN_STATE_FILE).is_file())
+        for iteration, path in complete[:-keep_last]:
+            if path.name == latest_tag or (keep_every and iteration % keep_every == 0):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            self.log(f"deleted old checkpoint {path} (--keep-last-checkpoints {keep_last})")
 
     def load_checkpoint(self, load_dir: str | os.PathLike,
                         expected_model_config: dict[str, Any] | None = None, finetune: bool = False) -> bool:

@@ -139,3 +139,16 @@ def test_unsupported_precision_is_refused_clearly(precision, pretraining_samples
     assert result.returncode == 2, result.stderr[-2000:]
     assert f"{precision}: DeepSpeed's cpu accelerator reports no {precision[2:]} support" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_checkpoint_retention_keeps_the_newest_and_the_permanent_ones(pretraining_samples, tmp_path):
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                        "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "20",
+                        "--eval-iters", "0", "--log-interval", "10", "--save-interval", "4",
+                        "--keep-last-checkpoints", "2", "--keep-checkpoint-every", "8", "--save", str(tmp_path / "c"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    kept = sorted(p.name for p in (tmp_path / "c").glob("iter_*"))
+    # newest two (16, 20) plus the multiples of 8 kept forever (8; 16 is both)
+    assert kept == ["iter_0000008", "iter_0000016", "iter_0000020"]
+    assert (tmp_path / "c" / "latest").read_text() == "iter_0000020"
+    assert "deleted old checkpoint" in result.stdout
