@@ -10,8 +10,10 @@
 # Step 2: one task joins the shards into PREFIX.bin/.idx (--merge-only).
 # Step 3: build_samples packs samples and precomputes K mask epochs, on one node's cores.
 #
-# Environment (optional): VOCAB (default ../shared/data/vocab/bert-base-uncased-vocab.txt),
-# PYTHON (default .venv/bin/python), JSON_KEY (text), SEQ_LENGTH (512), MASK_EPOCHS (10),
+# Environment: VOCAB (required): a WordPiece vocab.txt, e.g. bert-base-uncased's (30,522 entries,
+# the paper's; the vocab.txt of any bert-base-uncased download or Hugging Face folder), or one
+# trained on your corpus with `python -m data_prep.preprocess --train-vocab N` on a sample first.
+# Optional: PYTHON (default .venv/bin/python), JSON_KEY (text), SEQ_LENGTH (512), MASK_EPOCHS (10),
 # SPLIT (949,50,1), SEED (1234), SHARD_SIZE_MB (256).
 #SBATCH --job-name=pmlm-data
 #SBATCH --output=%x-%j.out
@@ -21,7 +23,8 @@ PREFIX=${1:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 INPUTS=${2:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 PYTHON=${PYTHON:-.venv/bin/python}
-VOCAB=${VOCAB:-../shared/data/vocab/bert-base-uncased-vocab.txt}
+VOCAB=${VOCAB:?set VOCAB to a WordPiece vocab.txt (e.g. bert-base-uncased's, 30,522 entries); see this script's header}
+if [ ! -f "$VOCAB" ]; then echo "prepare_data.sh: VOCAB=$VOCAB does not exist" >&2; exit 2; fi
 WORKERS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 NTASKS=${SLURM_NTASKS:-1}
 
