@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from .config import ConfigError
+
+from .files import write_text_atomically
 
 
 class InputError(ValueError):
@@ -78,19 +78,6 @@ def encode_sources(sources: list[str | list[str]], tokenizer) -> list[list[int]]
         if isinstance(source, list):
             encoded[index] = [tokenizer.special.unk if (i := tokenizer.token_to_id(t)) is None else i for t in source]
     return encoded
-
-
-def write_lines_atomically(path: Path, lines: list[str]) -> None:
-    """Temp file beside the output, then os.replace: readers see no file or the whole new one."""
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False)
-    try:
-        with handle:
-            handle.writelines(line + "\n" for line in lines)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
 
 
 def half_matmul_works(device: str) -> bool:
@@ -219,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
     seconds = time.perf_counter() - started
     lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
-    write_lines_atomically(args.output, lines)
+    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
     stop_ids = {tokenizer.special.sep, tokenizer.special.pad}
     tokens = sum(generated_length(ids, stop_ids) for ids in outputs)
     print(f"decoded {len(lines)} examples in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, "

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
+
+from .files import write_text_atomically
 
 TOKENIZERS = ("bert", "13a", "none")
 NO_METEOR = ("METEOR is not reported: nltk's meteor_score needs the WordNet corpus downloaded at "
@@ -105,18 +105,7 @@ def read_lines(path: Path, role: str) -> list[str]:
 
 
 def write_json_atomically(path: Path, data: dict) -> None:
-    """Temp file in the same folder, then os.replace: readers see the old file or the whole new one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent,
-                                         prefix=f".{path.name}.", suffix=".tmp", delete=False)
-    try:
-        with handle:
-            json.dump(data, handle, indent=2)
-            handle.write("\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+    write_text_atomically(path, json.dumps(data, indent=2) + "\n")
 
 
 def format_table(results: dict) -> str:

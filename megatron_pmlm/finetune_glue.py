@@ -30,12 +30,13 @@ import json
 import math
 import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from .files import write_text_atomically
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """The shared data folder beside the repository (GLUE under glue/, question generation under qg/)."""
@@ -310,34 +311,8 @@ def _finite(value):
 
 
 def write_json_atomically(path: Path, data: Any) -> None:
-    """A temporary file in the same folder, then os.replace: readers see the old file or the whole
-    new one. Non-finite numbers become null (strict JSON)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False)
-    try:
-        with handle:
-            json.dump(_finite(data), handle, indent=2, allow_nan=False)
-            handle.write("\n")
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
-
-
-def write_text_atomically(path: Path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False)
-    try:
-        with handle:
-            handle.write(text)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+    """Strict JSON (non-finite numbers become null), written atomically."""
+    write_text_atomically(path, json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
 
 
 def check_model_path(path: str | os.PathLike) -> str:
