@@ -131,12 +131,9 @@ def run(args: argparse.Namespace) -> int:
                          max_position_embeddings=max(loaded.config.max_position_embeddings, s2s.max_length), **dropout)
     except ConfigError as error:
         raise ConfigError(f"model config: {error}") from None
-    ds_config_base = None
-    if args.deepspeed_config:
-        path = Path(args.deepspeed_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"DeepSpeed config not found: {path}")
-        ds_config_base = json.loads(path.read_text())
+    from .training import read_deepspeed_config
+
+    ds_config_base = read_deepspeed_config(args.deepspeed_config)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
     training_values = {name: getattr(args, name) for name in TRAINING_DEFAULTS}
     training_values.update(seq_length=s2s.max_length, precision=precision, zero_stage=args.zero_stage,
@@ -194,12 +191,14 @@ def run(args: argparse.Namespace) -> int:
     vocab_size = config.vocab_size
     train_batches = seq2seq_batches(train_examples, s2s, special, vocab_size, training.micro_batch_size, dp_rank,
                                     data_parallel_size, training.seed, trainer.consumed_samples)
-    valid_batches = None
-    if valid_examples is not None:
-        def valid_batches():
-            return seq2seq_batches(valid_examples, s2s, special, vocab_size, training.micro_batch_size, dp_rank,
-                                   data_parallel_size, training.seed + 1, 0, shuffle=False)
-    history = trainer.train(train_batches, valid_batches, save_dir=args.save)
+
+    def valid_batches():
+        """The whole validation set in file order, corrupted as in training but from its own seed."""
+        return seq2seq_batches(valid_examples, s2s, special, vocab_size, training.micro_batch_size, dp_rank,
+                               data_parallel_size, training.seed + 1, 0, shuffle=False)
+
+    history = trainer.train(train_batches, valid_batches if valid_examples is not None else None,
+                            save_dir=args.save)
     if args.history_json and trainer.is_logging_rank:
         Path(args.history_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.history_json).write_text(json.dumps(history, indent=1))

@@ -164,15 +164,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the samples are {seq_length} tokens long, more than the model's maximum sequence "
                           f"length {model_config.max_position_embeddings} (preset {args.preset!r}); rebuild with "
                           f"a shorter --seq-length or raise --max-position-embeddings")
-    ds_config_base = None
-    if args.deepspeed_config:
-        path = Path(args.deepspeed_config)
-        if not path.is_file():
-            raise FileNotFoundError(f"DeepSpeed config not found: {path}")
-        try:
-            ds_config_base = json.loads(path.read_text())
-        except json.JSONDecodeError as error:
-            raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    from .training import read_deepspeed_config
+
+    ds_config_base = read_deepspeed_config(args.deepspeed_config)
     if args.finetune and not args.load:
         raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
     training = training_config_from_args(args, seq_length, ds_config_base)

@@ -159,6 +159,19 @@ class AdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
+    """The user's --deepspeed-config file (None without one); a missing or invalid file is named."""
+    if not path:
+        return None
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+
+
 def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
                            base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A user's DeepSpeed file (if any) with the command-line values written over it."""
