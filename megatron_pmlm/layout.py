@@ -87,6 +87,10 @@ class PMLMBatch:
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(getattr(self, f.name) for f in fields(self))
 
+    def num_tokens(self) -> int:
+        """Tokens the model processes (padding excluded): what throughput is counted in."""
+        return int((self.roles != PAD).sum())
+
 
 def build_batch(input_ids: Sequence[np.ndarray], token_type_ids: Sequence[np.ndarray],
                 masks: Sequence[ExampleMasks], pseudo_token_id: int, pad_token_id: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import ConfigError
+from .metrics import PMLM_METRICS, MetricSpec
 
 
 @dataclass(frozen=True)
@@ -34,3 +35,8 @@ def get_objective(name: str) -> Objective:
     except KeyError:
         raise ConfigError(
             f"unknown objective {name!r}; choose one of: {', '.join(OBJECTIVES)}") from None
+
+
+def objective_metrics(objective: Objective) -> MetricSpec:
+    """What the objective's model reports per micro batch (the trainer logs these names)."""
+    return PMLM_METRICS

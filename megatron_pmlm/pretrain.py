@@ -16,8 +16,8 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-from .config import PRESETS, ConfigError, ModelConfig, model_config_from_preset
-from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective
+from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, ModelConfig, model_config_from_preset
+from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .training import (CheckpointError, ExitSignal, TrainingConfig, check_precision_supported,
                        check_zero_with_pipeline)
 
@@ -35,6 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float)
     model.add_argument("--attention-dropout", type=float)
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
+    model.add_argument("--model", default="pmlm", choices=("pmlm", "palm"),
+                       help="pmlm: the BERT-shaped unified LM (UniLMv2 PMLM and UniLM v1 objectives); palm: "
+                            "PALM's encoder-decoder")
+    model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
+                       help="sdpa: dense additive mask + relative bias; flex: torch FlexAttention (block mask "
+                            "from roles/steps, relative bias as a score_mod)")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
@@ -93,7 +99,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None)
+        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
+        attention_backend=args.attention_backend)
 
 
 def training_config_from_args(args: argparse.Namespace, seq_length: int,
@@ -140,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == "palm":
+        from .palm_pretrain import run_palm
+
+        return run_palm(args)
     # Everything that can be refused is checked before processes start talking to each other.
     objective = get_objective(args.objective)
     if len(args.data_path) != 1:
@@ -200,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         "accumulation steps)")
     trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
-                      tensorboard_dir=args.tensorboard_dir, log=print,
+                      tensorboard_dir=args.tensorboard_dir, log=print, metrics=objective_metrics(objective),
                       run_args={**vars(args), "model_config": asdict(model_config)})
     if args.load:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(model_config), finetune=args.finetune)

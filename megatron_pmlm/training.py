@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import ConfigError
-from .layout import PAD, PMLMBatch
+from .layout import PMLMBatch
+from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
 
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
@@ -223,48 +224,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-@dataclass(frozen=True)
-class MetricSpec:
-    """What a model's `metrics()` vector holds: losses (averaged over micro-batches) and
-    (correct, count) pairs (summed, then divided: accuracy over tokens)."""
-
-    names: tuple[str, ...]
-    accuracies: tuple[tuple[str, str, str], ...]
-    """(reported name, correct field, count field)."""
-
-    @property
-    def losses(self) -> tuple[str, ...]:
-        return tuple(n for n in self.names if n.startswith("loss"))
-
-
-PMLM_METRICS = MetricSpec(("loss", "loss_ae", "loss_par", "ae_correct", "ae_count"),
-                          (("mlm_acc", "ae_correct", "ae_count"),))
-
-
-class MetricSums:
-    """Sums of per-micro-batch losses and counts, reduced and averaged at log time."""
-
-    def __init__(self, spec: MetricSpec = PMLM_METRICS) -> None:
-        self.spec = spec
-        self.values = torch.zeros(len(spec.names) + 1, dtype=torch.float64)  # + micro-batch count
-
-    def add_tensor(self, metrics: torch.Tensor) -> None:
-        """metrics: one micro batch's vector, in `spec.names` order."""
-        self.values[:-1] += metrics.detach().double().cpu()
-        self.values[-1] += 1
-
-    def merge(self, other: "MetricSums") -> None:
-        self.values += other.values
-
-    def averages(self) -> dict[str, float]:
-        v = dict(zip(self.spec.names, self.values.tolist()))
-        batches = max(1.0, float(self.values[-1]))
-        out = {name: v[name] / batches for name in self.spec.losses}
-        for name, correct, count in self.spec.accuracies:
-            out[name] = v[correct] / max(1.0, v[count])
-        return out
-
-
 class ExitSignal:
     """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) ask the run to save and stop.
 
@@ -416,7 +375,7 @@ class Trainer:
         else:
             for _ in range(self.engine.gradient_accumulation_steps()):
                 batch = next(batches)
-                tokens += int((batch.roles != PAD).sum())
+                tokens += batch.num_tokens()
                 out = self.engine(*batch.to(self.device).as_tuple())
                 self.engine.backward(out.loss)
                 self.engine.step()
@@ -607,10 +566,13 @@ class Trainer:
                                   "(an incomplete or foreign checkpoint)")
         saved = json.loads(run_state_file.read_text())
         saved_model = saved.get("args", {}).get("model_config")
-        if expected_model_config and saved_model and saved_model != expected_model_config:
+        if expected_model_config and saved_model:
+            # How attention is computed is not part of the model: a run may switch backends.
             differences = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {v!r}"
-                                    for k, v in expected_model_config.items() if saved_model.get(k) != v)
-            raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
+                                    for k, v in expected_model_config.items()
+                                    if k != "attention_backend" and saved_model.get(k) != v)
+            if differences:
+                raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
         if saved.get("args", {}).get("converted_from") and not finetune:
             raise CheckpointError(f"{tag_dir} was converted from {saved['args']['converted_from']} and holds "
                                   "weights only (no optimizer or schedule): load it with --finetune")
@@ -655,7 +617,7 @@ class _CountingIterator:
 
     def __next__(self):
         batch = next(self.batches)
-        self.tokens += int((batch.roles != PAD).sum())
+        self.tokens += batch.num_tokens()
         batch = batch.to(self.device)
         return batch.as_tuple(), batch.labels
 
