@@ -18,7 +18,8 @@ class MetricSpec:
 
     names: tuple[str, ...]
     accuracies: tuple[tuple[str, str, str], ...]
-    """(reported name, correct field, count field)."""
+    """Ratios of sums: (reported name, numerator field, denominator field). Accuracies over tokens,
+    or a loss that only some micro batches have (its sum over them / their number)."""
 
     @property
     def losses(self) -> tuple[str, ...]:

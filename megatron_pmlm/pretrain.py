@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--model", default="pmlm", choices=("pmlm", "palm"),
                        help="pmlm: the BERT-shaped unified LM (UniLMv2 PMLM and UniLM v1 objectives); palm: "
                             "PALM's encoder-decoder")
+    model.add_argument("--palm-stage", type=int, default=2, choices=(1, 2),
+                       help="with --model palm: 1 = the encoder alone as a masked LM on the context; 2 = encoder "
+                            "and decoder on the continuation (start from stage 1 with --load DIR --finetune)")
     model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
                        help="sdpa: dense additive mask + relative bias; flex: torch FlexAttention (block mask "
                             "from roles/steps, relative bias as a score_mod)")

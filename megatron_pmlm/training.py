@@ -467,7 +467,7 @@ class Trainer:
         if grad_norm is None:
             grad_norm = getattr(self._base_optimizer, "last_grad_norm", None)
         loss_scale = float(getattr(self.optimizer, "cur_scale", getattr(self.optimizer, "loss_scale", 1.0)) or 1.0)
-        losses = {name: averages[name] for name in self.metrics.losses}
+        losses = averages  # the spec's losses, then its ratios (accuracies, per-kind losses)
         record = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
