@@ -8,9 +8,12 @@ PipeModelDataParallelTopology axes pipe-data-model):
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,7 +74,36 @@ def _env_from_launcher() -> None:
             os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
 
 
-def init_distributed(backend: str | None = None) -> None:
+DEFAULT_TIMEOUT_MINUTES = 10
+"""How long a collective may wait before the process group fails (and the job can requeue):
+long enough for a checkpoint save or a slow data-loader start, short next to a hung job."""
+
+
+def launcher_rank() -> int:
+    """This process's global rank as the launcher set it (before torch.distributed exists)."""
+    for key in ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def quiet_other_ranks() -> None:
+    """Start-up warnings (missing optional kernels, DeepSpeed notices) once per job, not once per
+    GPU: every rank but 0 drops Python warnings and DeepSpeed's info/warning logs."""
+    if launcher_rank() != 0:
+        warnings.simplefilter("ignore")
+        logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+
+
+def local_device_index(local_rank: int, visible_devices: int) -> int:
+    """The GPU of a local rank: every GPU of the node visible (index = local rank), or a site that
+    binds one GPU per task (one visible, index 0) — local rank modulo the visible count."""
+    if visible_devices < 1:
+        raise RuntimeError("CUDA is available but no GPU is visible to this process")
+    return local_rank % visible_devices
+
+
+def init_distributed(backend: str | None = None, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
     """torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU)."""
     import deepspeed
 
@@ -81,20 +113,23 @@ def init_distributed(backend: str | None = None) -> None:
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(local_device_index(int(os.environ.get("LOCAL_RANK", 0)), torch.cuda.device_count()))
     else:
         # On the CPU, DeepSpeed JIT-compiles a shared-memory all-reduce (used by its inference
         # engine, not by training) at every start, under a file lock that a process killed at that
         # moment leaves behind; every later start then waits on it forever. Training skips it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(minutes=timeout_minutes))
 
 
-def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> ParallelLayout:
-    """Initialise torch.distributed and megatron-core's groups; returns the layout."""
+def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                              timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ParallelLayout:
+    """Initialise torch.distributed and megatron-core's groups (all with `timeout_minutes`)."""
     from megatron.core import parallel_state
 
-    init_distributed()
+    if timeout_minutes <= 0:
+        raise ConfigError(f"--distributed-timeout-minutes must be positive, got {timeout_minutes}")
+    init_distributed(timeout_minutes=timeout_minutes)
     layout = ParallelLayout(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
@@ -103,7 +138,8 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
         return layout
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel_size,
-        pipeline_model_parallel_size=pipeline_parallel_size)
+        pipeline_model_parallel_size=pipeline_parallel_size,
+        distributed_timeout_minutes=max(1, round(timeout_minutes)))
     check_layout_agrees(layout)
     return layout
 

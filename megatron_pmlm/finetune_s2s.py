@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--save", help="checkpoint directory (and, at the end, its Hugging Face export in hf/)")
     output.add_argument("--load", help="resume from this directory's latest checkpoint (if any)")
     output.add_argument("--tensorboard-dir")
-    output.add_argument("--history-json", help="also write the logged metrics to this JSON file")
+    output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
+                                               "every log interval)")
     return parser
 
 
@@ -185,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
                 "source_type_id": s2s.source_type_id, "target_type_id": s2s.target_type_id}
     trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       flops_per_token=flops_per_token(config, s2s.max_length, mask_prob=0.5 if s2s.pseudo_masked else 0),
-                      tensorboard_dir=args.tensorboard_dir, log=print, run_args=run_args, metrics=SEQ2SEQ_METRICS)
+                      tensorboard_dir=args.tensorboard_dir, log=print, run_args=run_args, metrics=SEQ2SEQ_METRICS,
+                      history_path=args.history_json)
     if args.load:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(config))
     vocab_size = config.vocab_size
@@ -197,11 +199,7 @@ def run(args: argparse.Namespace) -> int:
         return seq2seq_batches(valid_examples, s2s, special, vocab_size, training.micro_batch_size, dp_rank,
                                data_parallel_size, training.seed + 1, 0, shuffle=False)
 
-    history = trainer.train(train_batches, valid_batches if valid_examples is not None else None,
-                            save_dir=args.save)
-    if args.history_json and trainer.is_logging_rank:
-        Path(args.history_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.history_json).write_text(json.dumps(history, indent=1))
+    trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
     if args.save and rank == 0:
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)

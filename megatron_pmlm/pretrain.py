@@ -9,15 +9,14 @@ batch / (micro batch x data-parallel size).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import asdict, fields, replace
-from pathlib import Path
 from typing import Sequence
 
 from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
+from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
 from .training import (CheckpointError, ExitSignal, TrainingConfig, check_precision_supported,
                        check_zero_with_pipeline)
 
@@ -80,15 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--zero-stage", type=int, default=None,
                           help="0-3 (default: the DeepSpeed config's, else 0)")
     parallel.add_argument("--deepspeed-config", help="a DeepSpeed JSON file (ds_configs/); arguments override it")
+    parallel.add_argument("--distributed-timeout-minutes", type=float, default=DEFAULT_TIMEOUT_MINUTES,
+                          help="a collective that waits longer fails the run (so a hung job ends and can requeue)")
     parallel.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory")
     output.add_argument("--load", help="resume from this directory's latest checkpoint (if any)")
+    output.add_argument("--universal-checkpoint", action="store_true",
+                        help="with --load: resume on another data-parallel size (e.g. fewer nodes), keeping iteration, "
+                             "optimizer, schedule and sample order; the ZeRO checkpoint is converted to DeepSpeed's "
+                             "universal format next to it (DIR/iter_N_universal) the first time")
     output.add_argument("--finetune", action="store_true",
                         help="with --load: take the weights only; iteration, optimizer and schedule start afresh")
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
-    output.add_argument("--history-json", help="also write the logged metrics to this JSON file")
+    output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
+                                               "every log interval, so a crash loses nothing logged)")
     return parser
 
 
@@ -141,6 +147,7 @@ def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.1
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, so a SLURM signal during start-up is remembered rather than fatal.
     ExitSignal.install()
+    quiet_other_ranks()
     args = build_parser().parse_args(argv)
     try:
         return run(args)
@@ -197,7 +204,13 @@ def run(args: argparse.Namespace) -> int:
     from .distributed import MegatronMPU, initialize_model_parallel
     from .training import Trainer, seed_everything
 
-    layout = initialize_model_parallel(tp, pp)
+    if args.universal_checkpoint and not args.load:
+        raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
+    if args.universal_checkpoint and training.zero_stage == 0:
+        raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use --zero-stage 1, 2 "
+                          "or 3 (a ZeRO-0 checkpoint loads on any data-parallel size without it)")
+
+    layout = initialize_model_parallel(tp, pp, args.distributed_timeout_minutes)
     rank = dist.get_rank()
     tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
     training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
@@ -215,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=objective_metrics(objective),
+                      universal_checkpoint=args.universal_checkpoint and not args.finetune,
+                      history_path=args.history_json,
                       run_args={**vars(args), "model_config": asdict(model_config)})
     if args.load:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(model_config), finetune=args.finetune)
@@ -225,10 +240,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"data: {len(loaders.train_samples):,} training samples"
         + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
         + f" from {args.data_path}")
-    history = trainer.train(loaders.train, loaders.valid, save_dir=args.save)
-    if args.history_json and trainer.is_logging_rank:
-        Path(args.history_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.history_json).write_text(json.dumps(history, indent=1))
+    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
     return 0
 

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, checkpoint_dirs,
+                               newest_complete_checkpoint)
 from .config import ConfigError
+from .files import write_text_atomically
 from .layout import PMLMBatch
 from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
 
-LATEST_FILE = "latest"
-RUN_STATE_FILE = "run_state.json"
 
 
 @dataclass
@@ -287,6 +288,61 @@ class CheckpointError(RuntimeError):
     """A checkpoint to load is missing, incomplete or incompatible; the message says how to proceed."""
 
 
+def universal_checkpoint_info(embedding_rows: int, parameter_names: list[str]) -> dict[str, Any]:
+    """What DeepSpeed's `ds_to_universal` needs to merge this model's tensor-parallel slices: which
+    parameters every TP rank holds whole, which are split along their input (row-parallel), and the
+    (padded) vocabulary of the word embedding. Everything else is split along dim 0 (column-parallel
+    weights and biases, the vocabulary-split softmax bias, the relative bias split by heads).
+    Only patterns that name a parameter of this model are listed (DeepSpeed refuses unused ones)."""
+    import re
+
+    from deepspeed.checkpoint import constants
+
+    def used(patterns: list[str]) -> list[str]:
+        return [p for p in patterns if any(re.match(p, name) for name in parameter_names)]
+
+    return {
+        constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        constants.TP_REPLICATED_PARAMETER_PATTERNS: used([
+            r".*position_embeddings\.weight$", r".*token_type_embeddings\.weight$", r".*LayerNorm\.(weight|bias)$",
+            r".*attention\.output\.dense\.bias$", r".*layer\.\d+\.output\.dense\.bias$",
+            r".*cls\.predictions\.transform\.dense\.", r".*pooler\.", r".*cls\.seq_relationship\."]),
+        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: used([
+            r".*attention\.output\.dense\.weight$", r".*layer\.\d+\.output\.dense\.weight$"]),
+        constants.VOCABULARY_PARAMETER_PATTERNS: used([r".*word_embeddings\.weight$"]),
+        constants.ORIGINAL_VOCAB_SIZE: embedding_rows,
+    }
+
+
+def convert_to_universal(tag_dir: Path, log: Callable[[str], None]) -> Path:
+    """DeepSpeed's ds_to_universal on one checkpoint, into `<tag>_universal` next to it (written
+    under a temporary name and renamed, so an interrupted conversion is redone, never half-used)."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
+    if (target / RUN_STATE_FILE).is_file():
+        return target
+    staging = tag_dir.with_name(f".{tag_dir.name}{UNIVERSAL_SUFFIX}.tmp")
+    import shutil
+
+    shutil.rmtree(staging, ignore_errors=True)
+    log(f"converting {tag_dir} to DeepSpeed's universal format in {target}")
+    import argparse
+
+    ds_to_universal.main(argparse.Namespace(
+        input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1, num_merge_workers=1,
+        keep_temp_folder=False, strict=True, inject_missing_state=False))
+    shutil.copy2(tag_dir / RUN_STATE_FILE, staging / RUN_STATE_FILE)
+    for rng_file in tag_dir.glob("rng_state_rank*.pt"):
+        shutil.copy2(rng_file, staging / rng_file.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    # ds_to_universal names its output folder (our staging name) in `latest_universal`.
+    write_text_atomically(tag_dir.parent / "latest_universal", target.name)
+    return target
+
+
+
 class Trainer:
     """Iterations of a PMLM model (plain or pipelined) under a DeepSpeed engine.
 
@@ -297,7 +353,8 @@ class Trainer:
                  ds_config_base: dict[str, Any] | None = None, mpu: Any = None,
                  pipeline: bool = False, flops_per_token: float = 0.0,
                  tensorboard_dir: str | None = None, log: Callable[[str], None] | None = None,
-                 run_args: dict[str, Any] | None = None, metrics: MetricSpec = PMLM_METRICS):
+                 run_args: dict[str, Any] | None = None, metrics: MetricSpec = PMLM_METRICS,
+                 universal_checkpoint: bool = False, history_path: str | os.PathLike | None = None):
         import deepspeed
 
         self.config = config
@@ -311,8 +368,15 @@ class Trainer:
         self.flops_per_token = flops_per_token
         self.data_parallel_size = data_parallel_size
         self.tensor_parallel_size = mpu.get_model_parallel_world_size() if mpu else 1
+        self.pipeline_parallel_size = mpu.get_pipeline_model_parallel_world_size() if mpu else 1
+        self.universal_checkpoint = universal_checkpoint
         check_zero_with_pipeline(config.zero_stage, pipeline)
         self.ds_config = build_deepspeed_config(config, data_parallel_size, ds_config_base)
+        if universal_checkpoint:
+            if config.zero_stage == 0:
+                raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use "
+                                  "--zero-stage 1, 2 or 3")
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         if pipeline:
             # DeepSpeed can split stage-to-stage activations over the tensor-parallel group only when
             # the hidden state is the sole tensor needing a gradient; ours also sends the attention
@@ -345,7 +409,9 @@ class Trainer:
             optimizer.max_grad_norm = config.clip_grad
         self.iteration = 0
         self.consumed_samples = 0
+        self.consumed_tokens = 0
         self.history: list[dict[str, float]] = []
+        self.history_path = Path(history_path) if history_path else None
         self.exit_signal = ExitSignal.install()
         self.tensorboard = None
         if tensorboard_dir and self.is_logging_rank:
@@ -462,6 +528,7 @@ class Trainer:
         # and the last stage.
         replicas = self.tensor_parallel_size * (2 if self.pipeline and self.engine.num_stages > 1 else 1)
         tokens_total = float(token_tensor.item()) / replicas
+        self.consumed_tokens += int(tokens_total)
         elapsed = max(elapsed, 1e-9)
         grad_norm = self.engine.get_global_grad_norm()
         if grad_norm is None:
@@ -478,7 +545,12 @@ class Trainer:
             "samples_per_sec": iterations * config.global_batch_size / elapsed,
             "tokens_per_sec": tokens_total / elapsed,
             "tflops_per_gpu": tokens_total * self.flops_per_token / elapsed / self.world_size / 1e12,
+            "consumed_tokens": self.consumed_tokens,
+            "skipped_iterations": int(getattr(self.engine, "skipped_steps", 0) or 0),
         }
+        if torch.cuda.is_available():
+            record["memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+            record["memory_reserved_gb"] = torch.cuda.max_memory_reserved() / 2**30
         self.history.append(record)
         remaining = (config.train_iters - self.iteration) * elapsed / max(1, iterations)
         self.log(f"iteration {self.iteration:>8}/{config.train_iters} | consumed samples {self.consumed_samples} | "
@@ -489,9 +561,28 @@ class Trainer:
                  f"TFLOP/s/GPU {record['tflops_per_gpu']:.2f} | ETA {_format_seconds(remaining)}")
         if self.tensorboard:
             for key in (*losses, "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec",
-                        "tflops_per_gpu"):
-                if math.isfinite(record[key]):
+                        "tflops_per_gpu", "consumed_tokens", "skipped_iterations", "memory_allocated_gb",
+                        "memory_reserved_gb"):
+                if key in record and math.isfinite(record[key]):
                     self.tensorboard.add_scalar(f"train/{key}", record[key], self.iteration)
+        self._write_history()
+
+    def _continue_history(self) -> None:
+        """Resuming into the same --history-json: keep its records up to the checkpoint (later ones
+        are about to be redone), so the file reads as one run."""
+        if self.history_path is None or not self.history_path.is_file():
+            return
+        try:
+            records = json.loads(self.history_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.log(f"warning: {self.history_path} is not valid JSON: starting it afresh")
+            return
+        self.history = [r for r in records if isinstance(r, dict) and r.get("iteration", 0) <= self.iteration]
+
+    def _write_history(self) -> None:
+        """The whole history so far, rewritten at every log interval: a crash loses nothing logged."""
+        if self.history_path is not None and self.is_logging_rank:
+            write_text_atomically(self.history_path, json.dumps(self.history, indent=1))
 
     def _validate(self, valid_batches: Callable[[], Iterator[PMLMBatch]]) -> None:
         valid = self.evaluate(valid_batches(), self.config.eval_iters)
@@ -501,25 +592,40 @@ class Trainer:
         if self.tensorboard:
             for key, value in valid.items():
                 self.tensorboard.add_scalar(f"valid/{key}", value, self.iteration)
+        self._write_history()
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike) -> str:
-        """DeepSpeed checkpoint + every rank's RNG state; 'latest' written only when all are done."""
+        """DeepSpeed checkpoint + every rank's RNG state, then (rank 0, once every rank is done) the
+        run state with a manifest of every file and its size, then `latest`: a checkpoint is
+        complete exactly when its manifest matches the files (see `checkpoint_problem`)."""
         save_dir = Path(save_dir)
         tag = f"iter_{self.iteration:07d}"
         client_state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
-                        "training_config": asdict(self.config), "args": self.run_args,
+                        "consumed_tokens": self.consumed_tokens, "training_config": asdict(self.config), "args": self.run_args,
                         "world_size": self.world_size, "data_parallel_size": self.data_parallel_size}
-        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state, save_latest=False)
+        model_config = self.run_args.get("model_config") or {}
+        embedding_rows = model_config.get("padded_vocab_size") or model_config.get("vocab_size")
+        parameter_names = [name for name, _ in self.engine.module.named_parameters()]
+        extra_state = {"universal_checkpoint_info": universal_checkpoint_info(int(embedding_rows), parameter_names)} \
+            if embedding_rows else {}
+        if self.rank == 0 and (save_dir / tag).exists():
+            # Left by a save that never completed (or a run that fell back past it): start clean.
+            import shutil
+
+            shutil.rmtree(save_dir / tag)
+        dist.barrier()
+        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
+                                    save_latest=False)
         torch.save(rng_state(), save_dir / tag / f"rng_state_rank{self.rank:05d}.pt")
-        if self.rank == 0:
-            (save_dir / tag / RUN_STATE_FILE).write_text(json.dumps(client_state, indent=1, default=str))
         dist.barrier()
         if self.rank == 0:
-            tmp = save_dir / f".{LATEST_FILE}.tmp"
-            tmp.write_text(tag)
-            os.replace(tmp, save_dir / LATEST_FILE)
-        if self.rank == 0:
+            tag_dir = save_dir / tag
+            files = {str(path.relative_to(tag_dir)): path.stat().st_size
+                     for path in sorted(tag_dir.rglob("*")) if path.is_file() and path.name != RUN_STATE_FILE}
+            write_text_atomically(tag_dir / RUN_STATE_FILE,
+                                  json.dumps({**client_state, "files": files}, indent=1, default=str))
+            write_text_atomically(save_dir / LATEST_FILE, tag)
             self._delete_old_checkpoints(save_dir, tag)
         dist.barrier()
         self.log(f"saved checkpoint {save_dir / tag}")
@@ -527,44 +633,45 @@ class Trainer:
 
     def _delete_old_checkpoints(self, save_dir: Path, latest_tag: str) -> None:
         """Retention, run once `latest` names the new complete checkpoint: the newest
-        `keep_last_checkpoints` stay, so do multiples of `keep_checkpoint_every`, never `latest`'s."""
+        `keep_last_checkpoints` stay, so do multiples of `keep_checkpoint_every`, never `latest`'s.
+        A checkpoint's universal conversion goes with it."""
         keep_last, keep_every = self.config.keep_last_checkpoints, self.config.keep_checkpoint_every
         if not keep_last:
             return
-        import re
         import shutil
 
-        complete = sorted((int(m.group(1)), p) for p in save_dir.iterdir()
-                          if (m := re.fullmatch(r"iter_(\d+)", p.name)) and (p / RUN_STATE_FILE).is_file())
-        for iteration, path in complete[:-keep_last]:
+        complete = [(iteration, path) for iteration, path in checkpoint_dirs(save_dir)
+                    if (path / RUN_STATE_FILE).is_file()]
+        for iteration, path in sorted(complete)[:-keep_last]:
             if path.name == latest_tag or (keep_every and iteration % keep_every == 0):
                 continue
+            shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)
             self.log(f"deleted old checkpoint {path} (--keep-last-checkpoints {keep_last})")
 
     def load_checkpoint(self, load_dir: str | os.PathLike,
                         expected_model_config: dict[str, Any] | None = None, finetune: bool = False) -> bool:
-        """Resume from `load_dir`'s latest checkpoint; False if there is none yet (a fresh start).
+        """Resume from `load_dir`'s newest complete checkpoint; False if there is none yet (a fresh start).
 
         With `finetune` only the weights are taken: iteration, consumed samples, optimizer and
         schedule start afresh (a run starting from a converted BERT checkpoint, for instance).
+        With `universal_checkpoint` (set at construction) the checkpoint is converted to DeepSpeed's
+        universal format (once, next to it) and loaded from there, on any data-parallel size.
         """
         load_dir = Path(load_dir)
-        latest = load_dir / LATEST_FILE
-        if not latest.is_file():
-            # 'latest' is written once a save has completed on every rank: without it there is no
-            # complete checkpoint (a first save cut short, e.g. by SIGKILL), so start from scratch.
-            incomplete = sorted(p.name for p in load_dir.glob("iter_*")) if load_dir.is_dir() else []
+        tag, skipped = newest_complete_checkpoint(load_dir)
+        for note in skipped:
+            self.log(f"warning: skipping {note}")
+        if tag is None:
+            if (load_dir / LATEST_FILE).is_file():
+                raise CheckpointError(f"{load_dir / LATEST_FILE} exists but no checkpoint in {load_dir} is complete "
+                                      f"({'; '.join(skipped) or 'none found'}); refusing to start from scratch over it")
+            # Without `latest` no save ever completed (a first save cut short, e.g. by SIGKILL).
             self.log(f"no complete checkpoint in {load_dir} yet: starting from scratch"
-                     + (f" (ignoring incomplete {', '.join(incomplete)})" if incomplete else ""))
+                     + (f" (ignoring incomplete {', '.join(n.split(':')[0] for n in skipped)})" if skipped else ""))
             return False
-        tag = latest.read_text().strip()
         tag_dir = load_dir / tag
-        run_state_file = tag_dir / RUN_STATE_FILE
-        if not run_state_file.is_file():
-            raise CheckpointError(f"{latest} names {tag!r} but {run_state_file} does not exist "
-                                  "(an incomplete or foreign checkpoint)")
-        saved = json.loads(run_state_file.read_text())
+        saved = json.loads((tag_dir / RUN_STATE_FILE).read_text())
         saved_model = saved.get("args", {}).get("model_config")
         if expected_model_config and saved_model:
             # How attention is computed is not part of the model: a run may switch backends.
@@ -583,27 +690,62 @@ class Trainer:
                 raise CheckpointError(f"DeepSpeed could not load {tag_dir}")
             self.log(f"loaded the weights of {tag_dir} (--finetune: iteration, optimizer and schedule start afresh)")
             return True
-        if saved.get("data_parallel_size") != self.data_parallel_size and self.config.zero_stage > 0:
-            raise CheckpointError(
-                f"{tag_dir} was written with data-parallel size {saved.get('data_parallel_size')}, this run "
-                f"has {self.data_parallel_size}; ZeRO-{self.config.zero_stage} optimizer partitions do not "
-                f"reshape. Convert it with DeepSpeed's universal checkpoint tool (python -m "
-                f"deepspeed.checkpoint.ds_to_universal --input_folder {tag_dir} --output_folder "
-                f"{load_dir / (tag + '_universal')}) and load that with \"checkpoint\": "
-                "{\"load_universal\": true} in the DeepSpeed config, or keep the data-parallel size")
-        path, client_state = self.engine.load_checkpoint(str(load_dir), tag=tag)
+        saved_zero_stage = int(saved.get("training_config", {}).get("zero_stage", 0))
+        if self.universal_checkpoint:
+            load_tag = self._universal_tag(tag_dir, saved, saved_zero_stage)
+        else:
+            load_tag = tag
+            if saved.get("data_parallel_size") != self.data_parallel_size and saved_zero_stage > 0:
+                raise CheckpointError(
+                    f"{tag_dir} was written with data-parallel size {saved.get('data_parallel_size')}, this run "
+                    f"has {self.data_parallel_size}; ZeRO-{saved_zero_stage} optimizer partitions do not reshape "
+                    "as they are: add --universal-checkpoint (converts it to DeepSpeed's universal format next to "
+                    "it, then loads that), or keep the data-parallel size")
+        path, _ = self.engine.load_checkpoint(str(load_dir), tag=load_tag)
         if path is None:
-            raise CheckpointError(f"DeepSpeed could not load {tag_dir}")
+            raise CheckpointError(f"DeepSpeed could not load {load_dir / load_tag}")
         self.iteration = int(saved["iteration"])
         self.consumed_samples = int(saved["consumed_samples"])
+        self.consumed_tokens = int(saved.get("consumed_tokens", 0))
+        self._continue_history()
         rng_file = tag_dir / f"rng_state_rank{self.rank:05d}.pt"
         if rng_file.is_file() and saved.get("world_size") == self.world_size:
             set_rng_state(torch.load(rng_file, weights_only=False))
         else:
-            self.log(f"warning: no RNG state for rank {self.rank} in {tag_dir} (world size changed?): "
-                     "dropout will not replay the uninterrupted run")
-        self.log(f"resumed from {tag_dir}: iteration {self.iteration}, consumed samples {self.consumed_samples}")
+            self.log(f"warning: no RNG state for rank {self.rank} in {tag_dir} (world size {saved.get('world_size')} "
+                     f"then, {self.world_size} now): dropout will not replay the uninterrupted run")
+        self.log(f"resumed from {tag_dir}: iteration {self.iteration}, consumed samples {self.consumed_samples}"
+                 + (f" (through {load_dir / load_tag}, data-parallel size {saved.get('data_parallel_size')} -> "
+                    f"{self.data_parallel_size})" if load_tag != tag else ""))
         return True
+
+    def _universal_tag(self, tag_dir: Path, saved: dict[str, Any], saved_zero_stage: int) -> str:
+        """Convert `tag_dir` to the universal format on rank 0 (if not done yet); every rank gets
+        its tag or the same error."""
+        args = saved.get("args", {})
+        for name, now in (("tensor_model_parallel_size", self.tensor_parallel_size),
+                          ("pipeline_model_parallel_size", self.pipeline_parallel_size)):
+            if int(args.get(name, 1)) != now:
+                raise CheckpointError(f"{tag_dir} was written with {name.replace('_', '-')} {args.get(name)}, this "
+                                      f"run has {now}; --universal-checkpoint changes the data-parallel size only "
+                                      "(keep tensor and pipeline sizes)")
+        if saved_zero_stage == 0:
+            raise CheckpointError(f"{tag_dir} was written with ZeRO-0, whose optimizer state is not partitioned: it "
+                                  "loads on any data-parallel size as it is; drop --universal-checkpoint")
+        error = ""
+        if self.rank == 0:
+            try:
+                convert_to_universal(tag_dir, self.log)
+            except Exception as exception:  # noqa: BLE001 (reported on every rank below)
+                error = f"{type(exception).__name__}: {exception}"
+        failed = torch.tensor([1.0 if error else 0.0])
+        if self.world_size > 1:
+            failed = failed.to(_collective_device())
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            raise CheckpointError(f"converting {tag_dir} to the universal format failed"
+                                  + (f": {error}" if error else " (see rank 0's log)"))
+        return tag_dir.name + UNIVERSAL_SUFFIX
 
 
 class _CountingIterator:

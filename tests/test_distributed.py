@@ -139,7 +139,26 @@ def test_loading_with_another_data_parallel_size_names_the_way(pretraining_sampl
                         "--train-iters", "2", "--zero-stage", "2", "--load", str(ckpt))
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert "data-parallel size 2, this run has 1" in result.stderr
-    assert "ds_to_universal" in result.stderr
+    assert "add --universal-checkpoint" in result.stderr
+
+
+def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_samples, tmp_path):
+    """Losing a node: a 2-process ZeRO-2 run stopped at 10 resumes on 1 process (same global
+    batch) with iteration, optimizer, schedule and sample order intact."""
+    common = ["--zero-stage", "2", *NO_DROPOUT]
+    full, _ = pretrain(pretraining_samples, tmp_path / "full", *common, nproc=2, iters=20)
+    ckpt = tmp_path / "ckpt"
+    first, _ = pretrain(pretraining_samples, tmp_path / "first", *common, "--save", str(ckpt), "--exit-interval",
+                        "10", nproc=2, iters=20)
+    second, result = pretrain(pretraining_samples, tmp_path / "second", *common, "--save", str(ckpt), "--load",
+                              str(ckpt), "--universal-checkpoint", nproc=1, iters=20)
+    assert f"resumed from {ckpt / 'iter_0000010'}: iteration 10, consumed samples 160 (through " \
+           f"{ckpt / 'iter_0000010_universal'}, data-parallel size 2 -> 1)" in result.stdout
+    assert [r["iteration"] for r in second] == list(range(11, 21))
+    assert [r["consumed_samples"] for r in second] == [16 * i for i in range(11, 21)]
+    assert losses(first) + losses(second) == pytest.approx(losses(full), abs=1e-4)
+    assert [r["lr"] for r in second] == pytest.approx([r["lr"] for r in full[10:]])
+    assert (ckpt / "latest_universal").read_text() == "iter_0000010_universal"
 
 
 def test_tensor_parallel_gradients_equal_tensor_parallel_size_1():

@@ -13,8 +13,9 @@ import pytest
 from pmlm_testing import REPO_ROOT, run_module
 from megatron_pmlm.training import TrainingConfig, build_deepspeed_config, lr_lambda
 
-TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/lr", "train/grad_norm", "train/loss_scale",
-              "train/samples_per_sec", "train/tokens_per_sec", "train/tflops_per_gpu"}
+TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/lr", "train/grad_norm",
+              "train/loss_scale", "train/samples_per_sec", "train/tokens_per_sec", "train/tflops_per_gpu",
+              "train/consumed_tokens", "train/skipped_iterations"}
 VALID_TAGS = {"valid/loss", "valid/loss_ae", "valid/loss_par", "valid/mlm_acc"}
 
 
@@ -152,3 +153,40 @@ def test_checkpoint_retention_keeps_the_newest_and_the_permanent_ones(pretrainin
     assert kept == ["iter_0000008", "iter_0000016", "iter_0000020"]
     assert (tmp_path / "c" / "latest").read_text() == "iter_0000020"
     assert "deleted old checkpoint" in result.stdout
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pretraining_samples, tmp_path):
+    """A save cut short (node lost mid-write): loading names what is wrong and uses the one before;
+    tools/verify_checkpoint.py says the same without loading a model."""
+    ckpt = tmp_path / "c"
+    common = ["--preset", "tiny", "--data-path", str(pretraining_samples), "--micro-batch-size", "4",
+              "--global-batch-size", "4", "--eval-iters", "0", "--log-interval", "1", "--save", str(ckpt),
+              "--save-interval", "2"]
+    result = run_module("megatron_pmlm.pretrain", *common, "--train-iters", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = ckpt / "iter_0000004" / "mp_rank_00_model_states.pt"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as handle:
+        handle.truncate(size // 2)
+    verified = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"), str(ckpt)],
+                              capture_output=True, text=True)
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    assert f"iter_0000004 (latest): INCOMPLETE: mp_rank_00_model_states.pt is {size // 2:,} bytes" in verified.stdout
+    assert f"resuming would use {ckpt / 'iter_0000002'}" in verified.stdout
+    history = tmp_path / "history.json"
+    result = run_module("megatron_pmlm.pretrain", *common, "--train-iters", "5", "--load", str(ckpt),
+                        "--history-json", str(history))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"warning: skipping {ckpt / 'iter_0000004'}: mp_rank_00_model_states.pt is" in result.stdout
+    assert f"resumed from {ckpt / 'iter_0000002'}: iteration 2, consumed samples 8" in result.stdout
+    assert [r["iteration"] for r in json.loads(history.read_text())] == [3, 4, 5]
+    # The broken save was replaced by a complete one.
+    verified = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"),
+                               str(ckpt / "iter_0000004"), "--deep"], capture_output=True, text=True)
+    assert verified.returncode == 0 and "complete" in verified.stdout, verified.stdout + verified.stderr
+    # Nothing complete but `latest` says there was: refuse to start over rather than lose 20 days.
+    for tag in ("iter_0000002", "iter_0000004", "iter_0000005"):
+        (ckpt / tag / "run_state.json").unlink()
+    result = run_module("megatron_pmlm.pretrain", *common, "--train-iters", "6", "--load", str(ckpt))
+    assert result.returncode == 2 and "no checkpoint in" in result.stderr and "refusing to start from scratch" \
+        in result.stderr, result.stderr[-2000:]

@@ -1,0 +1,58 @@
+"""Check pre-training checkpoints without converting or training: is each complete and readable?
+
+    python tools/verify_checkpoint.py checkpoints/pmlm-base              # every iter_N, newest first
+    python tools/verify_checkpoint.py checkpoints/pmlm-base/iter_0012000 --deep
+
+A checkpoint is complete when its run_state.json exists and every file of its manifest has the size
+it was saved with (what `pretrain --load` checks before choosing one); `--deep` also loads every
+.pt file with torch.load (slow for large models, catches corruption that keeps the size). Exit 0
+when the checkpoint given (or, for a save directory, the newest one) is usable, 1 when not, 2 on
+bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_pmlm.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, verify  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("path", type=Path, help="a --save directory, or one checkpoint (DIR/iter_N) in it")
+    parser.add_argument("--deep", action="store_true", help="also load every .pt file with torch.load")
+    args = parser.parse_args(argv)
+    if not args.path.is_dir():
+        print(f"error: {args.path} is not a directory", file=sys.stderr)
+        return 2
+    candidates = checkpoint_dirs(args.path)
+    if not candidates:
+        if (args.path / RUN_STATE_FILE).exists() or args.path.name.startswith("iter_"):
+            candidates = [(0, args.path)]
+        else:
+            print(f"error: {args.path} holds no checkpoint (no iter_N directories)", file=sys.stderr)
+            return 2
+    latest = (args.path / LATEST_FILE).read_text().strip() if (args.path / LATEST_FILE).is_file() else None
+    usable = None
+    for _, path in sorted(candidates, reverse=True):
+        problem = verify(path, deep=args.deep)
+        marker = " (latest)" if path.name == latest else ""
+        print(f"{path}{marker}: " + ("complete" if problem is None else f"INCOMPLETE: {problem}"))
+        if problem is None and usable is None:
+            usable = path
+    if usable is None:
+        print("no usable checkpoint")
+        return 1
+    if len(candidates) > 1:
+        print(f"resuming would use {usable}")
+    newest = max(candidates)[1]
+    return 0 if usable == newest else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
