@@ -31,7 +31,16 @@
 #   finish within the cluster's KillWait (or the preemption GraceTime) before SIGKILL; if it does
 #   not, the previous checkpoint is used (`latest` is written only once every rank has saved).
 #   `scancel JOBID` also saves a checkpoint (SIGTERM) and ends the job: resubmit to continue.
-# * AUTO_REQUEUE=0 turns the self-requeue off (the job then ends after the checkpoint).
+# * Crashes: any other non-zero exit (an NCCL error or timeout, a GPU Xid, out of memory, a rank
+#   killed: srun --kill-on-bad-exit ends the whole step) requeues the job too, to continue from the
+#   newest complete checkpoint (a checkpoint cut short is skipped, see tools/verify_checkpoint.py).
+#   Failures that leave no newer checkpoint than the start's count as "without progress"; after
+#   MAX_FAILED_RESTARTS of those in a row (a broken node, a bad argument, missing data) the job
+#   stops with the failing status instead of looping. The count lives in $SAVE_DIR/.failed_restarts.
+# * A hung collective fails after --distributed-timeout-minutes (DIST_TIMEOUT_MINUTES, default 10)
+#   instead of holding 64 GPUs idle until the time limit; with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 the
+#   NCCL watchdog then aborts the process, and the job requeues as above.
+# * AUTO_REQUEUE=0 turns the self-requeue off (the job then ends after the checkpoint or failure).
 # * --open-mode=append: every restart appends to the same log, %x-%j.out in the submit directory.
 #
 # ---------------------------------------------------------------- batch size
@@ -76,10 +85,26 @@
 # SAVE_INTERVAL   1000                            checkpoint every N steps (~1 h here), besides
 #                                                 the ones on signals and at the end
 # LOG_INTERVAL    100     EVAL_INTERVAL 5000     EVAL_ITERS 10
-# MASTER_ADDR     first host of the allocation    MASTER_PORT 20000 + f(job id, restart count)
+# MASTER_ADDR     first host of the allocation    MASTER_PORT 10000 + f(job id, restart count),
+#                                                 below Linux's ephemeral range (32768-60999)
 # AUTO_REQUEUE    1                               requeue this job after a signal-triggered stop
+#                                                 or a failure
+# MAX_FAILED_RESTARTS 3                           consecutive failures without progress before
+#                                                 the job gives up
+# DIST_TIMEOUT_MINUTES 10                         --distributed-timeout-minutes
 # EXTRA_ARGS      ""                              more pretrain arguments, e.g. "--lr 4e-4"
 # SRUN_ARGS       ""                              more srun options, e.g. "--gpu-bind=none --mpi=none"
+#
+# ---------------------------------------------------------------- network (exported when set)
+# NCCL_SOCKET_IFNAME   unset (NCCL picks)   the interface for NCCL's bootstrap and socket transport,
+#                                           e.g. ib0, or ^docker,lo to exclude some
+# GLOO_SOCKET_IFNAME   unset                the same for gloo (the CPU path and DeepSpeed's barriers)
+# NCCL_IB_HCA          unset                which InfiniBand adapters, e.g. mlx5_0,mlx5_1 (or ^mlx5_2)
+# TORCH_NCCL_ASYNC_ERROR_HANDLING 1         a failed or timed-out collective aborts the process
+#                                           (so the job ends and requeues) rather than hanging
+# NCCL_DEBUG           WARN                 INFO when diagnosing the network
+# One GPU per task (--gpus-per-task=1, --gpu-bind=single:1) also works: each task then sees one
+# GPU and uses it (device = local rank modulo the visible GPUs).
 #
 #SBATCH --job-name=pmlm-base
 #SBATCH --nodes=8
@@ -112,6 +137,8 @@ LOG_INTERVAL=${LOG_INTERVAL:-100}
 EVAL_INTERVAL=${EVAL_INTERVAL:-5000}
 EVAL_ITERS=${EVAL_ITERS:-10}
 AUTO_REQUEUE=${AUTO_REQUEUE:-1}
+MAX_FAILED_RESTARTS=${MAX_FAILED_RESTARTS:-3}
+DIST_TIMEOUT_MINUTES=${DIST_TIMEOUT_MINUTES:-10}
 EXTRA_ARGS=${EXTRA_ARGS:-}
 SRUN_ARGS=${SRUN_ARGS:-}
 JOB_ID=${SLURM_JOB_ID:?run this script with sbatch}
@@ -132,8 +159,15 @@ esac
 
 NODES=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
 export MASTER_ADDR=${MASTER_ADDR:-$(head -n 1 <<< "$NODES")}
-# A port per job and restart: jobs sharing a node, or a restart while the old port lingers, do not collide.
-export MASTER_PORT=${MASTER_PORT:-$((20000 + (JOB_ID % 4000) * 10 + RESTART % 10))}
+# A port per job and restart (jobs sharing a node, or a restart while the old port lingers, do not
+# collide), below the ephemeral range so that no outgoing connection holds it.
+export MASTER_PORT=${MASTER_PORT:-$((10000 + (JOB_ID % 2000) * 10 + RESTART % 10))}
+# Network: the site's choices when given, safe defaults otherwise.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING=${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}
+export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+for variable in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA; do
+  [ -z "${!variable:-}" ] || export "${variable?}"
+done
 CPUS_PER_TASK=$(( ${SLURM_CPUS_ON_NODE:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
 (( CPUS_PER_TASK >= 1 )) || CPUS_PER_TASK=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
@@ -141,26 +175,21 @@ export PYTHONUNBUFFERED=1  # log lines reach the job log as they happen
 
 log() { echo "[$(date -u +%FT%TZ)] job $JOB_ID restart $RESTART: $*"; }
 
-# "ITERATION TRAIN_ITERS EXIT_INTERVAL" of the newest complete checkpoint ("0 0 0" if none yet).
+# "ITERATION TRAIN_ITERS EXIT_INTERVAL" of the newest complete checkpoint ("0 0 0" if none yet,
+# or if it cannot be read: said in the log, and the training start says more).
 checkpoint_state() {
-  "$PYTHON" - "$SAVE_DIR" <<'EOF'
-import json, pathlib, sys
-directory = pathlib.Path(sys.argv[1])
-latest = directory / "latest"
-if not latest.is_file():
-    print(0, 0, 0)
-else:
-    state = json.loads((directory / latest.read_text().strip() / "run_state.json").read_text())
-    config = state.get("training_config", {})
-    print(state["iteration"], config.get("train_iters", 0), config.get("exit_interval", 0))
-EOF
+  "$PYTHON" -m megatron_pmlm.checkpoint_files state "$SAVE_DIR" \
+    || { log "could not read the checkpoint state of $SAVE_DIR (above); taking it as 0" >&2; echo 0 0 0; }
 }
+FAILURES_FILE=$SAVE_DIR/.failed_restarts
+failures_without_progress() { cat "$FAILURES_FILE" 2>/dev/null || echo 0; }
 
 read -r START_ITER _ _ <<< "$(checkpoint_state)"
 mkdir -p "$SAVE_DIR" "$TB_DIR" "$HISTORY_DIR"
 read -r -a EXTRA <<< "$EXTRA_ARGS"
 read -r -a SRUN_EXTRA <<< "$SRUN_ARGS"
 ARGS=(--preset "$PRESET" --data-path "$DATA_PATH" --deepspeed-config "$DS_CONFIG" ${PRECISION_ARGS[@]+"${PRECISION_ARGS[@]}"}
+      --distributed-timeout-minutes "$DIST_TIMEOUT_MINUTES"
       --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH" --train-iters "$TRAIN_ITERS"
       --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval "$SAVE_INTERVAL"
       --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters "$EVAL_ITERS"
@@ -198,9 +227,32 @@ if (( RC != 0 )); then
   # 138/143: SIGUSR1/SIGTERM arrived while pretrain was still starting, before its handlers were
   # installed (e.g. a time limit shorter than the start-up plus the --signal lead).
   (( RC == 138 || RC == 143 )) && log "a signal stopped the training processes during start-up"
-  log "training exited with status $RC (checkpoint at iteration $ITER); not requeueing"
-  exit "$RC"
+  if [ -n "$TERMINATING" ]; then
+    log "training exited with status $RC while SLURM ends the job (checkpoint at iteration $ITER)"
+    exit "$RC"
+  fi
+  if (( ITER > START_ITER )); then
+    FAILURES=0
+  else
+    FAILURES=$(( $(failures_without_progress) + 1 ))
+  fi
+  echo "$FAILURES" > "$FAILURES_FILE"
+  if (( FAILURES >= MAX_FAILED_RESTARTS )); then
+    log "training failed with status $RC, $FAILURES time(s) in a row without progress (checkpoint at" \
+        "iteration $ITER); MAX_FAILED_RESTARTS=$MAX_FAILED_RESTARTS reached: not requeueing"
+    exit "$RC"
+  fi
+  if [ "$AUTO_REQUEUE" != 1 ]; then
+    log "training failed with status $RC (checkpoint at iteration $ITER); AUTO_REQUEUE=$AUTO_REQUEUE: not requeueing"
+    exit "$RC"
+  fi
+  log "training failed with status $RC (checkpoint at iteration $ITER, $START_ITER at the start; $FAILURES" \
+      "failure(s) in a row without progress, at most $MAX_FAILED_RESTARTS): requeueing job $JOB_ID to continue" \
+      "from the newest complete checkpoint"
+  scontrol requeue "$JOB_ID" || { log "scontrol requeue failed (submitted with --no-requeue?): resubmit to continue"; exit "$RC"; }
+  exit 0
 fi
+echo 0 > "$FAILURES_FILE"
 if (( ITER >= TOTAL && TOTAL > 0 )) || (( EXIT_AT > 0 && ITER >= EXIT_AT )); then
   log "training complete: checkpoint at iteration $ITER of $TOTAL"
   exit 0

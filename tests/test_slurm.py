@@ -247,3 +247,50 @@ def test_pretrain_job_resumes_after_requeue_and_usr1_without_repeating_samples(c
     assert final["iteration"] == TRAIN_ITERS and final["consumed_samples"] == TRAIN_ITERS * GLOBAL_BATCH
     assert (save_dir / "latest").read_text().strip() == f"iter_{TRAIN_ITERS:07d}"
     assert any((tmp_path / "tensorboard").iterdir())
+
+
+def _training_pids(marker: str) -> list[int]:
+    """PIDs of the pretrain processes whose command line contains `marker` (the job's save dir)."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split(None, 1)[0]) for line in out.splitlines()
+            if "megatron_pmlm.pretrain" in line and marker in line and line.split(None, 2)[1] == sys.executable]
+
+
+def test_pretrain_job_requeues_after_a_crash_and_gives_up_after_repeated_start_failures(cluster, prepared, tmp_path):
+    """kill -9 of one training process mid-run (what a GPU Xid or the OOM killer does): the job
+    requeues and resumes from its newest checkpoint. A job that cannot start (here: its data is
+    missing) is requeued until MAX_FAILED_RESTARTS (3) failures in a row, then stops with the error."""
+    save_dir = tmp_path / "crash-checkpoints"
+    env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
+                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS="40", LOG_INTERVAL="1", SAVE_INTERVAL="2",
+                      EVAL_ITERS="0", DATA_PATH=str(prepared[0]), SAVE_DIR=str(save_dir),
+                      TB_DIR=str(tmp_path / "tensorboard"), PYTHON=sys.executable,
+                      EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", OMP_NUM_THREADS="1")
+    log_path = tmp_path / "crash.out"
+    job = cluster.sbatch(["--nodes=1", "--gres=none", f"--output={log_path}", str(SCRIPT)], env=env, cwd=REPO)
+    _wait_for_iteration(cluster, job, log_path, 0, at_least=5, timeout=240)
+    victims = _training_pids(str(save_dir))
+    assert len(victims) == 2, victims
+    os.kill(victims[1], 9)
+    info = cluster.wait_until_done(job, timeout=300)
+    log = log_path.read_text(errors="replace")
+    context = f"\n{log[-6000:]}\n{info}"
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context
+    first, second = _attempts(log)
+    crashed_at = int(re.search(r"training failed with status \d+ \(checkpoint at iteration (\d+)", first)[1])
+    assert crashed_at >= 4 and f"requeueing job {job}" in first, context
+    assert f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in second, context
+    assert [i for i, _, _ in _iterations(second)] == list(range(crashed_at + 1, 41)), context
+    assert "training complete" in second and (save_dir / ".failed_restarts").read_text().strip() == "0"
+
+    env.update(DATA_PATH=str(tmp_path / "no-such-samples"), SAVE_DIR=str(tmp_path / "never"))
+    log_path = tmp_path / "broken.out"
+    job = cluster.sbatch(["--nodes=1", "--gres=none", f"--output={log_path}", str(SCRIPT)], env=env, cwd=REPO)
+    info = cluster.wait_until_done(job, timeout=300)
+    log = log_path.read_text(errors="replace")
+    context = f"\n{log[-6000:]}\n{info}"
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "2" and info["ExitCode"].startswith("2:"), context
+    attempts = _attempts(log)
+    assert len(attempts) == 3 and all("no-such-samples" in a for a in attempts), context
+    assert "1 failure(s) in a row without progress" in attempts[0] and "requeueing" in attempts[0], context
+    assert "3 time(s) in a row without progress" in attempts[2] and "MAX_FAILED_RESTARTS=3 reached" in attempts[2]
