@@ -16,6 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_pmlm.config import HelpFormatter
 from megatron_pmlm.data.indexed import IndexedDatasetError, IndexedDatasetReader, idx_path
 from megatron_pmlm.data.samples import (METADATA_FILE, PretrainingSamples, SamplesError, get_sample)
 from megatron_pmlm.tokenizer import WordPieceTokenizer
@@ -35,12 +36,15 @@ def describe_sample(directory: str, index: int, split: str = "train", mask_epoch
     if not 0 <= index < len(samples):
         raise SamplesError(f"--sample {index} is out of range: the {split} split of {directory} has "
                            f"{len(samples)} samples")
+    if not 0 <= mask_epoch < samples.mask_epochs:
+        raise SamplesError(f"--mask-epoch {mask_epoch} is out of range: {directory} was built with "
+                           f"--mask-epochs {samples.mask_epochs} (0 to {samples.mask_epochs - 1})")
     view = get_sample(samples, index, mask_epoch)
     tokenizer = WordPieceTokenizer(samples.metadata["vocab_file"])
     masks = view.masks
     corpus = samples.metadata["blend"][int(view.row[0])]["prefix"]
     return {
-        "split": split, "sample": index, "mask_epoch": mask_epoch % samples.mask_epochs,
+        "split": split, "sample": index, "mask_epoch": mask_epoch,
         "corpus": corpus, "document": int(view.row[1]),
         "input_ids": view.input_ids.tolist(), "tokens": tokenizer.convert_ids_to_tokens(view.input_ids),
         "segment_ids": view.segment_ids.tolist(),
@@ -84,12 +88,13 @@ def format_sample(info: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_prep.inspect", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("prefix", help="a build_samples directory (or a preprocess PREFIX)")
-    parser.add_argument("--sample", type=int, required=True)
-    parser.add_argument("--mask-epoch", type=int, default=0)
-    parser.add_argument("--split", default="train", choices=("train", "valid", "test"))
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--sample", type=int, required=True, help="sample index in the split (sentence index "
+                                                                   "for a preprocess PREFIX)")
+    parser.add_argument("--mask-epoch", type=int, default=0, help="which of the build's --mask-epochs masks")
+    parser.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
     try:
         if not (Path(args.prefix) / METADATA_FILE).is_file() and idx_path(args.prefix).is_file():

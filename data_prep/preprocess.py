@@ -1,6 +1,6 @@
 """Tokenize corpora into Megatron .bin/.idx: `python -m data_prep.preprocess --input ... --output-prefix P`.
 
-One sequence per sentence, documents delimited (SPEC §11), uncased WordPiece through HF `tokenizers`.
+One sequence per sentence, documents delimited (Megatron's indexed-dataset format), uncased WordPiece through HF `tokenizers`.
 Inputs are cut into deterministic shards; each shard is tokenized on its own (in `--workers`
 processes, streaming, so memory stays flat in the corpus size) into PREFIX.shards/shard-NNNNN.bin/.idx
 with a JSON marker written last; a rerun skips shards whose marker exists, so a crashed run resumes.
@@ -31,6 +31,7 @@ import numpy as np
 from data_prep.sentences import split_long_sentences
 from data_prep.sources import (InputError, ReadStats, Shard, iter_documents, plan_shards,
                                resolve_inputs)
+from megatron_pmlm.config import HelpFormatter
 from megatron_pmlm.data.indexed import (IndexedDatasetWriter, bin_path, idx_path,
                                         merge_indexed_datasets, token_dtype_for_vocab)
 from megatron_pmlm.text_data import split_sentences
@@ -321,6 +322,7 @@ def run(config: PreprocessConfig, mpi_comm=None) -> dict | None:
         vocab_file = str(trained) if reuse else _train_vocabulary(config)
     if not Path(vocab_file).is_file():
         raise InputError(f"vocabulary file not found: {vocab_file}")
+    _tokenizer(vocab_file)  # a file that is no vocabulary is refused before anything is written
     plan = build_plan(config, vocab_file)
     if not plan["shards"]:
         raise InputError(f"empty input: no text in {', '.join(config.inputs)}")
@@ -431,26 +433,29 @@ def _merge(config: PreprocessConfig, vocab_file: str, plan: dict) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data_prep.preprocess", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--input", nargs="+", required=True, dest="inputs",
                         help="text files (blank-line separated documents), JSONL, datasets save_to_disk "
                              "folders, .parquet or .arrow files; globs allowed")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
-    parser.add_argument("--vocab-file", help="WordPiece vocab.txt (uncased)")
+    parser.add_argument("--vocab-file", help="WordPiece vocab.txt (uncased), e.g. bert-base-uncased's (the "
+                                             "README says where to get it); or --train-vocab")
     parser.add_argument("--train-vocab", type=int, metavar="SIZE",
                         help="train a WordPiece vocabulary of SIZE on the inputs (PREFIX-vocab/vocab.txt)")
-    parser.add_argument("--json-key", default="text")
-    parser.add_argument("--workers", type=int, default=1)
-    parser.add_argument("--shard-size-mb", type=float, default=256.0)
-    parser.add_argument("--max-sentence-tokens", type=int, default=509)
+    parser.add_argument("--json-key", default="text", help="the text field of JSONL lines and datasets")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizing processes on this node")
+    parser.add_argument("--shard-size-mb", type=float, default=256.0,
+                        help="input bytes per shard (the unit of parallelism and of resumption)")
+    parser.add_argument("--max-sentence-tokens", type=int, default=509,
+                        help="longer sentences are split (509 = 512 minus [SOS] and two [EOS])")
     parser.add_argument("--skip-bad-lines", action="store_true", help="count and skip malformed JSONL lines")
     parser.add_argument("--strict-utf8", action="store_true", help="refuse invalid UTF-8 instead of replacing it")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output and its shards")
     parser.add_argument("--merge-only", action="store_true", help="join the finished shards of all ranks")
-    parser.add_argument("--keep-shards", action="store_true")
+    parser.add_argument("--keep-shards", action="store_true", help="keep PREFIX.shards after the merge")
     parser.add_argument("--rank", type=int, help="default: SLURM_PROCID, or the MPI rank")
     parser.add_argument("--world-size", type=int, help="default: SLURM_NTASKS, or the MPI size")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
     return parser
 
 

@@ -136,19 +136,39 @@ class MaskingConfig:
                 "non-negative and sum to at most 1")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every option's default in --help, help text or not (argparse shows it only for options with
+    help); an option whose default is resolved later says so in its help ("default: ...")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or "default:" in text or "(default" in text or action.default is argparse.SUPPRESS \
+                or not action.option_strings or action.required:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            shown = "on" if action.default else "off"
+        elif action.default is None:
+            shown = "not set"
+        else:
+            shown = "%(default)s"
+        return f"{text} (default: {shown})".strip()
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
                             skip: tuple[str, ...] = ()) -> None:
-    """Add `--field-name` options for every field of `cls` (defaults None = keep the dataclass's)."""
+    """Add `--field-name` options for every field of `cls` (argparse default None = keep the
+    dataclass's, which --help shows)."""
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
+        shown = f"(default: {f.default})" if f.default is not dataclasses.MISSING else None
         if f.type in ("bool", bool):
-            group.add_argument(flag, type=_parse_bool, default=None, metavar="{true,false}")
+            group.add_argument(flag, type=_parse_bool, default=None, metavar="{true,false}", help=shown)
         else:
             kind = {"int": int, "float": float, "str": str}.get(str(f.type), str)
-            group.add_argument(flag, type=kind, default=None)
+            group.add_argument(flag, type=kind, default=None, help=shown)
 
 
 def dataclass_overrides(args: argparse.Namespace, cls: type, prefix: str = "") -> dict[str, Any]:
@@ -170,5 +190,5 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-__all__ = ["ConfigError", "ModelConfig", "MaskingConfig", "PRESETS", "model_config_from_preset",
+__all__ = ["ConfigError", "HelpFormatter", "ModelConfig", "MaskingConfig", "PRESETS", "model_config_from_preset",
            "add_dataclass_arguments", "dataclass_overrides"]

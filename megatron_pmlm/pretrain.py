@@ -2,7 +2,7 @@
 
 Launch with torchrun, `deepspeed`, or `srun` (ranks from SLURM_PROCID/SLURM_NTASKS or MPI). The
 data is a `python -m data_prep.build_samples` output directory. Megatron-style arguments; the
-defaults of the `base` preset are the paper's recipe (SPEC §6). Gradient accumulation is global
+defaults of the `base` preset are the paper's recipe (UniLMv2 Table 7). Gradient accumulation is global
 batch / (micro batch x data-parallel size).
 """
 
@@ -14,25 +14,25 @@ import sys
 from dataclasses import asdict, fields, replace
 from typing import Sequence
 
-from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, ModelConfig, model_config_from_preset
+from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
-from .training import (CheckpointError, ExitSignal, TrainingConfig, check_precision_supported,
-                       check_zero_with_pipeline)
+from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
+                       check_precision_supported, check_zero_with_pipeline)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_pmlm.pretrain", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     defaults = TrainingConfig()
     model = parser.add_argument_group("model (defaults: the preset's)")
     model.add_argument("--preset", default="base", help=f"one of {', '.join(PRESETS)}")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                  "max_position_embeddings"):
-        model.add_argument("--" + name.replace("_", "-"), type=int)
-    model.add_argument("--hidden-dropout", type=float)
-    model.add_argument("--attention-dropout", type=float)
+        model.add_argument("--" + name.replace("_", "-"), type=int, help="default: the preset's")
+    model.add_argument("--hidden-dropout", type=float, help=f"default: {ModelConfig.hidden_dropout}")
+    model.add_argument("--attention-dropout", type=float, help=f"default: {ModelConfig.attention_dropout}")
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
     model.add_argument("--model", default="pmlm", choices=("pmlm", "palm"),
                        help="pmlm: the BERT-shaped unified LM (UniLMv2 PMLM and UniLM v1 objectives); palm: "
@@ -59,12 +59,28 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"per GPU (default: the DeepSpeed config's, else {defaults.micro_batch_size})")
     train.add_argument("--global-batch-size", type=int, default=None,
                        help=f"sequences per step (default: the DeepSpeed config's, else {defaults.global_batch_size})")
-    for name in ("train_iters", "lr_warmup_iters", "seed",
-                 "log_interval", "eval_interval", "eval_iters", "save_interval", "exit_interval",
-                 "keep_last_checkpoints", "keep_checkpoint_every"):
-        train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name))
-    for name in ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps"):
-        train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name))
+    integer_help = {
+        "train_iters": "optimizer steps", "seed": "weights, dropout, sample order",
+        "log_interval": "iterations between log lines", "eval_interval": "iterations between validations",
+        "eval_iters": "validation micro batches per rank (0: no validation)",
+        "save_interval": "iterations between checkpoints (0: only at the end and on exit)",
+        "exit_interval": "save and stop after this iteration (0: off)",
+        "keep_last_checkpoints": "keep only the newest N complete checkpoints (0: all)",
+        "keep_checkpoint_every": "never delete checkpoints of iterations that are multiples of M (0: none)",
+        "lr_decay_iters": "the decay ends (at --min-lr) at this iteration (0: --train-iters)"}
+    for name, text in integer_help.items():
+        train.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(defaults, name), help=text)
+    tiny = PRESET_TRAINING_DEFAULTS["tiny"]
+    train.add_argument("--lr", type=float, default=None,
+                       help=f"peak learning rate (default: {defaults.lr}; tiny preset: {tiny['lr']})")
+    train.add_argument("--lr-warmup-iters", type=int, default=None,
+                       help=f"linear warmup steps (default: {defaults.lr_warmup_iters}; tiny preset: "
+                            f"{tiny['lr_warmup_iters']})")
+    train.add_argument("--lr-decay-style", default=defaults.lr_decay_style, choices=LR_DECAY_STYLES,
+                       help="after warmup (Megatron's flag); the paper decays linearly")
+    for name, text in (("min_lr", "the decay's floor"), ("weight_decay", "AdamW, matrices only"),
+                       ("adam_beta1", "Adam beta1"), ("adam_beta2", "Adam beta2"), ("adam_eps", "Adam epsilon")):
+        train.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(defaults, name), help=text)
     train.add_argument("--clip-grad", type=float, default=None,
                        help="max gradient norm, 0 = none (default: the DeepSpeed config's, else 0 as in the paper)")
     precision = train.add_mutually_exclusive_group()
@@ -74,8 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="recompute each layer in the backward pass (less memory, ~30%% more compute)")
 
     parallel = parser.add_argument_group("parallelism")
-    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                          help="split attention heads, FFN and vocabulary over this many GPUs (megatron-core)")
+    parallel.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                          help="split the layers into this many stages (DeepSpeed pipeline)")
     parallel.add_argument("--zero-stage", type=int, default=None,
                           help="0-3 (default: the DeepSpeed config's, else 0)")
     parallel.add_argument("--deepspeed-config", help="a DeepSpeed JSON file (ds_configs/); arguments override it")
@@ -118,7 +136,9 @@ def training_config_from_args(args: argparse.Namespace, seq_length: int,
     ds_config = ds_config or {}
     values = {f.name: getattr(args, f.name) for f in fields(TrainingConfig)
               if f.name not in ("seq_length", "precision", "zero_stage", "clip_grad", "micro_batch_size",
-                                "global_batch_size") and hasattr(args, f.name)}
+                                "global_batch_size") and getattr(args, f.name, None) is not None}
+    for name, value in PRESET_TRAINING_DEFAULTS.get(getattr(args, "preset", ""), {}).items():
+        values.setdefault(name, value)
     defaults = TrainingConfig()
     micro_batch_size = args.micro_batch_size or ds_config.get("train_micro_batch_size_per_gpu") or \
         defaults.micro_batch_size

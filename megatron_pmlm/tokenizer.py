@@ -33,6 +33,20 @@ class SpecialTokenIds:
         return np.unique(np.array([self.pad, self.unk, self.cls, self.sep, self.mask, self.pseudo]))
 
 
+def check_vocabulary_file(vocab_file: Path) -> None:
+    """A WordPiece vocab.txt is UTF-8 text, one token per line, with BERT's special tokens; anything
+    else (a corpus, a tokenizer.json, a binary) is refused here in one line, before the tokenizers
+    library fails on it with its own traceback."""
+    what = "it should be a WordPiece vocab.txt, one token per line, like bert-base-uncased's"
+    try:
+        tokens = set(vocab_file.read_text(encoding="utf-8").splitlines())
+    except UnicodeDecodeError:
+        raise ValueError(f"vocabulary {vocab_file} is not UTF-8 text: {what}") from None
+    missing = [t for t in (PAD, UNK, CLS, SEP, MASK) if t not in tokens]
+    if missing:
+        raise ValueError(f"vocabulary {vocab_file} lacks the special token(s) {', '.join(missing)}: {what}")
+
+
 class WordPieceTokenizer:
     """A thin wrapper: vocabulary, special ids, and batch encoding to numpy id arrays."""
 
@@ -41,11 +55,9 @@ class WordPieceTokenizer:
         if not vocab_file.is_file():
             raise FileNotFoundError(f"vocabulary file not found: {vocab_file}")
         self.vocab_file = vocab_file
+        check_vocabulary_file(vocab_file)
         self._tokenizer = BertWordPieceTokenizer(str(vocab_file), lowercase=lowercase)
         vocab = self._tokenizer.get_vocab()
-        missing = [t for t in (PAD, UNK, CLS, SEP, MASK) if t not in vocab]
-        if missing:
-            raise ValueError(f"vocabulary {vocab_file} lacks the special token(s) {', '.join(missing)}")
         self.special = SpecialTokenIds(
             pad=vocab[PAD], unk=vocab[UNK], cls=vocab[CLS], sep=vocab[SEP], mask=vocab[MASK],
             pseudo=vocab.get(PSEUDO, vocab[MASK]))

@@ -32,6 +32,15 @@ from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-expo
 
 
 
+LR_DECAY_STYLES = ("linear", "cosine", "constant")
+
+PRESET_TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
+    # The paper's schedule (lr 6e-4 after 24k warmup steps) never warms up in a CPU run of a few
+    # hundred steps; the tiny preset (tests, the demo) gets values under which such a run learns.
+    "tiny": dict(lr=1e-3, lr_warmup_iters=10),
+}
+
+
 @dataclass
 class TrainingConfig:
     """Optimisation and run settings; defaults are the paper's BASE recipe (SPEC §6)."""
@@ -44,6 +53,10 @@ class TrainingConfig:
     lr: float = 6e-4
     min_lr: float = 0.0
     lr_warmup_iters: int = 24_000
+    lr_decay_style: str = "linear"
+    """After warmup: linear (the paper's), cosine (to min_lr), or constant."""
+    lr_decay_iters: int = 0
+    """Decay ends (at min_lr) at this iteration (0: train_iters), as Megatron's --lr-decay-iters."""
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -75,6 +88,11 @@ class TrainingConfig:
                      "keep_checkpoint_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"training config: {name} must be >= 0, got {getattr(self, name)}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ConfigError(f"training config: lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, "
+                              f"got {self.lr_decay_style!r}")
+        if self.lr_decay_iters < 0:
+            raise ConfigError(f"training config: lr_decay_iters must be >= 0, got {self.lr_decay_iters}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"training config: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -92,15 +110,20 @@ class TrainingConfig:
 
 
 def lr_lambda(config: TrainingConfig) -> Callable[[int], float]:
-    """Linear warmup to `lr`, then linear decay to `min_lr` at `train_iters` (as a multiplier of lr)."""
+    """Linear warmup to `lr`, then decay (linear, cosine or none) to `min_lr` at `lr_decay_iters`
+    (default `train_iters`), as a multiplier of lr."""
     floor = config.min_lr / config.lr
+    decay_end = config.lr_decay_iters or config.train_iters
 
     def multiplier(iteration: int) -> float:
         if iteration < config.lr_warmup_iters:
             return (iteration + 1) / config.lr_warmup_iters
-        decay_iters = max(1, config.train_iters - config.lr_warmup_iters)
+        if config.lr_decay_style == "constant":
+            return 1.0
+        decay_iters = max(1, decay_end - config.lr_warmup_iters)
         progress = min(1.0, (iteration - config.lr_warmup_iters) / decay_iters)
-        return floor + (1.0 - floor) * (1.0 - progress)
+        remaining = 1.0 - progress if config.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return floor + (1.0 - floor) * remaining
 
     return multiplier
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pmlm_testing import REPO_ROOT, run_module
+from megatron_pmlm.config import ConfigError
 from megatron_pmlm.training import TrainingConfig, build_deepspeed_config, lr_lambda
 
 TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/lr", "train/grad_norm",
@@ -91,6 +92,43 @@ def test_learning_rate_schedule_is_linear_warmup_then_linear_decay():
     paper = TrainingConfig()
     assert (paper.adam_beta1, paper.adam_beta2, paper.adam_eps, paper.weight_decay) == (0.9, 0.98, 1e-6, 0.01)
     assert (paper.global_batch_size, paper.train_iters, paper.clip_grad, paper.lr) == (7680, 500_000, 0.0, 6e-4)
+
+
+def test_megatron_decay_styles_and_the_tiny_presets_schedule():
+    cosine = lr_lambda(TrainingConfig(lr=1e-3, min_lr=1e-4, lr_warmup_iters=10, train_iters=1000,
+                                      lr_decay_style="cosine", lr_decay_iters=510))
+    assert cosine(260) == pytest.approx(0.1 + 0.9 * 0.5) and cosine(510) == pytest.approx(0.1)
+    assert cosine(900) == pytest.approx(0.1)  # after --lr-decay-iters: the floor
+    constant = lr_lambda(TrainingConfig(lr_warmup_iters=10, train_iters=100, lr_decay_style="constant"))
+    assert constant(4) == pytest.approx(0.5) and constant(99) == 1.0
+    with pytest.raises(ConfigError, match="lr_decay_style must be one of linear, cosine, constant"):
+        TrainingConfig(lr_decay_style="exponential")
+    from megatron_pmlm.pretrain import build_parser, training_config_from_args
+
+    def resolved(*args):
+        return training_config_from_args(build_parser().parse_args(["--data-path", "x", *args]), 64)
+
+    tiny, base = resolved("--preset", "tiny"), resolved()
+    assert (tiny.lr, tiny.lr_warmup_iters) == (1e-3, 10) and (base.lr, base.lr_warmup_iters) == (6e-4, 24_000)
+    assert resolved("--preset", "tiny", "--lr", "5e-4").lr == 5e-4
+    assert resolved("--lr-decay-style", "cosine", "--lr-decay-iters", "7").lr_decay_iters == 7
+
+
+def test_every_command_line_option_shows_its_default():
+    """pretrain, preprocess, inspect: argparse shows defaults only for options with help text."""
+    import argparse
+
+    from data_prep.preprocess import build_parser as preprocess_parser
+    from megatron_pmlm.pretrain import build_parser as pretrain_parser
+
+    for parser in (pretrain_parser(), preprocess_parser()):
+        text = parser.format_help()
+        assert "SPEC" not in text and "§" not in text
+        for action in parser._actions:
+            if action.option_strings and action.help is not argparse.SUPPRESS and not action.required \
+                    and not isinstance(action, argparse._HelpAction):
+                shown = parser._get_formatter()._get_help_string(action)
+                assert "default" in shown, (parser.prog, action.option_strings, shown)
 
 
 def test_deepspeed_config_files_and_overrides():

@@ -15,14 +15,14 @@ from megatron_pmlm.data import PretrainingSamples
 
 def test_json_has_tokens_segments_and_steps_in_order(built, capsys):
     samples = PretrainingSamples(built, "valid")
-    index = len(samples) // 2
-    assert main([str(built), "--sample", str(index), "--split", "valid", "--mask-epoch", "4", "--json"]) == 0
+    index, epoch = len(samples) // 2, samples.mask_epochs - 1
+    assert main([str(built), "--sample", str(index), "--split", "valid", "--mask-epoch", str(epoch), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     (ids,), (segments,) = samples.tokens([index])
-    (masks,) = samples.masks([index], 4)
+    (masks,) = samples.masks([index], epoch)
     assert info["input_ids"] == ids.tolist() and info["segment_ids"] == segments.tolist()
     assert info["tokens"][0] == "[CLS]" and info["tokens"][-1] == "[SEP]" and len(info["tokens"]) == len(ids)
-    assert info["mask_epoch"] == 4 % samples.mask_epochs
+    assert info["mask_epoch"] == epoch
     # The steps, in factorization order, are exactly the stored masked positions.
     covered = [p for start, end in info["steps"] for p in range(start, end)]
     assert covered == masks.masked_positions.tolist()
@@ -39,6 +39,10 @@ def test_text_output_sentence_mode_and_errors(built, tokenized, capsys):
     assert info["sentence"] == 3 and info["tokens"] and info["document"] >= 0
     assert main([str(built), "--sample", "999999"]) == 2
     assert "out of range" in capsys.readouterr().err
+    # A mask epoch the build does not have is refused (it used to wrap around silently).
+    epochs = PretrainingSamples(built, "train").mask_epochs
+    assert main([str(built), "--sample", "0", "--mask-epoch", str(epochs)]) == 2
+    assert f"--mask-epoch {epochs} is out of range" in capsys.readouterr().err
     assert main([str(Path(built) / "nowhere"), "--sample", "0"]) == 2
 
 

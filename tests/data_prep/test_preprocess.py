@@ -193,6 +193,15 @@ def test_bad_inputs_and_existing_output_are_refused(tmp_path, corpus_slices, voc
                  str(vocab_file), "--overwrite", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "documents" in out and "MB/s" in out and "tokens" in out
+    # A corpus or a binary given as the vocabulary: one line, nothing written.
+    binary = tmp_path / "weights.bin"
+    binary.write_bytes(bytes(range(256)) * 8)
+    for wrong, message in ((corpus_slices[1], "lacks the special token(s) [PAD]"), (binary, "is not UTF-8 text")):
+        assert main(["--input", str(corpus_slices[1]), "--output-prefix", str(tmp_path / "wrong"), "--vocab-file",
+                     str(wrong), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "vocab.txt" in err and len(err.strip().splitlines()) == 1, err
+        assert not list(tmp_path.glob("wrong*")), "a bad vocabulary leaves nothing behind"
 
 
 def test_truncated_or_foreign_files_are_detected_naming_the_file(tmp_path, tokenized):
