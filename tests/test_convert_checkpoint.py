@@ -304,6 +304,9 @@ def test_an_existing_output_is_kept_unless_overwrite(converted, trained, tmp_pat
     (out / "keep.txt").write_text("mine")
     assert "already exists" in _fails(["--load", str(trained("zero0")), "--output", str(out)], capsys)
     assert (out / "keep.txt").read_text() == "mine"
+    # Refused before the checkpoint is read: even a load directory that does not exist gets this answer.
+    assert "--output " + str(out) + " already exists" in _fails(["--load", str(tmp_path / "nowhere"), "--output",
+                                                                 str(out)], capsys)
     assert main(["--load", str(trained("zero0")), "--output", str(out), "--overwrite"], log=Lines()) == 0
     assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, HelpFormatter, ModelConfig
 
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
@@ -827,7 +827,7 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python tools/convert_checkpoint.py",
+        formatter_class=HelpFormatter, prog="python tools/convert_checkpoint.py",
         description="Pre-training checkpoint -> Hugging Face folder (--load ... --output ...), verified with "
                     "--verify; or a Hugging Face BERT/PMLM folder -> a checkpoint pre-training can --load "
                     "--finetune (--from-hf ... --save ...).")
@@ -861,6 +861,12 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
     args = parser.parse_args(argv)
     if bool(args.load) == bool(args.from_hf):
         parser.error("give either --load SAVE_DIR --output HF_DIR, or --from-hf HF_DIR --save SAVE_DIR")
+    for flag, destination in (("--output", args.output), ("--save", args.save)):
+        # Before anything is read (a large checkpoint takes minutes): an occupied output is refused.
+        if destination and not args.overwrite and Path(destination).is_dir() and any(Path(destination).iterdir()):
+            print(f"error: {flag} {destination} already exists and is not empty (pass --overwrite to replace it)",
+                  file=sys.stderr)
+            return 2
     try:
         if args.load:
             if not args.output:
