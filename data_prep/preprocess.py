@@ -64,6 +64,8 @@ class PreprocessConfig:
     """Refuse invalid UTF-8 (default: replace with U+FFFD and count)."""
     overwrite: bool = False
     merge_only: bool = False
+    vocab_only: bool = False
+    """Train the --train-vocab vocabulary and stop (a multi-node job's first, single-task step)."""
     keep_shards: bool = False
     rank: int = 0
     world_size: int = 1
@@ -83,6 +85,8 @@ class PreprocessConfig:
             raise InputError("give either --vocab-file or --train-vocab, not both")
         if not self.vocab_file and not self.train_vocab:
             raise InputError("a vocabulary is needed: --vocab-file PATH or --train-vocab SIZE")
+        if self.vocab_only and not self.train_vocab:
+            raise InputError("--vocab-only needs --train-vocab SIZE (the vocabulary to train)")
 
 
 @dataclass
@@ -320,6 +324,9 @@ def run(config: PreprocessConfig, mpi_comm=None) -> dict | None:
         # A rerun (resumption, --merge-only) keeps the vocabulary the shards were tokenized with.
         reuse = trained.is_file() and (config.merge_only or not config.overwrite)
         vocab_file = str(trained) if reuse else _train_vocabulary(config)
+        if config.vocab_only:
+            print(f"vocabulary: {vocab_file}", file=sys.stderr)
+            return None
     if not Path(vocab_file).is_file():
         raise InputError(f"vocabulary file not found: {vocab_file}")
     _tokenizer(vocab_file)  # a file that is no vocabulary is refused before anything is written
@@ -452,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--strict-utf8", action="store_true", help="refuse invalid UTF-8 instead of replacing it")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output and its shards")
     parser.add_argument("--merge-only", action="store_true", help="join the finished shards of all ranks")
+    parser.add_argument("--vocab-only", action="store_true",
+                        help="with --train-vocab: train PREFIX-vocab/vocab.txt and stop (then tokenize on many "
+                             "ranks with --vocab-file PREFIX-vocab/vocab.txt)")
     parser.add_argument("--keep-shards", action="store_true", help="keep PREFIX.shards after the merge")
     parser.add_argument("--rank", type=int, help="default: SLURM_PROCID, or the MPI rank")
     parser.add_argument("--world-size", type=int, help="default: SLURM_NTASKS, or the MPI size")
@@ -491,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train_vocab=args.train_vocab, json_key=args.json_key, workers=args.workers,
             shard_size_mb=args.shard_size_mb, max_sentence_tokens=args.max_sentence_tokens,
             skip_bad_lines=args.skip_bad_lines, strict_utf8=args.strict_utf8, overwrite=args.overwrite,
-            merge_only=args.merge_only, keep_shards=args.keep_shards, rank=rank, world_size=world_size,
+            merge_only=args.merge_only, vocab_only=args.vocab_only, keep_shards=args.keep_shards, rank=rank, world_size=world_size,
             progress=False if args.no_progress else None)
         summary = run(config, comm)
     except (InputError, FileNotFoundError, ValueError) as error:

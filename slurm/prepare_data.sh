@@ -11,8 +11,9 @@
 # Step 3: build_samples packs samples and precomputes K mask epochs, on one node's cores.
 #
 # Environment: VOCAB (required): a WordPiece vocab.txt, e.g. bert-base-uncased's (30,522 entries,
-# the paper's; the vocab.txt of any bert-base-uncased download or Hugging Face folder), or one
-# trained on your corpus with `python -m data_prep.preprocess --train-vocab N` on a sample first.
+# the paper's; the vocab.txt of any bert-base-uncased download or Hugging Face folder); or instead
+# TRAIN_VOCAB=SIZE: a step 0 trains an uncased WordPiece vocabulary of SIZE entries (with [P]) on
+# the inputs in one task, into PREFIX-vocab/vocab.txt, which every rank then tokenizes with.
 # Optional: PYTHON (default .venv/bin/python), JSON_KEY (text), SEQ_LENGTH (512), MASK_EPOCHS (10),
 # SPLIT (949,50,1), SEED (1234), SHARD_SIZE_MB (256).
 #SBATCH --job-name=pmlm-data
@@ -23,13 +24,19 @@ PREFIX=${1:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 INPUTS=${2:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 PYTHON=${PYTHON:-.venv/bin/python}
-VOCAB=${VOCAB:?set VOCAB to a WordPiece vocab.txt (e.g. bert-base-uncased's, 30,522 entries); see this script's header}
-if [ ! -f "$VOCAB" ]; then echo "prepare_data.sh: VOCAB=$VOCAB does not exist" >&2; exit 2; fi
 WORKERS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 NTASKS=${SLURM_NTASKS:-1}
-
 # Globs are expanded by preprocess itself (sorted), identically on every rank.
 read -r -a INPUT_ARGS <<< "$INPUTS"
+
+if [ -n "${TRAIN_VOCAB:-}" ] && [ -z "${VOCAB:-}" ]; then
+  echo "[$(date -u +%FT%TZ)] training a WordPiece vocabulary of $TRAIN_VOCAB entries into $PREFIX-vocab"
+  srun --ntasks=1 --nodes=1 "$PYTHON" -m data_prep.preprocess --input "${INPUT_ARGS[@]}" --output-prefix "$PREFIX" \
+      --json-key "${JSON_KEY:-text}" --train-vocab "$TRAIN_VOCAB" --vocab-only --no-progress
+  VOCAB=$PREFIX-vocab/vocab.txt
+fi
+VOCAB=${VOCAB:?set VOCAB to a WordPiece vocab.txt (e.g. bert-base-uncased's, 30,522 entries), or TRAIN_VOCAB=SIZE; see this script's header}
+if [ ! -f "$VOCAB" ]; then echo "prepare_data.sh: VOCAB=$VOCAB does not exist" >&2; exit 2; fi
 COMMON=(--input "${INPUT_ARGS[@]}" --output-prefix "$PREFIX" --vocab-file "$VOCAB"
         --json-key "${JSON_KEY:-text}" --shard-size-mb "${SHARD_SIZE_MB:-256}" --no-progress)
 

@@ -236,6 +236,12 @@ def test_train_vocab_writes_a_vocabulary_with_the_pseudo_token(tmp_path, corpus_
     reader = IndexedDatasetReader(prefix)
     assert reader.num_tokens == summary["tokens"] > 0 and int(np.max(reader.tokens)) < tokenizer.vocab_size
     assert json.loads(Path(f"{prefix}.json").read_text())["vocab_file"] == str(vocab.resolve())
+    # --vocab-only (slurm/prepare_data.sh TRAIN_VOCAB=SIZE: one task trains, every rank then tokenizes)
+    only = tmp_path / "only"
+    assert run(PreprocessConfig(inputs=[str(corpus_slices[1])], output_prefix=str(only), train_vocab=400,
+                                vocab_only=True, progress=False)) is None
+    assert "[P]" in (tmp_path / "only-vocab" / "vocab.txt").read_text().split("\n")
+    assert not list(tmp_path.glob("only.*")), "--vocab-only tokenizes nothing"
 
 
 def test_slurm_ranks_as_separate_processes_then_merge(tmp_path, corpus_slices, vocab_file, tokenized):
