@@ -148,8 +148,12 @@ def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_
     common = ["--zero-stage", "2", *NO_DROPOUT]
     full, _ = pretrain(pretraining_samples, tmp_path / "full", *common, nproc=2, iters=20)
     ckpt = tmp_path / "ckpt"
-    first, _ = pretrain(pretraining_samples, tmp_path / "first", *common, "--save", str(ckpt), "--exit-interval",
-                        "10", nproc=2, iters=20)
+    first, first_run = pretrain(pretraining_samples, tmp_path / "first", *common, "--save", str(ckpt),
+                                "--exit-interval", "10", nproc=2, iters=20)
+    # Start-up warnings come from rank 0 only, not once per process.
+    for line in set(first_run.stderr.splitlines()):
+        if "Warning:" in line:
+            assert first_run.stderr.count(line) == 1, line
     second, result = pretrain(pretraining_samples, tmp_path / "second", *common, "--save", str(ckpt), "--load",
                               str(ckpt), "--universal-checkpoint", nproc=1, iters=20)
     assert f"resumed from {ckpt / 'iter_0000010'}: iteration 10, consumed samples 160 (through " \
@@ -171,3 +175,13 @@ def test_tensor_parallel_gradients_equal_tensor_parallel_size_1():
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "TP=2 matches TP=1" in result.stdout
+
+
+def test_each_task_takes_the_gpu_its_local_rank_maps_to():
+    """Every GPU visible (index = local rank) or one bound per task (index 0): local rank modulo."""
+    from megatron_pmlm.distributed import local_device_index
+
+    assert [local_device_index(rank, 8) for rank in range(8)] == list(range(8))
+    assert [local_device_index(rank, 1) for rank in range(8)] == [0] * 8
+    with pytest.raises(RuntimeError, match="no GPU is visible"):
+        local_device_index(0, 0)
