@@ -61,6 +61,12 @@ def newest_complete_checkpoint(directory: Path) -> tuple[str | None, list[str]]:
     return None, skipped
 
 
+def newest_run_state(directory: Path) -> dict | None:
+    """The run state of the newest complete checkpoint in `directory` (None if there is none)."""
+    tag, _ = newest_complete_checkpoint(directory)
+    return None if tag is None else json.loads((directory / tag / RUN_STATE_FILE).read_text())
+
+
 def verify(tag_dir: Path, deep: bool = False) -> str | None:
     """`checkpoint_problem`, and with `deep` every file also has to load with torch.load."""
     problem = checkpoint_problem(tag_dir)
@@ -84,11 +90,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               "complete checkpoint ('0 0 0' if none); for batch scripts")
     state.add_argument("directory", type=Path)
     args = parser.parse_args(argv)
-    tag, _ = newest_complete_checkpoint(args.directory)
-    if tag is None:
+    saved = newest_run_state(args.directory)
+    if saved is None:
         print(0, 0, 0)
         return 0
-    saved = json.loads((args.directory / tag / RUN_STATE_FILE).read_text())
     config = saved.get("training_config", {})
     print(int(saved["iteration"]), int(config.get("train_iters", 0)), int(config.get("exit_interval", 0)))
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import sys
 from dataclasses import asdict, fields, replace
 from typing import Sequence
@@ -226,9 +227,6 @@ def run(args: argparse.Namespace) -> int:
 
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
-    if args.universal_checkpoint and training.zero_stage == 0:
-        raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use --zero-stage 1, 2 "
-                          "or 3 (a ZeRO-0 checkpoint loads on any data-parallel size without it)")
 
     layout = initialize_model_parallel(tp, pp, args.distributed_timeout_minutes)
     rank = dist.get_rank()
@@ -238,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
     seed_everything(training.seed + 100 * pp_rank)
     model = build_model(model_config, objective, layout, args.checkpoint_activations, training.seed)
     log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
+    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
     log(f"model: preset {args.preset} ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
         f"{model_config.num_attention_heads} heads, vocabulary {vocab_size} padded to {model_config.embedding_rows}), "
         f"objective {objective.name}, relative position bias {'on' if model_config.rel_pos else 'off'}")
@@ -248,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=objective_metrics(objective),
-                      universal_checkpoint=args.universal_checkpoint and not args.finetune,
+                      universal_checkpoint=universal,
                       history_path=args.history_json,
                       run_args={**vars(args), "model_config": asdict(model_config)})
     if args.load:
@@ -263,6 +262,29 @@ def run(args: argparse.Namespace) -> int:
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
     return 0
+
+
+def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log) -> bool:
+    """Whether --universal-checkpoint has work to do: the newest complete checkpoint's ZeRO
+    partitions were written for another data-parallel size. The flag can then stay in a job's
+    arguments across restarts: once the run saves at its new size, checkpoints load as they are."""
+    if not args.universal_checkpoint or args.finetune:
+        return False
+    from .checkpoint_files import newest_run_state
+
+    saved = newest_run_state(Path(args.load))
+    if saved is None:
+        return False
+    saved_size = saved.get("data_parallel_size")
+    saved_stage = int(saved.get("training_config", {}).get("zero_stage", 0))
+    if saved_size == data_parallel_size or saved_stage == 0:
+        log(f"--universal-checkpoint: the newest checkpoint in {args.load} (ZeRO-{saved_stage}, data-parallel size "
+            f"{saved_size}) loads as it is on data-parallel size {data_parallel_size}")
+        return False
+    if zero_stage == 0:
+        raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use --zero-stage 1, 2 "
+                          "or 3")
+    return True
 
 
 def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):

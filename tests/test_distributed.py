@@ -163,6 +163,12 @@ def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_
     assert losses(first) + losses(second) == pytest.approx(losses(full), abs=1e-4)
     assert [r["lr"] for r in second] == pytest.approx([r["lr"] for r in full[10:]])
     assert (ckpt / "latest_universal").read_text() == "iter_0000010_universal"
+    # The flag may stay in a job's arguments: a checkpoint of this size loads as it is.
+    third, result = pretrain(pretraining_samples, tmp_path / "third", *common, "--load", str(ckpt),
+                             "--universal-checkpoint", nproc=1, iters=21)
+    assert "loads as it is on data-parallel size 1" in result.stdout
+    assert f"resumed from {ckpt / 'iter_0000020'}: iteration 20, consumed samples 320\n" in result.stdout
+    assert [r["iteration"] for r in third] == [21]
 
 
 def test_tensor_parallel_gradients_equal_tensor_parallel_size_1():
