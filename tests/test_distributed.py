@@ -132,16 +132,6 @@ def test_refused_combinations_say_why(pretraining_samples, tmp_path):
     assert result.returncode == 2 and "does not divide the 4 attention heads" in result.stderr
 
 
-def test_loading_with_another_data_parallel_size_names_the_way(pretraining_samples, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    pretrain(pretraining_samples, tmp_path, "--zero-stage", "2", "--save", str(ckpt), nproc=2, iters=1)
-    result = run_module("megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
-                        "--train-iters", "2", "--zero-stage", "2", "--load", str(ckpt))
-    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "data-parallel size 2, this run has 1" in result.stderr
-    assert "add --universal-checkpoint" in result.stderr
-
-
 def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_samples, tmp_path):
     """Losing a node: a 2-process ZeRO-2 run stopped at 10 resumes on 1 process (same global
     batch) with iteration, optimizer, schedule and sample order intact."""
@@ -154,6 +144,11 @@ def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_
     for line in set(first_run.stderr.splitlines()):
         if "Warning:" in line:
             assert first_run.stderr.count(line) == 1, line
+    # Without the flag another data-parallel size is refused, naming the way.
+    refused = run_module("megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY, *common,
+                         "--train-iters", "20", "--load", str(ckpt))
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    assert "data-parallel size 2, this run has 1" in refused.stderr and "add --universal-checkpoint" in refused.stderr
     second, result = pretrain(pretraining_samples, tmp_path / "second", *common, "--save", str(ckpt), "--load",
                               str(ckpt), "--universal-checkpoint", nproc=1, iters=20)
     assert f"resumed from {ckpt / 'iter_0000010'}: iteration 10, consumed samples 160 (through " \
