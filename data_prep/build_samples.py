@@ -27,7 +27,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from data_prep.sentences import split_long_sentences
-from megatron_pmlm.config import MaskingConfig, add_dataclass_arguments, dataclass_overrides
+from megatron_pmlm.config import HelpFormatter, MaskingConfig, add_dataclass_arguments, dataclass_overrides
 from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path,
                                         token_dtype_for_vocab)
 from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
@@ -391,7 +391,7 @@ def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixe
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m data_prep.build_samples", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--data-path", nargs="+", required=True, help="[W1] PREFIX1 [W2] PREFIX2 ...")
     parser.add_argument("--output", required=True, help="the samples directory to write")
     parser.add_argument("--vocab-file", help="default: the vocabulary recorded by preprocess in PREFIX.json")
@@ -402,11 +402,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="K precomputed masks per sample; training epoch e uses mask epoch e mod K")
     parser.add_argument("--seed", type=int, default=1234, help="drives packing, blending and masks")
     parser.add_argument("--num-samples", help="samples per split of the blend: TRAIN[,VALID[,TEST]]")
-    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="processes computing masks")
     parser.add_argument("--documents-per-chunk", type=int, default=20000,
                         help="packing unit (one generator per chunk); part of the result")
-    parser.add_argument("--overwrite", action="store_true")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
     add_dataclass_arguments(parser, MaskingConfig)
     return parser
 

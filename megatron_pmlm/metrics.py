@@ -26,8 +26,8 @@ class MetricSpec:
         return tuple(n for n in self.names if n.startswith("loss"))
 
 
-PMLM_METRICS = MetricSpec(("loss", "loss_ae", "loss_par", "ae_correct", "ae_count"),
-                          (("mlm_acc", "ae_correct", "ae_count"),))
+PMLM_METRICS = MetricSpec(("loss", "loss_ae", "loss_par", "ae_correct", "ae_count", "par_correct", "par_count"),
+                          (("mlm_acc", "ae_correct", "ae_count"), ("par_acc", "par_correct", "par_count")))
 
 
 class MetricSums:

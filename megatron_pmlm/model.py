@@ -332,9 +332,10 @@ class PMLMLosses:
     par_count: torch.Tensor
 
     def metrics(self) -> torch.Tensor:
-        """[loss, loss_ae, loss_par, ae_correct, ae_count], detached, for logging."""
+        """metrics.PMLM_METRICS's vector, detached, for logging."""
         return torch.stack([self.loss.detach().float(), self.loss_ae.detach().float(),
-                            self.loss_par.detach().float(), self.ae_correct.float(), self.ae_count.float()])
+                            self.loss_par.detach().float(), self.ae_correct.float(), self.ae_count.float(),
+                            self.par_correct.float(), self.par_count.float()])
 
 
 class PMLMForPreTraining(nn.Module):

@@ -98,7 +98,7 @@ class LossPipe(nn.Module):
         self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
 
     def forward(self, activations):
-        """[loss, loss_ae, loss_par, ae_correct, ae_count]; only `loss` carries gradient."""
+        """metrics.PMLM_METRICS's vector; only `loss` carries gradient."""
         logits, targets, is_ae = activations
         logits = logits + self.bias + self.padding_logit_bias
         token_losses = self.layers.cross_entropy(logits, targets)
@@ -107,7 +107,8 @@ class LossPipe(nn.Module):
         loss_ae = (token_losses * is_ae).sum() / ae_count.clamp(min=1)
         loss_par = (token_losses * ~is_ae).sum() / par_count.clamp(min=1)
         return torch.stack([(loss_ae + loss_par).float(), loss_ae.detach().float(), loss_par.detach().float(),
-                            (correct & is_ae).sum().float(), ae_count.float()])
+                            (correct & is_ae).sum().float(), ae_count.float(),
+                            (correct & ~is_ae).sum().float(), par_count.float()])
 
 
 def canonical_parameter_name(pipe_name: str, num_layers: int) -> str:

@@ -14,10 +14,11 @@ from pmlm_testing import REPO_ROOT, run_module
 from megatron_pmlm.config import ConfigError
 from megatron_pmlm.training import TrainingConfig, build_deepspeed_config, lr_lambda
 
-TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/lr", "train/grad_norm",
+TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/par_acc", "train/lr",
+              "train/grad_norm",
               "train/loss_scale", "train/samples_per_sec", "train/tokens_per_sec", "train/tflops_per_gpu",
               "train/consumed_tokens", "train/skipped_iterations"}
-VALID_TAGS = {"valid/loss", "valid/loss_ae", "valid/loss_par", "valid/mlm_acc"}
+VALID_TAGS = {"valid/loss", "valid/loss_ae", "valid/loss_par", "valid/mlm_acc", "valid/par_acc"}
 
 
 def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pretraining_samples):
@@ -118,10 +119,12 @@ def test_every_command_line_option_shows_its_default():
     """pretrain, preprocess, inspect: argparse shows defaults only for options with help text."""
     import argparse
 
+    from data_prep.build_samples import build_parser as build_samples_parser
     from data_prep.preprocess import build_parser as preprocess_parser
+    from megatron_pmlm.hf.convert import build_parser as convert_parser
     from megatron_pmlm.pretrain import build_parser as pretrain_parser
 
-    for parser in (pretrain_parser(), preprocess_parser()):
+    for parser in (pretrain_parser(), preprocess_parser(), build_samples_parser(), convert_parser()):
         text = parser.format_help()
         assert "SPEC" not in text and "§" not in text
         for action in parser._actions:
