@@ -1,6 +1,6 @@
 """What a model's `metrics()` vector holds and how the trainer sums and averages it.
 
-Each model family (PMLM pre-training, UniLM v1, PALM, seq2seq fine-tuning) names its losses and
+Each model family (PMLM pre-training, seq2seq fine-tuning) names its losses and
 accuracy counters in a `MetricSpec`; the one trainer logs whatever the spec names.
 """
 

@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from typing import Sequence
 
-from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
+from .config import PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
 from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
@@ -35,15 +35,6 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, help=f"default: {ModelConfig.hidden_dropout}")
     model.add_argument("--attention-dropout", type=float, help=f"default: {ModelConfig.attention_dropout}")
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
-    model.add_argument("--model", default="pmlm", choices=("pmlm", "palm"),
-                       help="pmlm: the BERT-shaped unified LM (UniLMv2 PMLM and UniLM v1 objectives); palm: "
-                            "PALM's encoder-decoder")
-    model.add_argument("--palm-stage", type=int, default=2, choices=(1, 2),
-                       help="with --model palm: 1 = the encoder alone as a masked LM on the context; 2 = encoder "
-                            "and decoder on the continuation (start from stage 1 with --load DIR --finetune)")
-    model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
-                       help="sdpa: dense additive mask + relative bias; flex: torch FlexAttention (block mask "
-                            "from roles/steps, relative bias as a score_mod)")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
@@ -127,8 +118,7 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
-        attention_backend=args.attention_backend)
+        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None)
 
 
 def training_config_from_args(args: argparse.Namespace, seq_length: int,
@@ -178,10 +168,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model == "palm":
-        from .palm_pretrain import run_palm
-
-        return run_palm(args)
     # Everything that can be refused is checked before processes start talking to each other.
     objective = get_objective(args.objective)
     if len(args.data_path) != 1:

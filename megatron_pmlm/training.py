@@ -697,10 +697,9 @@ class Trainer:
         saved = json.loads((tag_dir / RUN_STATE_FILE).read_text())
         saved_model = saved.get("args", {}).get("model_config")
         if expected_model_config and saved_model:
-            # How attention is computed is not part of the model: a run may switch backends.
             differences = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {v!r}"
                                     for k, v in expected_model_config.items()
-                                    if k != "attention_backend" and saved_model.get(k) != v)
+                                    if saved_model.get(k) != v)
             if differences:
                 raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
         if saved.get("args", {}).get("converted_from") and not finetune:
