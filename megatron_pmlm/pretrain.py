@@ -148,11 +148,18 @@ def training_config_from_args(args: argparse.Namespace, seq_length: int,
 
 
 def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.15) -> float:
-    """Model FLOPs per processed token (forward + backward): 6 x parameters plus attention,
-    12 x layers x hidden x attended length; PMLM attends over ~(1 + 2 x 15%) x seq_length."""
+    """Model FLOPs per processed token of the pseudo-masked layout (forward + backward, 3 x forward).
+
+    Per token: 6 x the layers' matmul parameters, plus attention (QK^T and AV over the whole
+    layout, ~(1 + 2 x mask_prob) x seq_length keys: 12 x layers x hidden x keys); the MLM head
+    (transform + tied softmax) runs only at the predicted slots, the [M] and [P] tokens, which are
+    2p / (1 + 2p) of the layout (with mask_prob 0, no appended tokens: at every token)."""
     h, layers = config.hidden_size, config.num_layers
-    parameters = (config.embedding_rows * h + layers * (12 * h * h + 13 * h) + h * h)
-    return 6.0 * parameters + 12.0 * layers * h * seq_length * (1 + 2 * mask_prob)
+    layout = 1 + 2 * mask_prob
+    predicted_share = 2 * mask_prob / layout if mask_prob > 0 else 1.0
+    layer_parameters = layers * (12 * h * h + 13 * h)
+    head_parameters = h * h + config.embedding_rows * h
+    return 6.0 * (layer_parameters + predicted_share * head_parameters) + 12.0 * layers * h * seq_length * layout
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pmlm_testing import REPO_ROOT, run_module
 from megatron_pmlm.config import ConfigError
-from megatron_pmlm.training import TrainingConfig, build_deepspeed_config, lr_lambda
+from megatron_pmlm.training import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
 TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/par_acc", "train/lr",
               "train/grad_norm",
@@ -231,3 +230,23 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pre
     result = run_module("megatron_pmlm.pretrain", *common, "--train-iters", "6", "--load", str(ckpt))
     assert result.returncode == 2 and "no checkpoint in" in result.stderr and "refusing to start from scratch" \
         in result.stderr, result.stderr[-2000:]
+
+
+def test_fused_adamw_on_cuda_only_and_the_same_update():
+    """The fused kernel is chosen on CUDA; its update equals the default implementation's (checked
+    on CUDA where present, else only the choice)."""
+    import torch
+
+    assert adamw_options("cpu") == {} and adamw_options("cuda") == {"fused": True}
+    if not torch.cuda.is_available():
+        return
+    weights = [torch.randn(64, 64, device="cuda", requires_grad=True) for _ in range(2)]
+    copies = [w.detach().clone().requires_grad_() for w in weights]
+    for params, options in ((weights, adamw_options("cuda")), (copies, {})):
+        optimizer = torch.optim.AdamW(params, lr=1e-2, **options)
+        for step in range(3):
+            for p in params:
+                p.grad = torch.full_like(p, 0.1 * (step + 1))
+            optimizer.step()
+    for fused, plain in zip(weights, copies):
+        torch.testing.assert_close(fused, plain)
