@@ -6,7 +6,11 @@ exactly as `text_data.pack_samples` does (short-sequence probability 0.1, cut at
 within one document), corpora blended Megatron-style by weight; then for every sample K mask
 epochs of Algorithm 1 + factorization order + 80/10/10 (`masking.mask_example`), each from a
 generator seeded by (seed, split, sample, mask epoch). Deterministic given the seed and independent
-of `--workers`. The directory is written under a temporary name and renamed when complete; a
+of `--workers`. With `--layout palm` the samples are PALM's context/continuation pairs instead
+(data_prep/palm_pairs.py: a context of whole sentences, at most --context-length tokens with
+[CLS]/[SEP], and the sentences that follow, at most --continuation-length tokens with [SEP],
+sliding by one sentence), in the same format, with the masks of the context alone.
+The directory is written under a temporary name and renamed when complete; a
 rerun with the same settings reuses it. Format: megatron_pmlm/data/samples.py.
 """
 
@@ -26,6 +30,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from data_prep.palm_pairs import palm_pairs
 from data_prep.sentences import split_long_sentences
 from megatron_pmlm.config import HelpFormatter, MaskingConfig, add_dataclass_arguments, dataclass_overrides
 from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path,
@@ -39,6 +44,14 @@ from megatron_pmlm.tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 class BuildError(ValueError):
     """Bad arguments or inputs for build_samples; the message names the culprit."""
+
+
+LAYOUTS = ("pmlm", "palm")
+PALM_CONTEXT_LENGTH = 400
+"""PALM §3.1: the context, the first 80% of a fragment of at most 500 tokens."""
+PALM_CONTINUATION_LENGTH = 100
+PALM_BLOCK_PROB = 0.0
+"""PALM's stage 1 is BERT's masked LM: single tokens, no blocks."""
 
 
 @dataclass
@@ -65,9 +78,21 @@ class BuildConfig:
     """Samples per masking task (no effect on the result: each sample has its own generators)."""
     overwrite: bool = False
     progress: bool | None = None
+    layout: str = "pmlm"
+    """pmlm: packed `[SOS] A [EOS] B [EOS]` samples; palm: context (seq_length = its length) and
+    continuation pairs."""
+    continuation_length: int = PALM_CONTINUATION_LENGTH
+    """palm: the continuation's tokens plus its [SEP]."""
 
     def __post_init__(self) -> None:
-        if self.seq_length < 5:
+        if self.layout not in LAYOUTS:
+            raise BuildError(f"--layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.layout == "palm" and self.seq_length < 3:
+            raise BuildError(f"--context-length {self.seq_length} leaves no room for a sentence in [CLS] x [SEP]")
+        if self.layout == "palm" and self.continuation_length < 2:
+            raise BuildError(f"--continuation-length {self.continuation_length} leaves no room for a sentence "
+                             "before [SEP]")
+        if self.layout == "pmlm" and self.seq_length < 5:
             raise BuildError(f"--seq-length {self.seq_length} is too short for [SOS] S1 [EOS] S2 [EOS]")
         if not 0.0 <= self.short_seq_prob <= 1.0:
             raise BuildError(f"--short-seq-prob must be in [0, 1], got {self.short_seq_prob}")
@@ -157,6 +182,21 @@ def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
         bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
     rng = np.random.default_rng(seed_key)
     rows = pack_sentences(lengths, starts, bounds, np.arange(doc_lo, doc_hi), seq_length, rng, short_seq_prob)
+    rows[:, 0] = corpus_index
+    return task_id, rows, long_count
+
+
+def palm_pair_task(task: tuple) -> tuple[int, np.ndarray, int]:
+    """PALM pairs of documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences cut)."""
+    task_id, prefix, corpus_index, doc_lo, doc_hi, context_length, continuation_length = task
+    reader = _reader(prefix)
+    sentence_lo = int(reader.document_indices[doc_lo])
+    sentence_hi = int(reader.document_indices[doc_hi])
+    lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
+    starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
+    bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
+    rows, long_count = palm_pairs(lengths, starts, bounds, np.arange(doc_lo, doc_hi), context_length,
+                                  continuation_length)
     rows[:, 0] = corpus_index
     return task_id, rows, long_count
 
@@ -285,6 +325,8 @@ def build(config: BuildConfig) -> dict:
                 "mask_epochs": config.mask_epochs, "seed": config.seed, "num_samples": config.num_samples,
                 "masking": asdict(config.masking), "documents_per_chunk": config.documents_per_chunk,
                 "vocab_sha256": _sha256(tokenizer.vocab_file)}
+    if config.layout == "palm":  # PMLM builds keep their settings (and reuse) unchanged
+        settings.update(layout="palm", continuation_length=config.continuation_length)
     if output.exists():
         previous = (output / METADATA_FILE)
         if previous.is_file() and json.loads(previous.read_text()).get("settings") == settings:
@@ -302,12 +344,17 @@ def build(config: BuildConfig) -> dict:
         for split_id, (low, high) in enumerate(split_document_ranges(entry["num_documents"], fractions)):
             for chunk, doc_lo in enumerate(range(low, high, config.documents_per_chunk)):
                 doc_hi = min(high, doc_lo + config.documents_per_chunk)
-                pack_tasks.append((len(pack_tasks), entry["prefix"], corpus, doc_lo, doc_hi, config.seq_length,
-                                   config.short_seq_prob, [config.seed, corpus, split_id, chunk]))
+                if config.layout == "palm":
+                    pack_tasks.append((len(pack_tasks), entry["prefix"], corpus, doc_lo, doc_hi, config.seq_length,
+                                       config.continuation_length))
+                else:
+                    pack_tasks.append((len(pack_tasks), entry["prefix"], corpus, doc_lo, doc_hi, config.seq_length,
+                                       config.short_seq_prob, [config.seed, corpus, split_id, chunk]))
                 task_keys.append((corpus, split_id))
     packed = {(c, s): [] for c in range(len(entries)) for s in range(3)}
     long_sentences = 0
-    for task_id, rows, long_count in _run_tasks(pack_task, pack_tasks, config.workers, "packing", show):
+    pack_function = palm_pair_task if config.layout == "palm" else pack_task
+    for task_id, rows, long_count in _run_tasks(pack_function, pack_tasks, config.workers, "packing", show):
         packed[task_keys[task_id]].append(rows)
         long_sentences += long_count
     natural = {key: np.concatenate(parts) if parts else np.zeros((0, len(SAMPLE_COLUMNS)), np.int64)
@@ -352,6 +399,8 @@ def build(config: BuildConfig) -> dict:
                        "mask_corrupted": token_dtype.str, "samples": "<i8", "mask_offsets": "<i8"},
             "sample_columns": list(SAMPLE_COLUMNS), "long_sentences_split": long_sentences,
             "splits": splits_meta, "build_seconds": round(time.perf_counter() - started, 2)}
+        if config.layout == "palm":
+            metadata.update(layout="palm", continuation_length=config.continuation_length)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         if output.exists():
             shutil.rmtree(output)
@@ -366,7 +415,11 @@ def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixe
                  step_dtype: np.dtype, token_dtype: np.dtype, show: bool) -> dict:
     directory.mkdir(parents=True)
     (directory / "samples.bin").write_bytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
-    tasks = [(start // config.samples_per_task, rows[start:start + config.samples_per_task], start, prefixes,
+    masked_rows = rows
+    if config.layout == "palm":  # the MLM masks cover [CLS] context [SEP] only
+        masked_rows = rows.copy()
+        masked_rows[:, 5] = 0
+    tasks = [(start // config.samples_per_task, masked_rows[start:start + config.samples_per_task], start, prefixes,
               asdict(tokenizer.special), tokenizer.vocab_size, asdict(config.masking), config.mask_epochs,
               config.seed, split_id) for start in range(0, len(rows), config.samples_per_task)]
     total_entries = 0
@@ -396,8 +449,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="the samples directory to write")
     parser.add_argument("--vocab-file", help="default: the vocabulary recorded by preprocess in PREFIX.json")
     parser.add_argument("--split", default="949,50,1", help="train,valid,test proportions of each corpus's documents")
-    parser.add_argument("--seq-length", type=int, default=512, help="longest sample, specials included")
-    parser.add_argument("--short-seq-prob", type=float, default=0.1, help="probability of a shorter random target")
+    parser.add_argument("--layout", default="pmlm", choices=LAYOUTS,
+                        help="pmlm: packed sentence pairs for PMLM; palm: PALM's context/continuation pairs")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="pmlm: longest sample, specials included (default: 512)")
+    parser.add_argument("--short-seq-prob", type=float, default=None,
+                        help="pmlm: probability of a shorter random target (default: 0.1)")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help=f"palm: longest context, [CLS] and [SEP] included (default: {PALM_CONTEXT_LENGTH})")
+    parser.add_argument("--continuation-length", type=int, default=None,
+                        help=f"palm: longest continuation, its [SEP] included (default: {PALM_CONTINUATION_LENGTH})")
     parser.add_argument("--mask-epochs", type=int, default=10,
                         help="K precomputed masks per sample; training epoch e uses mask epoch e mod K")
     parser.add_argument("--seed", type=int, default=1234, help="drives packing, blending and masks")
@@ -418,10 +479,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_samples = [int(n) for n in args.num_samples.split(",")] if args.num_samples else None
         except ValueError:
             raise BuildError(f"--num-samples {args.num_samples!r}: expected TRAIN[,VALID[,TEST]] integers") from None
+        masking = dataclass_overrides(args, MaskingConfig)
+        if args.layout == "palm":
+            for flag, value in (("--seq-length", args.seq_length), ("--short-seq-prob", args.short_seq_prob)):
+                if value is not None:
+                    raise BuildError(f"{flag} is for --layout pmlm; PALM pairs take --context-length and "
+                                     "--continuation-length")
+            seq_length = PALM_CONTEXT_LENGTH if args.context_length is None else args.context_length
+            short_seq_prob = BuildConfig.short_seq_prob
+            masking = {"block_prob": PALM_BLOCK_PROB, **masking}
+        else:
+            for flag, value in (("--context-length", args.context_length),
+                                ("--continuation-length", args.continuation_length)):
+                if value is not None:
+                    raise BuildError(f"{flag} is for --layout palm; PMLM samples take --seq-length")
+            seq_length = BuildConfig.seq_length if args.seq_length is None else args.seq_length
+            short_seq_prob = BuildConfig.short_seq_prob if args.short_seq_prob is None else args.short_seq_prob
         config = BuildConfig(
             data_path=args.data_path, output=args.output, vocab_file=args.vocab_file, split=args.split,
-            seq_length=args.seq_length, short_seq_prob=args.short_seq_prob, mask_epochs=args.mask_epochs,
-            seed=args.seed, num_samples=num_samples, masking=MaskingConfig(**dataclass_overrides(args, MaskingConfig)),
+            seq_length=seq_length, short_seq_prob=short_seq_prob, mask_epochs=args.mask_epochs,
+            seed=args.seed, num_samples=num_samples, masking=MaskingConfig(**masking), layout=args.layout,
+            continuation_length=(PALM_CONTINUATION_LENGTH if args.continuation_length is None
+                                 else args.continuation_length),
             workers=args.workers, documents_per_chunk=args.documents_per_chunk, overwrite=args.overwrite, progress=False if args.no_progress else None)
         metadata = build(config)
     except (BuildError, IndexedDatasetError, FileNotFoundError, ValueError) as error:
@@ -432,7 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{info['mean_length']:.1f}), per corpus {info['samples_per_corpus']}, "
               f"{info['num_mask_entries']:,} masked tokens over {metadata['mask_epochs']} mask epochs")
     if metadata["long_sentences_split"]:
-        print(f"sentences longer than seq_length - 3 split: {metadata['long_sentences_split']:,}")
+        limit = ("the context or continuation budget" if metadata.get("layout") == "palm" else "seq_length - 3")
+        print(f"sentences longer than {limit} split: {metadata['long_sentences_split']:,}")
     print(f"wrote {config.output} in {metadata['build_seconds']:.1f} s")
     return 0
 

@@ -15,13 +15,17 @@ output is the prediction, and it is dropped afterwards (nothing ever sees a [MAS
 only the new slots against a key/value cache of the committed ones. With `pos_shift` (causal-mode
 models) the source has no [SEP], target slot 0 holds [SEP] and slot k + 1 holds y_k; there is no
 [MASK]: the prediction is read from the last slot run.
+
+The searches (`greedy_search`, `beam_search`) take any `StepScorer`, a model's next-word scores one
+step at a time: s2s-ft's layout of a PMLM model here, PALM's decoder with its copy distribution in
+`PalmDecoder` (`decode_palm`), so both share the beam, n-gram blocking and length penalty.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Collection, Sequence
+from typing import Callable, Collection, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -373,6 +377,10 @@ class Seq2SeqDecoder:
         self.device = next(model.parameters()).device
         self.ignore_ids = resolve_tokens(config.ngram_ignore_tokens, token_to_id) if token_to_id else []
 
+    @property
+    def max_source_tokens(self) -> int:
+        return self.config.max_source_tokens
+
     def build_batch(self, sources: Sequence[Sequence[int]]) -> DecoderBatch:
         return build_decoder_batch(sources, self.config, self.special.cls, self.special.sep, self.special.pad,
                                    self.source_type_id, self.target_type_id, self.device)
@@ -409,75 +417,184 @@ class Seq2SeqDecoder:
     def greedy(self, batch: DecoderBatch) -> DecodeOutput:
         """s2s-ft's `forward`: argmax at every step. It may stop once every row has produced a
         [SEP] or [PAD], since the text ends there."""
-        runner = self._runner()
-        chosen = []
-        stopped = torch.zeros(batch.size, dtype=torch.bool, device=self.device)
-        previous = None
-        for step in range(batch.num_steps):
-            previous = self._predict(runner, batch, step, previous).argmax(-1)
-            chosen.append(previous)
-            stopped |= (previous == self.special.sep) | (previous == self.special.pad)
-            if bool(stopped.all()):
-                break
-        return DecodeOutput(torch.stack(chosen, 1).tolist())
+        return greedy_search(_Seq2SeqScorer(self, batch), batch.num_steps, batch.size,
+                             (self.special.sep, self.special.pad), self.device)
 
     @torch.inference_mode()
     def beam_search(self, batch: DecoderBatch) -> DecodeOutput:
-        """s2s-ft's `beam_search` (B.4-B.6): rows b * K + k after the first step; finished
-        hypotheses stay in the beam paying BANNED_SCORE per step. It stops once every example has
-        had a step whose K words are all [SEP] (B.6 never looks past that step)."""
-        beam, sep = self.config.beam_size, self.special.sep
-        examples = batch.size
-        runner = self._runner()
-        blocker = (NGramBlocker(self.config.no_repeat_ngram_size, self.model.config.vocab_size, self.ignore_ids,
-                                self.device) if self.config.no_repeat_ngram_size else None)
-        record_ids, record_scores, record_pointers = [], [], []
-        exhausted = torch.zeros(examples, dtype=torch.bool, device=self.device)
-        previous = banned = generated = scores = finished = None
-        for step in range(batch.num_steps):
-            logits = self._predict(runner, batch, step, previous)
-            log_probs = F.log_softmax(logits.float(), dim=-1)
-            if banned is not None:
-                log_probs += banned.to(log_probs.dtype) * BANNED_SCORE
-            if self.config.min_length and step + 1 <= self.config.min_length:
-                log_probs[:, sep] = BANNED_SCORE
-            top_scores, top_ids = torch.topk(log_probs, k=beam)  # [rows, K]
-            if step == 0:  # one row per example: its top K start the K hypotheses
-                words, scores = top_ids, top_scores
-                pointers = torch.zeros_like(words)
-                source_rows = torch.arange(examples, device=self.device).repeat_interleave(beam)
-                batch = batch.select_rows(source_rows)
-            else:
-                top_scores += finished.view(-1, 1) * BANNED_SCORE + scores.view(-1, 1)
-                scores, best = torch.topk(top_scores.view(examples, beam * beam), k=beam)
-                pointers = torch.div(best, beam, rounding_mode="floor")
-                words = top_ids.view(examples, beam * beam).gather(1, best)
-                source_rows = (torch.arange(examples, device=self.device)[:, None] * beam + pointers).view(-1)
-            runner.reorder(source_rows)
-            finished = (words == sep).to(scores.dtype)
-            record_ids.append(words)
-            record_scores.append(scores)
-            record_pointers.append(pointers)
-            previous = words.view(-1)
-            if blocker is not None:
-                generated = (previous[:, None] if generated is None else
-                             torch.cat([generated.index_select(0, source_rows), previous[:, None]], 1))
-                banned = blocker.banned(generated)
-            exhausted |= (words == sep).all(-1)
-            if bool(exhausted.all()):
-                break
-        step_ids, step_scores, back_pointers = (torch.stack(r) for r in (record_ids, record_scores, record_pointers))
-        token_ids = choose_hypotheses(step_ids, step_scores, back_pointers, sep, self.config.length_penalty)
-        return DecodeOutput(token_ids, step_ids, step_scores, back_pointers)
+        """s2s-ft's `beam_search` (B.4-B.6), see `beam_search` below."""
+        return beam_search(_Seq2SeqScorer(self, batch), batch.num_steps, batch.size, self.config, self.special.sep,
+                           self.model.config.vocab_size, self.ignore_ids, self.device)
 
 
-def decode_in_batches(decoder: Seq2SeqDecoder, sources: Sequence[Sequence[int]], batch_size: int,
+class StepScorer(Protocol):
+    """What the searches ask of a model at each step (one row per hypothesis)."""
+
+    def scores(self, step: int, previous: torch.Tensor | None) -> torch.Tensor:
+        """[rows, V] scores of the next word (greedy takes their argmax); `previous` [rows]: the
+        words chosen at step - 1 (None at step 0)."""
+
+    def log_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        """The scores as log-probabilities (beam search sums them)."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Rows become rows `index` (beam replication at step 0, back-pointers later)."""
+
+
+class _Seq2SeqScorer:
+    """A PMLM model's next-word logits over the s2s-ft layout (Seq2SeqDecoder._step)."""
+
+    def __init__(self, decoder: "Seq2SeqDecoder", batch: DecoderBatch):
+        self.decoder, self.batch, self.runner = decoder, batch, decoder._runner()
+
+    def scores(self, step: int, previous: torch.Tensor | None) -> torch.Tensor:
+        return self.decoder._predict(self.runner, self.batch, step, previous)
+
+    def log_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(scores.float(), dim=-1)
+
+    def reorder(self, index: torch.Tensor) -> None:
+        if index.numel() != self.batch.size:  # the beam's first step: one row per hypothesis
+            self.batch = self.batch.select_rows(index)
+        self.runner.reorder(index)
+
+
+def greedy_search(scorer: StepScorer, num_steps: int, rows: int, stop_ids: Collection[int],
+                  device) -> DecodeOutput:
+    """Argmax at every step; stops once every row has produced a stop id."""
+    chosen = []
+    stop = torch.tensor(sorted(stop_ids), device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    previous = None
+    for step in range(num_steps):
+        previous = scorer.scores(step, previous).argmax(-1)
+        chosen.append(previous)
+        stopped |= torch.isin(previous, stop)
+        if bool(stopped.all()):
+            break
+    return DecodeOutput(torch.stack(chosen, 1).tolist())
+
+
+def beam_search(scorer: StepScorer, num_steps: int, examples: int, config: DecodingConfig, sep: int,
+                vocab_size: int, ignore_ids: Collection[int] = (), device="cpu") -> DecodeOutput:
+    """s2s-ft's `beam_search` (B.4-B.6): rows b * K + k after the first step; finished
+    hypotheses stay in the beam paying BANNED_SCORE per step. It stops once every example has
+    had a step whose K words are all [SEP] (B.6 never looks past that step)."""
+    beam = config.beam_size
+    blocker = (NGramBlocker(config.no_repeat_ngram_size, vocab_size, ignore_ids, device)
+               if config.no_repeat_ngram_size else None)
+    record_ids, record_scores, record_pointers = [], [], []
+    exhausted = torch.zeros(examples, dtype=torch.bool, device=device)
+    previous = banned = generated = scores = finished = None
+    for step in range(num_steps):
+        log_probs = scorer.log_probs(scorer.scores(step, previous))
+        if banned is not None:
+            log_probs += banned.to(log_probs.dtype) * BANNED_SCORE
+        if config.min_length and step + 1 <= config.min_length:
+            log_probs[:, sep] = BANNED_SCORE
+        top_scores, top_ids = torch.topk(log_probs, k=beam)  # [rows, K]
+        if step == 0:  # one row per example: its top K start the K hypotheses
+            words, scores = top_ids, top_scores
+            pointers = torch.zeros_like(words)
+            source_rows = torch.arange(examples, device=device).repeat_interleave(beam)
+        else:
+            top_scores += finished.view(-1, 1) * BANNED_SCORE + scores.view(-1, 1)
+            scores, best = torch.topk(top_scores.view(examples, beam * beam), k=beam)
+            pointers = torch.div(best, beam, rounding_mode="floor")
+            words = top_ids.view(examples, beam * beam).gather(1, best)
+            source_rows = (torch.arange(examples, device=device)[:, None] * beam + pointers).view(-1)
+        scorer.reorder(source_rows)
+        finished = (words == sep).to(scores.dtype)
+        record_ids.append(words)
+        record_scores.append(scores)
+        record_pointers.append(pointers)
+        previous = words.view(-1)
+        if blocker is not None:
+            generated = (previous[:, None] if generated is None else
+                         torch.cat([generated.index_select(0, source_rows), previous[:, None]], 1))
+            banned = blocker.banned(generated)
+        exhausted |= (words == sep).all(-1)
+        if bool(exhausted.all()):
+            break
+    step_ids, step_scores, back_pointers = (torch.stack(r) for r in (record_ids, record_scores, record_pointers))
+    token_ids = choose_hypotheses(step_ids, step_scores, back_pointers, sep, config.length_penalty)
+    return DecodeOutput(token_ids, step_ids, step_scores, back_pointers)
+
+
+class _PalmScorer:
+    """PALM's log P(w) under the copy mixture, one decoder token at a time (palm.next_log_probs)."""
+
+    def __init__(self, model, state, bos_id: int):
+        self.model, self.state, self.bos_id = model, state, bos_id
+
+    def scores(self, step: int, previous: torch.Tensor | None) -> torch.Tensor:
+        from .palm import next_log_probs
+
+        if previous is None:
+            previous = torch.full((self.state.encoder_hidden.shape[0],), self.bos_id, dtype=torch.long,
+                                  device=self.state.encoder_hidden.device)
+        return next_log_probs(self.model, self.state, previous)
+
+    def log_probs(self, scores: torch.Tensor) -> torch.Tensor:
+        return scores  # already log P
+
+    def reorder(self, index: torch.Tensor) -> None:
+        self.state.reorder(index)
+
+
+class PalmDecoder:
+    """Continuation decoding of a PALM model (greedy or beam search with the copy distribution):
+    the encoder reads `[CLS] context [SEP]`, the decoder starts from [CLS] and stops at [SEP]. The
+    searches, n-gram blocking, min length and length penalty are Seq2SeqDecoder's."""
+
+    def __init__(self, model, special, config: DecodingConfig, token_to_id: Callable[[str], int | None] | None = None):
+        if config.ngram_ignore_tokens and token_to_id is None:
+            raise ValueError("ngram_ignore_tokens needs token_to_id to map them to ids")
+        positions = model.config.max_position_embeddings
+        if config.max_target_length > positions:
+            raise ConfigError(f"--max-target-length {config.max_target_length} exceeds the model's {positions} "
+                              "decoder positions")
+        self.model, self.special, self.config = model, special, config
+        self.device = next(model.parameters()).device
+        self.max_source_tokens = min(config.max_seq_length, positions) - 2
+        self.ignore_ids = resolve_tokens(config.ngram_ignore_tokens, token_to_id) if token_to_id else []
+
+    def build_batch(self, contexts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Encoder ids `[CLS] context [SEP]` (cut to max_source_tokens) and roles, right-padded."""
+        if not contexts:
+            raise ValueError("PalmDecoder needs at least one context")
+        contexts = [np.asarray(c, dtype=np.int64)[:self.max_source_tokens] for c in contexts]
+        lengths = np.array([len(c) + 2 for c in contexts])
+        ids = np.full((len(contexts), int(lengths.max())), self.special.pad, dtype=np.int64)
+        ids[:, 0] = self.special.cls
+        for row, context in enumerate(contexts):  # one copy per example
+            ids[row, 1:1 + len(context)] = context
+        ids[np.arange(len(contexts)), lengths - 1] = self.special.sep
+        roles = np.where(np.arange(ids.shape[1])[None, :] < lengths[:, None], CONTEXT, PAD)
+        as_tensor = lambda a: torch.as_tensor(a, dtype=torch.long, device=self.device)  # noqa: E731
+        return as_tensor(ids), as_tensor(roles)
+
+    @torch.inference_mode()
+    def decode(self, contexts: Sequence[Sequence[int]]) -> DecodeOutput:
+        from .palm import start_decoding
+
+        encoder_ids, roles = self.build_batch(contexts)
+        state = start_decoding(self.model, encoder_ids, roles, encoder_ids)
+        scorer = _PalmScorer(self.model, state, self.special.cls)
+        steps, rows = self.config.max_target_length, encoder_ids.shape[0]
+        if self.config.beam_size == 1:
+            return greedy_search(scorer, steps, rows, (self.special.sep, self.special.pad), self.device)
+        return beam_search(scorer, steps, rows, self.config, self.special.sep, self.model.config.vocab_size,
+                           self.ignore_ids, self.device)
+
+
+def decode_in_batches(decoder: Seq2SeqDecoder | PalmDecoder, sources: Sequence[Sequence[int]], batch_size: int,
                       progress: Callable[[int], None] | None = None) -> list[list[int]]:
     """Generated ids for every source, in input order. As s2s-ft, sources (cut to the budget) are
     sorted by decreasing length (stable) before batching, so batches pad little."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {batch_size}")
-    budget = decoder.config.max_source_tokens
+    budget = decoder.max_source_tokens
     order = sorted(range(len(sources)), key=lambda i: -min(len(sources[i]), budget))
     outputs: list[list[int]] = [[] for _ in sources]
     for start in range(0, len(order), batch_size):
