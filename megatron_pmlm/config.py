@@ -17,6 +17,9 @@ class ConfigError(ValueError):
     """A configuration value a user supplied is invalid; the message names it."""
 
 
+ATTENTION_BACKENDS = ("sdpa", "flex")
+
+
 @dataclass
 class ModelConfig:
     """BERT architecture plus UniLMv2's shared relative position bias (SPEC §5)."""
@@ -42,6 +45,10 @@ class ModelConfig:
     """Relative position bias on; False gives exactly BERT (the paper's "- rel pos")."""
     rel_pos_bins: int = 32
     max_rel_pos: int = 128
+    attention_backend: str = "sdpa"
+    """sdpa: torch's scaled_dot_product_attention over a dense additive bias (mask + relative
+    position); flex: FlexAttention with a block mask built from roles/steps and the bias as a
+    score_mod (no dense [B, heads, T, T] tensor; no attention dropout)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
@@ -58,6 +65,9 @@ class ModelConfig:
         for name in ("hidden_dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model config: {name} must be in [0, 1), got {getattr(self, name)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"model config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                              f"got {self.attention_backend!r}")
         if self.rel_pos and (self.rel_pos_bins < 4 or self.rel_pos_bins % 2):
             raise ConfigError(f"model config: rel_pos_bins must be an even number >= 4, got {self.rel_pos_bins}")
         if self.rel_pos and self.max_rel_pos <= self.rel_pos_bins // 4:

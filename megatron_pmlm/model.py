@@ -17,7 +17,9 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from .accelerated import layer_norm
 from .config import ConfigError, ModelConfig
+from .flex_attention import FlexAttentionMask, build_flex_attention_mask, flex_attention_forward
 from .layout import MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed, predicted_slots
 from .objectives import Objective, get_objective
 from .parallel_layers import LocalLayers, ParallelLayers
@@ -54,9 +56,18 @@ class RelativePositionBias(nn.Module):
         self.max_distance = max_distance
         self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
 
-    def forward(self, position_ids: torch.Tensor, key_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, position_ids: torch.Tensor | None = None,
+                key_position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
-        (keys default to the queries; decoding passes cached + new slots as keys)."""
+        (keys default to the queries; decoding passes cached + new slots as keys).
+
+        Without position ids: the bias of every key - query distance clamped to +-max_distance,
+        [heads, 2 x max_distance + 1], which the flex backend's score_mod looks up. It is computed
+        here, in forward, so that ZeRO-3 gathers the table and gradients reach it.
+        """
+        if position_ids is None:
+            distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
+            return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
         key_position_ids = position_ids if key_position_ids is None else key_position_ids
         relative = key_position_ids[:, None, :] - position_ids[:, :, None]  # key - query
         buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
@@ -69,7 +80,7 @@ class BertEmbeddings(nn.Module):
         self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.LayerNorm = layer_norm(config.hidden_size, config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids, position_ids, token_type_ids):
@@ -92,16 +103,21 @@ class BertSelfAttention(nn.Module):
         batch, length, _ = x.shape
         return x.view(batch, length, self.heads_per_partition, self.head_dim).transpose(1, 2)
 
-    def forward(self, hidden: torch.Tensor, attention_bias: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, attention: "torch.Tensor | FlexAttentionMask",
                 cache: "LayerKeyValues | None" = None) -> torch.Tensor:
+        """`attention`: the dense additive bias (sdpa) or a FlexAttentionMask (flex), see
+        `attention_inputs`."""
         query = self._split_heads(self.query(hidden))
         key = self._split_heads(self.key(hidden))
         value = self._split_heads(self.value(hidden))
         if cache is not None:
             key, value = cache.extend(key, value)
-        context = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_bias,
-            dropout_p=self.dropout_p if self.training else 0.0)
+        if isinstance(attention, FlexAttentionMask):
+            context = flex_attention_forward(query, key, value, attention)
+        else:
+            context = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention,
+                dropout_p=self.dropout_p if self.training else 0.0)
         batch, _, length, _ = context.shape
         return context.transpose(1, 2).reshape(batch, length, -1)
 
@@ -112,7 +128,7 @@ class BertSelfOutput(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers, in_features: int):
         super().__init__()
         self.dense = layers.row_linear(in_features, config.hidden_size)
-        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.LayerNorm = layer_norm(config.hidden_size, config.layernorm_epsilon)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -158,6 +174,9 @@ class BertEncoder(nn.Module):
         """Recompute each layer in the backward pass instead of storing its activations."""
 
     def forward(self, hidden, attention_bias):
+        if self.checkpoint_activations and self.training and isinstance(attention_bias, FlexAttentionMask) \
+                and attention_bias.score_mod is not None:
+            raise ConfigError(FLEX_CHECKPOINT_REFUSAL)
         for layer in self.layer:
             if self.checkpoint_activations and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_bias, use_reentrant=False)
@@ -177,6 +196,7 @@ class BertModel(nn.Module):
             raise ConfigError(
                 f"num_attention_heads {config.num_attention_heads} is not divisible by the tensor "
                 f"parallel size {layers.tensor_parallel_size}")
+        check_attention_backend(config)
         self.config = config
         self.attention_rule = attention_rule
         self.embeddings = BertEmbeddings(config, layers)
@@ -188,8 +208,8 @@ class BertModel(nn.Module):
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
         """Embeddings and the attention bias every layer shares."""
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
-        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
-        return hidden, bias
+        return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
+                                        position_ids, roles, steps, hidden.dtype)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         return self.encoder(*self.embed(input_ids, position_ids, token_type_ids, roles, steps))
@@ -201,6 +221,7 @@ class BertModel(nn.Module):
         The attention rule and the relative bias are those of a full forward over [cached; new]
         (the same roles/steps rule), restricted to the new slots' rows; `cache.commit` then keeps
         the slots later ones may see. Equivalent to the full forward, at a fraction of the cost.
+        Decoding always uses the sdpa kernel (a few new rows per step: nothing for flex to skip).
         """
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         key_positions, key_roles, key_steps = cache.keys_with(position_ids, roles, steps)
@@ -265,6 +286,32 @@ class KeyValueCache:
         for layer in self.layers:
             layer.key, layer.value = layer.key.index_select(0, index), layer.value.index_select(0, index)
         self.positions, self.roles, self.steps = (t.index_select(0, index) for t in (self.positions, self.roles, self.steps))
+
+
+FLEX_CHECKPOINT_REFUSAL = (
+    "attention backend flex with the relative position bias cannot be recomputed by activation checkpointing: "
+    "torch 2.13's FlexAttention returns a wrong gradient for the bias table when its layer is recomputed; "
+    "drop --checkpoint-activations, use --attention-backend sdpa, or --no-rel-pos")
+
+
+def check_attention_backend(config: ModelConfig, checkpoint_activations: bool = False) -> None:
+    """Refuse what a backend cannot compute: FlexAttention has no attention dropout."""
+    if config.attention_backend == "flex" and config.attention_dropout > 0:
+        raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
+                          f"(now {config.attention_dropout}) or use --attention-backend sdpa")
+    if config.attention_backend == "flex" and config.rel_pos and checkpoint_activations:
+        raise ConfigError(FLEX_CHECKPOINT_REFUSAL)
+
+
+def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
+                     position_ids, roles, steps, dtype) -> "torch.Tensor | FlexAttentionMask":
+    """What every layer's attention takes for one batch: the dense additive bias (sdpa) or the
+    block mask and relative-bias score_mod (flex), both from the same rule and bias table."""
+    if backend == "flex":
+        return build_flex_attention_mask(
+            attention_rule, roles, steps, None if rel_pos_bias is None else rel_pos_bias(),
+            position_ids, rel_pos_bias.max_distance if rel_pos_bias is not None else 0)
+    return attention_bias(rel_pos_bias, attention_rule, position_ids, roles, steps, dtype)
 
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,

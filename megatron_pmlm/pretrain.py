@@ -15,7 +15,7 @@ import sys
 from dataclasses import asdict, fields, replace
 from typing import Sequence
 
-from .config import PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
+from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
 from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, help=f"default: {ModelConfig.hidden_dropout}")
     model.add_argument("--attention-dropout", type=float, help=f"default: {ModelConfig.attention_dropout}")
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
+    model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
+                       help="sdpa: a dense additive mask + relative bias per batch; flex: torch FlexAttention "
+                            "(block mask from roles/steps, relative bias as a score_mod; needs --attention-dropout 0)")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
     model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
@@ -105,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
+    from .palm_pretrain import add_palm_arguments  # --model palm and its options
+
+    add_palm_arguments(parser)
     return parser
 
 
@@ -118,7 +124,8 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None)
+        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
+        attention_backend=args.attention_backend)
 
 
 def training_config_from_args(args: argparse.Namespace, seq_length: int,
@@ -175,6 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == "palm":
+        from .palm_pretrain import run_palm
+
+        return run_palm(args)
     # Everything that can be refused is checked before processes start talking to each other.
     objective = get_objective(args.objective)
     if len(args.data_path) != 1:
@@ -186,6 +197,9 @@ def run(args: argparse.Namespace) -> int:
     from .data import build_pretraining_loaders, read_metadata
 
     metadata = read_metadata(args.data_path)
+    if metadata.get("layout") not in (None, "pmlm"):
+        raise ConfigError(f"{args.data_path} holds {metadata['layout']} samples (build_samples --layout "
+                          f"{metadata['layout']}); train them with --model {metadata['layout']}, or build PMLM samples")
     seq_length = int(metadata["seq_length"])
     if args.seq_length is not None and args.seq_length != seq_length:
         raise ConfigError(f"--seq-length {args.seq_length} differs from the samples in {args.data_path} "
@@ -212,6 +226,13 @@ def run(args: argparse.Namespace) -> int:
                           "attention heads")
     if pp > model_config.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
+    if model_config.attention_backend != "sdpa" and pp > 1:
+        raise ConfigError(f"--attention-backend {model_config.attention_backend} is not wired into the pipeline stages "
+                          "yet (they pass the dense bias between stages): use --attention-backend sdpa with "
+                          "--pipeline-model-parallel-size > 1")
+    from .model import check_attention_backend
+
+    check_attention_backend(model_config, args.checkpoint_activations)
 
     import torch.distributed as dist
 

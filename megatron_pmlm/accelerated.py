@@ -1,0 +1,37 @@
+"""Fused kernels chosen automatically on a GPU; on the CPU everything stays torch's default.
+
+Both choices change speed only: the fused AdamW performs the same update as torch's default
+implementation, and apex's FusedLayerNorm has LayerNorm's parameters (`weight`, `bias`, so
+checkpoints are unchanged) and falls back to `F.layer_norm` for CPU tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def adamw_options(device_type: str) -> dict[str, Any]:
+    """Keyword arguments for `torch.optim.AdamW` on this device type: torch's fused implementation
+    (one kernel over all parameters instead of a few per tensor) on CUDA, the default elsewhere."""
+    return {"fused": True} if device_type == "cuda" else {}
+
+
+def fused_layer_norm_class() -> type[nn.Module] | None:
+    """apex's FusedLayerNorm when apex (NVIDIA's, built from source with CUDA) imports and a GPU is
+    present; None otherwise."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from apex.normalization import FusedLayerNorm
+    except ImportError:
+        return None
+    return FusedLayerNorm
+
+
+def layer_norm(hidden_size: int, eps: float) -> nn.Module:
+    """A LayerNorm over the last dimension: apex's fused one where available, else torch's."""
+    fused = fused_layer_norm_class()
+    return fused(hidden_size, eps=eps) if fused is not None else nn.LayerNorm(hidden_size, eps=eps)

@@ -1,0 +1,125 @@
+"""The FlexAttention backend (`attention_backend="flex"`): attention without a dense [B, heads, T, T] bias.
+
+The sdpa backend adds one dense tensor (the -inf mask plus the relative position bias) to the
+scores, which rules out FlashAttention-style kernels and costs B x heads x T x T floats per batch
+(426 MB in fp32 at base, sequence 512, micro batch 20). Here:
+
+- the mask is a `BlockMask` derived once per batch from the same attention rule the sdpa backend
+  uses (`layout.pmlm_attention_allowed` or any other rule): the rule gives a boolean [B, Q, K]
+  (no heads, one byte per pair) and blocks nobody may attend are skipped by the kernel;
+- the relative position bias is a `score_mod` that looks the bias up per (head, key - query
+  distance) in a [heads, 2 x max_distance + 1] table computed from the learned [heads, bins]
+  table by `RelativePositionBias`, so gradients reach the learned table.
+
+On CUDA the kernel is `torch.compile(flex_attention)` (fused forward and backward). On the CPU
+torch 2.13 has a compiled forward only (fp32, static shapes) and no backward; there the backend
+runs torch's unfused reference implementation of FlexAttention, which does differentiate, so the
+flex path can be checked against sdpa on any machine (it materialises the scores, like sdpa's
+math kernel: the speed and memory gain is a GPU matter).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.attention.flex_attention as torch_flex
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class FlexAttentionMask:
+    """What every layer's FlexAttention needs for one batch: who sees whom and the score bias."""
+
+    block_mask: BlockMask
+    score_mod: ScoreMod | None
+    """Adds the relative position bias; None for a model without one."""
+
+
+def build_flex_attention_mask(attention_rule, roles: torch.Tensor, steps: torch.Tensor,
+                              distance_bias: torch.Tensor | None, position_ids: torch.Tensor,
+                              max_distance: int, key_roles: torch.Tensor | None = None,
+                              key_steps: torch.Tensor | None = None,
+                              key_position_ids: torch.Tensor | None = None) -> FlexAttentionMask:
+    """The block mask from `attention_rule` over (roles, steps) and the relative-bias score_mod.
+
+    The rule is evaluated once, to a boolean [B, queries, keys]: any rule layout.py defines works
+    unchanged. Keys default to the queries (a full forward).
+    """
+    allowed = (attention_rule(roles, steps) if key_roles is None else
+               attention_rule(roles, steps, key_roles, key_steps))
+    batch, queries, keys = allowed.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return allowed[b, q_idx, kv_idx]
+
+    block_mask = create_block_mask(mask_mod, batch, None, queries, keys, device=allowed.device)
+    score_mod = None
+    if distance_bias is not None:
+        key_position_ids = position_ids if key_position_ids is None else key_position_ids
+        score_mod = relative_bias_score_mod(distance_bias, position_ids, key_position_ids, max_distance)
+    return FlexAttentionMask(block_mask, score_mod)
+
+
+def relative_bias_score_mod(distance_bias: torch.Tensor, position_ids: torch.Tensor,
+                            key_position_ids: torch.Tensor, max_distance: int) -> ScoreMod:
+    """score + distance_bias[head, clamp(key position - query position) + max_distance].
+
+    Buckets are constant beyond max_distance, so clamping the distance loses nothing.
+    """
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        distance = (key_position_ids[b, kv_idx] - position_ids[b, q_idx]).clamp(-max_distance, max_distance)
+        return score + distance_bias[h, distance + max_distance].to(score.dtype)
+
+    return score_mod
+
+
+def flex_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           mask: FlexAttentionMask) -> torch.Tensor:
+    """Softmax attention [B, heads, Q, head_dim] under the block mask and score_mod."""
+    if query.device.type == "cuda":
+        return _compiled_flex_attention()(query, key, value, score_mod=mask.score_mod, block_mask=mask.block_mask)
+    with _reference_backward_allowed():
+        return flex_attention(query, key, value, score_mod=mask.score_mod, block_mask=mask.block_mask)
+
+
+_compiled: Callable | None = None
+
+
+def _compiled_flex_attention() -> Callable:
+    """One compiled kernel per process (torch.compile caches per shape; T varies little per batch)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention)
+    return _compiled
+
+
+_entry_check_lock = threading.RLock()  # re-entered when activation checkpointing recomputes
+
+
+@contextlib.contextmanager
+def _reference_backward_allowed():
+    """Off CUDA, flex_attention's entry check refuses inputs that require grad (its compiled CPU
+    kernel has no backward), although the unfused reference path it then runs is differentiable.
+    Skip that one check for the duration of the call; every other validation still runs. (torch's
+    warning that the call is not compiled is expected here and silenced.)"""
+    with _entry_check_lock, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        original = torch_flex._validate_device
+        torch_flex._validate_device = _validate_device_allowing_cpu_backward
+        try:
+            yield
+        finally:
+            torch_flex._validate_device = original
+
+
+def _validate_device_allowing_cpu_backward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    if query.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the flex attention backend runs on CUDA or the CPU, not {query.device.type}")
