@@ -1,6 +1,7 @@
 """Check the PMLM attention rules on a real model by perturbing tokens and watching the outputs.
 
     python -m megatron_pmlm.check_leakage [--preset tiny] [--objective ae+par] [--examples 8]
+    python -m megatron_pmlm.check_leakage --objective unilm     (UniLM v1: every LM type, SPEC §8)
 
 For random examples, every masked token's appended original and [P] and every context/[M] token is
 checked against the two invariants of SPEC §3, in float64 with dropout off:
@@ -9,6 +10,9 @@ checked against the two invariants of SPEC §3, in float64 with dropout off:
                   equal a plain forward over the corrupted sequence alone (AE = BERT);
   not too strict  outputs at [P] of step k move when an original of an earlier step changes, and
                   every output moves when a context or [M] token changes.
+UniLM v1 objectives: each token of each example is changed in turn under each LM type of the
+objective, and who moved must equal SPEC §8's table exactly (left-to-right: j <= i; right-to-left:
+j >= i; seq2seq: the source never reacts to the target, a target token never to a later one).
 A multi-layer model is needed for implicit (multi-hop) leakage to show; every preset has >= 2 layers.
 Exits 1 on any violation. `--inject-fault` breaks the mask on purpose to show the check catches it.
 """
@@ -29,6 +33,7 @@ from .layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, Attenti
 from .masking import mask_example
 from .model import PMLMForPreTraining
 from .objectives import OBJECTIVES, get_objective
+from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 
 # Unmoved outputs are bit-identical up to batched-matmul reassociation (~1e-15 in float64);
 # moved ones differ by far more than this.
@@ -52,12 +57,14 @@ def _broken_rule(fault: str) -> AttentionRule:
             allowed = allowed | ((q_role == CONTEXT) & (k_role == ORIGINAL))
         elif fault == "over-restrictive":  # a [P] no longer sees originals of earlier steps
             allowed = allowed & ~((q_role == PSEUDO) & (k_role == ORIGINAL))
+        elif fault == "later-originals":  # an original sees originals of later steps (a causal mask's future)
+            allowed = allowed | ((q_role == ORIGINAL) & (k_role == ORIGINAL))
         return allowed
 
     return rule
 
 
-FAULTS = ("explicit", "implicit", "over-restrictive")
+FAULTS = ("explicit", "implicit", "over-restrictive", "later-originals")
 
 
 @dataclass
@@ -188,7 +195,8 @@ def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8
     if fault is not None and fault not in FAULTS:
         raise ConfigError(f"unknown fault {fault!r}; choose one of: {', '.join(FAULTS)}")
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
-                                      attention_dropout=0.0, rel_pos=rel_pos)
+                                      attention_dropout=0.0, rel_pos=rel_pos,
+                                      type_vocab_size=UNILM_TYPE_VOCAB_SIZE if obj.is_unilm else None)
     seq_length = seq_length or min(64, config.max_position_embeddings)
     if seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} exceeds the model's maximum "
@@ -200,13 +208,47 @@ def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8
     model = PMLMForPreTraining(config, obj, attention_rule=rule).double().eval()
     rng = np.random.default_rng(seed)
     special = np.arange(NUM_SPECIAL)
-    report = LeakageReport()
+    report = LeakageReport(ae_max_difference=None if obj.is_unilm else 0.0)
+    if obj.is_unilm:
+        for index in range(examples):
+            ids, segments = random_example(rng, seq_length, vocab_size)
+            check_unilm_example(model, ids, segments, seed * 1_000_003 + index, rng, vocab_size, report)
+        return report
     for _ in range(examples):
         ids, segments = random_example(rng, seq_length, vocab_size)
         masks = mask_example(ids, ids >= NUM_SPECIAL, rng, MaskingConfig(), vocab_size, special,
                              MASK_ID, single_token_steps=obj.single_token_steps)
         check_example(model, ids, segments, masks, rng, vocab_size, report)
     return report
+
+
+@torch.no_grad()
+def check_unilm_example(model: PMLMForPreTraining, ids: np.ndarray, segments: np.ndarray, example_key: int,
+                        rng: np.random.Generator, vocab_size: int, report: LeakageReport) -> None:
+    """Every LM type of the objective on one example: change each token in turn and compare who
+    moved with SPEC §8's table (unilm.expected_visibility, written without roles or steps). Exact
+    both ways: no output reacts to a token it may not see, every output reacts to every token it may."""
+    from .tokenizer import SpecialTokenIds
+    from .unilm import LM_TYPES, UniLMMaskingConfig, build_unilm_batch, expected_visibility
+
+    special = SpecialTokenIds(pad=PAD_ID, unk=PAD_ID, cls=CLS_ID, sep=SEP_ID, mask=MASK_ID, pseudo=PSEUDO_ID)
+    length = len(ids)
+    second = segments[None, :] == 1
+    first_target = int(np.argmax(segments == 1))
+    for lm_name, _ in model.objective.lm_mixture:
+        lm_type = LM_TYPES.index(lm_name)
+        batch = build_unilm_batch(ids[None, :], np.array([length]), second, np.array([lm_type]), np.array([-1]),
+                                  np.array([example_key], dtype=np.uint64), special, vocab_size, UniLMMaskingConfig())
+        base = _hidden(model, batch)[0]
+        perturbed = _hidden(model, _replace_ids(batch, [np.array([column]) for column in range(length)], rng,
+                                                vocab_size))
+        moved = ((perturbed - base[None]).abs().amax(dim=-1) > TOLERANCE).numpy()  # [changed key j, output i]
+        allowed = expected_visibility(lm_type, length, first_target).T  # [key j, query i]
+        report.record(f"{lm_name}: no output reacts to a token it may not see", ~moved[~allowed],
+                      f"{lm_name} LM: changing a token moved an output that may not see it "
+                      f"(first (key, query): {tuple(int(v) for v in np.argwhere(moved & ~allowed)[:1].ravel())})")
+        report.record(f"{lm_name}: every output reacts to what it sees", moved[allowed],
+                      f"{lm_name} LM: changing a token left an output that sees it unchanged")
 
 
 @torch.no_grad()

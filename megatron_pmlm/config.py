@@ -137,6 +137,32 @@ class MaskingConfig:
                 "non-negative and sum to at most 1")
 
 
+@dataclass
+class UniLMMaskingConfig:
+    """UniLM v1's masking (SPEC §8): 15% of the tokens, 80% of masking events one token, 20% a
+    bigram or trigram (the released loader's skipgram_prb 0.2, skipgram_size 3), BERT's 80/10/10,
+    and next-sentence prediction with random second segments half of the time."""
+
+    mask_prob: float = 0.15
+    ngram_prob: float = 0.2
+    min_ngram: int = 2
+    max_ngram: int = 3
+    replace_with_mask_prob: float = 0.8
+    replace_with_random_prob: float = 0.1
+    nsp_random_prob: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("mask_prob", "ngram_prob", "nsp_random_prob", "replace_with_mask_prob",
+                     "replace_with_random_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ConfigError(f"UniLM masking config: {name} must be in [0, 1], got {getattr(self, name)}")
+        if not 1 <= self.min_ngram <= self.max_ngram:
+            raise ConfigError(f"UniLM masking config: need 1 <= min_ngram <= max_ngram, got "
+                              f"{self.min_ngram}..{self.max_ngram}")
+        if self.replace_with_mask_prob + self.replace_with_random_prob > 1.0:
+            raise ConfigError("UniLM masking config: replace_with_mask_prob + replace_with_random_prob exceeds 1")
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Every option's default in --help, help text or not (argparse shows it only for options with
     help); an option whose default is resolved later says so in its help ("default: ...")."""
@@ -191,5 +217,5 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-__all__ = ["ConfigError", "HelpFormatter", "ModelConfig", "MaskingConfig", "PRESETS", "model_config_from_preset",
+__all__ = ["ConfigError", "HelpFormatter", "ModelConfig", "MaskingConfig", "UniLMMaskingConfig", "PRESETS", "model_config_from_preset",
            "add_dataclass_arguments", "dataclass_overrides"]

@@ -125,13 +125,39 @@ def corrupt_tokens(original_ids: np.ndarray, rng: np.random.Generator, config: M
 def sample_non_special_ids(rng: np.random.Generator, count: int, vocab_size: int,
                            special_token_ids: np.ndarray) -> np.ndarray:
     """Uniform token ids over the vocabulary minus the special tokens, without rejection loops."""
+    special = _special_ids_in_vocabulary(special_token_ids, vocab_size)
+    return _skip_special_ids(rng.integers(0, vocab_size - len(special), count), special)
+
+
+def non_special_ids(random_uint64: np.ndarray, vocab_size: int, special_token_ids: np.ndarray) -> np.ndarray:
+    """Uniform uint64 draws (any shape, e.g. from `splitmix64`) -> uniform non-special token ids."""
+    special = _special_ids_in_vocabulary(special_token_ids, vocab_size)
+    draws = (np.asarray(random_uint64, dtype=np.uint64) % np.uint64(vocab_size - len(special))).astype(np.int64)
+    return _skip_special_ids(draws, special)
+
+
+def _special_ids_in_vocabulary(special_token_ids: np.ndarray, vocab_size: int) -> np.ndarray:
     special = np.unique(np.asarray(special_token_ids, dtype=np.int64))
-    special = special[(special >= 0) & (special < vocab_size)]
-    draws = rng.integers(0, vocab_size - len(special), count)
-    # Shift each draw past the special ids at or below it: maps [0, V - S) onto the non-special ids.
+    return special[(special >= 0) & (special < vocab_size)]
+
+
+def _skip_special_ids(draws: np.ndarray, special: np.ndarray) -> np.ndarray:
+    """Shift each draw past the special ids at or below it: maps [0, V - S) onto the non-special ids."""
     for special_id in special:  # a handful of ids, not tokens
         draws = draws + (draws >= special_id)
     return draws
+
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+def splitmix64(values: np.ndarray) -> np.ndarray:
+    """A counter-based generator: uniform uint64 from any uint64 input, vectorized (wraps mod 2^64)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(values).astype(np.uint64) + _MIX
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def expand_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -29,6 +29,16 @@ class MetricSpec:
 PMLM_METRICS = MetricSpec(("loss", "loss_ae", "loss_par", "ae_correct", "ae_count", "par_correct", "par_count"),
                           (("mlm_acc", "ae_correct", "ae_count"), ("par_acc", "par_correct", "par_count")))
 
+# UniLM v1 (unilm.unilm_losses): the total, the masked-LM loss over all its LMs' tokens, NSP, and
+# per-LM token-weighted losses, so each LM's loss is logged on its own (train/loss_unilm_bi, ...).
+UNILM_LM_TYPES = ("bi", "l2r", "r2l", "s2s")
+UNILM_METRICS = MetricSpec(
+    ("loss", "loss_mlm", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "nsp_loss_sum")
+    + tuple(f"{lm}_{field}" for lm in UNILM_LM_TYPES for field in ("loss_sum", "count")),
+    (("mlm_acc", "mlm_correct", "mlm_count"), ("nsp_acc", "nsp_correct", "nsp_count"),
+     ("loss_nsp", "nsp_loss_sum", "nsp_count"))
+    + tuple((f"loss_unilm_{lm}", f"{lm}_loss_sum", f"{lm}_count") for lm in UNILM_LM_TYPES))
+
 
 class MetricSums:
     """Sums of per-micro-batch losses and counts, reduced and averaged at log time."""

@@ -397,14 +397,33 @@ class PMLMForPreTraining(nn.Module):
         self.objective = get_objective(objective) if isinstance(objective, str) else objective
         self.bert = BertModel(config, self.layers, attention_rule)
         self.cls = BertOnlyMLMHead(config, self.layers)
+        if self.objective.is_unilm:
+            from .unilm import TYPE_VOCAB_SIZE, BertPooler
+
+            if config.type_vocab_size < TYPE_VOCAB_SIZE:
+                raise ConfigError(f"objective {self.objective.name} uses UniLM v1's segment ids 0-5 (they tell the LM "
+                                  f"type): type_vocab_size must be >= {TYPE_VOCAB_SIZE}, got {config.type_vocab_size}")
+            if self.objective.next_sentence_prediction:
+                # Hugging Face BertForPreTraining's names: bert.pooler.dense, cls.seq_relationship.
+                self.bert.pooler = BertPooler(config.hidden_size)
+                self.cls.seq_relationship = nn.Linear(config.hidden_size, 2)
         initialize_weights(self, config, init_seed, getattr(self.layers, "tensor_parallel_rank", 0),
                            self.layers.tensor_parallel_size)
 
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
 
-    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> PMLMLosses:
+    def nsp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, 2] next-sentence logits from the pooled [SOS] (UniLM v1 objectives with NSP)."""
+        return self.cls.seq_relationship(self.bert.pooler(hidden))
+
+    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> "PMLMLosses | UniLMLosses":
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        if self.objective.is_unilm:
+            from .unilm import unilm_losses
+
+            return unilm_losses(hidden, token_type_ids, labels, self.mlm_logits, self.layers,
+                                self.nsp_logits if self.objective.next_sentence_prediction else None)
         return pmlm_losses(hidden, roles, labels, self.objective, self.mlm_logits, self.layers)
 
     def forward_batch(self, batch: PMLMBatch) -> PMLMLosses:

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
+from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
 from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
                        check_precision_supported, check_zero_with_pipeline)
@@ -125,7 +126,9 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
-        attention_backend=args.attention_backend)
+        attention_backend=args.attention_backend,
+        # UniLM v1's segment ids 0-5 also tell the LM type (unilm.py).
+        type_vocab_size=UNILM_TYPE_VOCAB_SIZE if get_objective(args.objective).is_unilm else None)
 
 
 def training_config_from_args(args: argparse.Namespace, seq_length: int,
@@ -226,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
                           "attention heads")
     if pp > model_config.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
+    if objective.is_unilm and pp > 1:
+        raise ConfigError(f"objective {objective.name} does not run on pipeline stages yet (its per-LM losses and NSP "
+                          "head are in the plain/tensor-parallel model only): use --pipeline-model-parallel-size 1")
     if model_config.attention_backend != "sdpa" and pp > 1:
         raise ConfigError(f"--attention-backend {model_config.attention_backend} is not wired into the pipeline stages "
                           "yet (they pass the dense bias between stages): use --attention-backend sdpa with "

@@ -8,10 +8,10 @@ import sys
 import pytest
 
 from megatron_pmlm.check_leakage import FAULTS, run_check
-from megatron_pmlm.objectives import OBJECTIVES
+from megatron_pmlm.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
 
 
-@pytest.mark.parametrize("objective", list(OBJECTIVES))
+@pytest.mark.parametrize("objective", PMLM_OBJECTIVES)
 def test_every_objective_passes(objective):
     report = run_check("tiny", objective, examples=4, seed=1)
     assert report.passed, report.summary()
@@ -19,6 +19,27 @@ def test_every_objective_passes(objective):
     if OBJECTIVES[objective].pseudo_masked:
         assert report.checks["[P] of step k see originals of steps < k"] > 0
         assert report.checks["[P] of step k ignore originals of steps >= k"] > 0
+
+
+@pytest.mark.parametrize("objective", UNILM_OBJECTIVES)
+def test_every_unilm_objective_passes_exactly_both_ways(objective):
+    """SPEC §8's table by perturbation: no output reacts to a token it may not see (a left-to-right
+    token never to a later one; a seq2seq source never to the target, a target token never to a later
+    target token) and every output reacts to every token it may see."""
+    report = run_check("tiny", objective, examples=2, seed=1)
+    assert report.passed, report.summary()
+    for lm, _ in OBJECTIVES[objective].lm_mixture:
+        assert report.checks[f"{lm}: every output reacts to what it sees"] > 0
+        if lm != "bi":
+            assert report.checks[f"{lm}: no output reacts to a token it may not see"] > 0
+
+
+@pytest.mark.parametrize("fault", ["implicit", "later-originals"])
+def test_a_broken_unilm_mask_is_caught(fault):
+    report = run_check("tiny", "unilm", examples=1, seed=2, fault=fault)
+    assert not report.passed
+    for lm in ("l2r", "r2l", "s2s"):
+        assert report.violations[f"{lm}: no output reacts to a token it may not see"] > 0, report.summary()
 
 
 def test_without_relative_position_bias_too():
@@ -29,6 +50,7 @@ def test_without_relative_position_bias_too():
     ("explicit", "[P] of step k ignore originals of steps >= k"),
     ("implicit", "context/[M] ignore originals"),
     ("over-restrictive", "[P] of step k see originals of steps < k"),
+    ("later-originals", "[P] of step k ignore originals of steps >= k"),
 ])
 def test_a_broken_mask_is_caught(fault, category):
     report = run_check("tiny", "ae+par", examples=2, fault=fault)

@@ -17,19 +17,10 @@ import numpy as np
 
 from ..config import ConfigError
 from ..layout import PMLMBatch, build_batch
-from ..masking import ExampleMasks
+from ..masking import ExampleMasks, splitmix64 as _splitmix64
 from ..objectives import Objective, get_objective
 from .samples import PretrainingSamples, SamplesError, open_corpora, read_metadata
 
-_MIX = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """A counter-based generator: uniform uint64 from any uint64 input, vectorized."""
-    z = values.astype(np.uint64) + _MIX
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 def single_token_step_keys(seed: int, sample_indices: np.ndarray, epoch: int,
@@ -77,6 +68,15 @@ class PMLMBatchBuilder:
         special = self.samples.special
         return build_batch(input_ids, segment_ids, masks, special.pseudo, special.pad,
                            append_pseudo=self.objective.pseudo_masked, max_length=self.max_length)
+
+
+def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, max_length: int | None):
+    """The objective's batch builder: PMLM (stored block masks) or UniLM v1 (masks drawn here)."""
+    if objective.is_unilm:
+        from ..unilm import UniLMBatchBuilder
+
+        return UniLMBatchBuilder(samples, objective, seed, max_length)
+    return PMLMBatchBuilder(samples, objective, seed, max_length)
 
 
 class PretrainingSampler:
@@ -195,11 +195,11 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
     train_samples = PretrainingSamples(data_path, "train", corpora)
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, seed)
-    train = PMLMBatchLoader(sampler, PMLMBatchBuilder(train_samples, objective, seed, max_length))
+    train = PMLMBatchLoader(sampler, batch_builder(train_samples, objective, seed, max_length))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:
         valid_samples = PretrainingSamples(data_path, "valid", corpora)
-        valid_builder = PMLMBatchBuilder(valid_samples, objective, seed, max_length)
+        valid_builder = batch_builder(valid_samples, objective, seed, max_length)
 
         def valid() -> Iterator[PMLMBatch]:
             return validation_batches(valid_samples, valid_builder, micro_batch_size,

@@ -259,8 +259,9 @@ def _read_pipeline_states(tag_dir: Path, tp: int, config: ModelConfig) -> list[d
     return shards
 
 
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter of PMLMForPreTraining(config) (TP=1) and its shape, without building it."""
+def expected_shapes(config: ModelConfig, nsp_head: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every parameter of PMLMForPreTraining(config) (TP=1) and its shape, without building it;
+    `nsp_head`: the UniLM v1 objectives' pooler and next-sentence head (BertForPreTraining names)."""
     h, f = config.hidden_size, config.ffn_hidden_size
     shapes: dict[str, tuple[int, ...]] = {
         "bert.embeddings.word_embeddings.weight": (config.embedding_rows, h),
@@ -284,12 +285,28 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
                    "cls.predictions.transform.dense.weight": (h, h), "cls.predictions.transform.dense.bias": (h,),
                    "cls.predictions.transform.LayerNorm.weight": (h,),
                    "cls.predictions.transform.LayerNorm.bias": (h,)})
+    if nsp_head:
+        shapes.update({"bert.pooler.dense.weight": (h, h), "bert.pooler.dense.bias": (h,),
+                       "cls.seq_relationship.weight": (2, h), "cls.seq_relationship.bias": (2,)})
     return shapes
 
 
-def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+def trained_with_nsp_head(run_state: dict[str, Any]) -> bool:
+    """Whether the run's objective (UniLM v1 with the bidirectional LM) has the next-sentence head."""
+    from ..objectives import OBJECTIVES
+
+    objective = OBJECTIVES.get(run_state.get("args", {}).get("objective") or "ae+par")
+    return bool(objective is not None and objective.next_sentence_prediction)
+
+
+def has_nsp_head(state: dict[str, torch.Tensor]) -> bool:
+    return "cls.seq_relationship.weight" in state
+
+
+def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source: str,
+                     nsp_head: bool = False) -> None:
     """The state dict is exactly the model's: same names and shapes, else an error naming them."""
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, nsp_head)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
@@ -338,7 +355,7 @@ def load_pretraining_checkpoint(load_dir: str | os.PathLike, tag: str | None = N
     except RuntimeError as error:
         raise ConversionError(f"{tag_dir}: tensor-parallel shards do not fit together ({error})") from None
     state = {k: v.detach().float().contiguous() for k, v in state.items()}
-    check_state_dict(state, config, str(tag_dir))
+    check_state_dict(state, config, str(tag_dir), trained_with_nsp_head(run_state))
     layout = (f"ZeRO-{zero_stage}, {precision}, data parallel {run_state.get('data_parallel_size', '?')}, "
               f"tensor parallel {tp}, pipeline parallel {pp}; read from the {source}")
     return PretrainingCheckpoint(directory, tag, run_state, config, state, layout)
@@ -361,8 +378,9 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dic
     return out
 
 
-def hf_config_dict(config: ModelConfig, pad_token_id: int = 0) -> dict[str, Any]:
-    """config.json: BertConfig's fields (+ rel_pos_bins, max_rel_pos and auto_map with the bias)."""
+def hf_config_dict(config: ModelConfig, pad_token_id: int = 0, nsp_head: bool = False) -> dict[str, Any]:
+    """config.json: BertConfig's fields (+ rel_pos_bins, max_rel_pos and auto_map with the bias);
+    architectures names the pre-training heads (MLM + NSP) when the checkpoint has the NSP head."""
     from transformers import BertConfig
 
     from .configuration_pmlm import PMLMConfig
@@ -376,11 +394,11 @@ def hf_config_dict(config: ModelConfig, pad_token_id: int = 0) -> dict[str, Any]
                   pad_token_id=pad_token_id, tie_word_embeddings=True)
     if config.rel_pos:
         values = PMLMConfig(rel_pos_bins=config.rel_pos_bins, max_rel_pos=config.max_rel_pos, **fields).to_dict()
-        values["architectures"] = ["PMLMForMaskedLM"]
+        values["architectures"] = ["PMLMForPreTraining" if nsp_head else "PMLMForMaskedLM"]
         values["auto_map"] = dict(AUTO_MAP)
     else:
         values = BertConfig(**fields).to_dict()
-        values["architectures"] = ["BertForMaskedLM"]
+        values["architectures"] = ["BertForPreTraining" if nsp_head else "BertForMaskedLM"]
     values.pop("_name_or_path", None)
     return dict(sorted(values.items()))
 
@@ -569,7 +587,8 @@ def write_hf_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: Mod
     folder.mkdir(parents=True, exist_ok=True)
     vocab = read_vocab(vocab_file)
     pad_token_id = vocab.index("[PAD]") if "[PAD]" in vocab else 0
-    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, pad_token_id), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, pad_token_id, has_nsp_head(hf_state)),
+                                                   indent=2) + "\n")
     if weights_format == "safetensors":
         from safetensors.torch import save_file
 
@@ -610,15 +629,18 @@ def write_hf_tokenizer(folder: Path, vocab_file: Path, vocab: list[str], do_lowe
     (folder / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
 
-def load_hf_model(folder: Path, rel_pos: bool):
-    """The Hugging Face masked LM of a converted folder (remote code with the bias, plain BERT without)."""
+def load_hf_model(folder: Path, rel_pos: bool, pretraining_heads: bool = False):
+    """The Hugging Face masked LM of a converted folder (remote code with the bias, plain BERT without);
+    with `pretraining_heads` the MLM + next-sentence model (AutoModelForPreTraining / BertForPreTraining)."""
     import transformers
 
     with contextlib.redirect_stderr(io.StringIO()):
         if rel_pos:
-            model = transformers.AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True)
+            auto = transformers.AutoModelForPreTraining if pretraining_heads else transformers.AutoModelForMaskedLM
+            model = auto.from_pretrained(str(folder), trust_remote_code=True)
         else:
-            model = transformers.BertForMaskedLM.from_pretrained(str(folder))
+            plain = transformers.BertForPreTraining if pretraining_heads else transformers.BertForMaskedLM
+            model = plain.from_pretrained(str(folder))
     return model.float().eval()
 
 
@@ -635,16 +657,22 @@ class Verification:
     loss_ours: float
     loss_hf: float
     split: str
+    max_nsp_logit_difference: float | None = None
+    """The next-sentence head's logits (checkpoints with one), ours against BertForPreTraining's."""
 
     @property
     def passed(self) -> bool:
-        return self.max_logit_difference <= VERIFY_TOLERANCE and abs(self.loss_ours - self.loss_hf) <= VERIFY_TOLERANCE
+        return (self.max_logit_difference <= VERIFY_TOLERANCE and abs(self.loss_ours - self.loss_hf) <= VERIFY_TOLERANCE
+                and (self.max_nsp_logit_difference is None or self.max_nsp_logit_difference <= VERIFY_TOLERANCE))
 
     def line(self) -> str:
         return (f"verify: {self.samples} held-out samples ({self.split} split, {self.tokens} tokens, AE view: the "
                 f"corrupted sequence): max |logit difference| {self.max_logit_difference:.3e} "
                 f"(tolerance {VERIFY_TOLERANCE:.0e}); MLM loss over {self.predicted} masked tokens: ours "
-                f"{self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f} -> "
+                f"{self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f}"
+                + ("" if self.max_nsp_logit_difference is None else
+                   f"; next-sentence logits max |difference| {self.max_nsp_logit_difference:.3e}")
+                + " -> "
                 f"{'OK' if self.passed else 'FAILED'}")
 
 
@@ -678,29 +706,37 @@ def verify(hf_folder: Path, state: dict[str, torch.Tensor], config: ModelConfig,
     if samples.vocab_size != config.vocab_size:
         raise ConversionError(f"--verify: the samples in {data_path} use a vocabulary of {samples.vocab_size} entries, "
                               f"the model {config.vocab_size}")
-    ours = PMLMForPreTraining(config, "ae").eval()
+    nsp_head = has_nsp_head(state)
+    ours = PMLMForPreTraining(config, "unilm-bi" if nsp_head else "ae").eval()  # the heads the state holds
     ours.load_state_dict(state, strict=True)
-    hf = load_hf_model(hf_folder, config.rel_pos)
+    hf = load_hf_model(hf_folder, config.rel_pos, pretraining_heads=nsp_head)
     builder = PMLMBatchBuilder(samples, get_objective("ae"), int(metadata.get("seed", 0)),
                                config.max_position_embeddings)
     count = min(num_samples, len(samples))
     max_diff, tokens, predicted, loss_ours_sum, loss_hf_sum = 0.0, 0, 0, 0.0, 0.0
+    max_nsp_diff = 0.0 if nsp_head else None
     with torch.no_grad():
         for start in range(0, count, batch_size):
             batch = builder(np.arange(start, min(count, start + batch_size)), 0)
             real = batch.roles != PAD
             selected = (batch.roles == MASKED) & (batch.labels != IGNORE_INDEX)
-            logits = ours.mlm_logits(ours.bert(*batch.as_tuple()[:5]))[..., :config.vocab_size]
+            hidden = ours.bert(*batch.as_tuple()[:5])
+            logits = ours.mlm_logits(hidden)[..., :config.vocab_size]
+            mlm_labels = torch.where(selected, batch.labels, torch.full_like(batch.labels, IGNORE_INDEX))
             out = hf(input_ids=batch.input_ids, attention_mask=real.long(), token_type_ids=batch.token_type_ids,
-                     labels=torch.where(selected, batch.labels, torch.full_like(batch.labels, IGNORE_INDEX)))
-            max_diff = max(max_diff, float((logits - out.logits)[real].abs().max()))
+                     **({} if nsp_head else {"labels": mlm_labels}))
+            hf_logits = out.prediction_logits if nsp_head else out.logits
+            max_diff = max(max_diff, float((logits - hf_logits)[real].abs().max()))
             n = int(selected.sum())
             loss_ours_sum += float(F.cross_entropy(logits[selected], batch.labels[selected], reduction="sum"))
-            loss_hf_sum += float(out.loss) * n
+            loss_hf_sum += float(F.cross_entropy(hf_logits[selected], batch.labels[selected], reduction="sum"))
+            if nsp_head:
+                max_nsp_diff = max(max_nsp_diff, float((ours.nsp_logits(hidden) - out.seq_relationship_logits)
+                                                       .abs().max()))
             tokens += int(real.sum())
             predicted += n
     return Verification(count, tokens, predicted, max_diff, loss_ours_sum / max(predicted, 1),
-                        loss_hf_sum / max(predicted, 1), samples.split)
+                        loss_hf_sum / max(predicted, 1), samples.split, max_nsp_diff)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -734,7 +770,8 @@ def export_to_hf(load_dir: str | os.PathLike, output: str | os.PathLike, tag: st
             log(result.line())
             if not result.passed:
                 raise VerificationFailed(result)
-    log(f"wrote {output} ({'PMLMForMaskedLM, remote code: trust_remote_code=True' if config.rel_pos else 'BertForMaskedLM'}"
+    heads = "PreTraining (MLM + next-sentence heads)" if has_nsp_head(hf_state) else "MaskedLM"
+    log(f"wrote {output} ({f'PMLMFor{heads}, remote code: trust_remote_code=True' if config.rel_pos else f'BertFor{heads}'}"
         f", {sum(t.numel() for t in hf_state.values()):,} parameters)")
     return result
 
