@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import ConfigError, MaskingConfig, model_config_from_preset
+from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset
 from .layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
                      build_batch, pmlm_attention_allowed)
 from .masking import mask_example
@@ -190,13 +190,14 @@ def check_example(model: PMLMForPreTraining, ids: np.ndarray, segments: np.ndarr
 
 def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8,
               seq_length: int | None = None, seed: int = 0, rel_pos: bool = True,
-              fault: str | None = None, vocab_size: int = 1000) -> LeakageReport:
+              fault: str | None = None, vocab_size: int = 1000, attention_backend: str = "sdpa") -> LeakageReport:
     obj = get_objective(objective)
     if fault is not None and fault not in FAULTS:
         raise ConfigError(f"unknown fault {fault!r}; choose one of: {', '.join(FAULTS)}")
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
                                       attention_dropout=0.0, rel_pos=rel_pos,
-                                      type_vocab_size=UNILM_TYPE_VOCAB_SIZE if obj.is_unilm else None)
+                                      type_vocab_size=UNILM_TYPE_VOCAB_SIZE if obj.is_unilm else None,
+                                      attention_backend=attention_backend)
     seq_length = seq_length or min(64, config.max_position_embeddings)
     if seq_length > config.max_position_embeddings:
         raise ConfigError(f"--seq-length {seq_length} exceeds the model's maximum "
@@ -254,14 +255,14 @@ def check_unilm_example(model: PMLMForPreTraining, ids: np.ndarray, segments: np
 @torch.no_grad()
 def run_seq2seq_check(preset: str = "tiny", mode: str = "pseudo-masked", examples: int = 8,
                       seq_length: int | None = None, seed: int = 0, rel_pos: bool = True,
-                      vocab_size: int = 1000) -> LeakageReport:
+                      vocab_size: int = 1000, attention_backend: str = "sdpa") -> LeakageReport:
     """Perturbation check of a fine-tuning mode's batches (SPEC §7.1): the source never reacts to
     the target; a target token reacts to the source and to targets up to itself, never to a later
     one; a [P] reacts to the source, earlier targets and itself only. Exact (float64)."""
     from .seq2seq import Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng
 
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
-                                      attention_dropout=0.0, rel_pos=rel_pos)
+                                      attention_dropout=0.0, rel_pos=rel_pos, attention_backend=attention_backend)
     seq_length = seq_length or min(64, config.max_position_embeddings)
     if not 8 <= seq_length <= config.max_position_embeddings:
         raise ConfigError(f"--seq-length must be in [8, {config.max_position_embeddings}], got {seq_length}")
@@ -319,6 +320,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-length", type=int, default=None, help="default: min(64, model maximum)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rel-pos", action="store_true")
+    parser.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
+                        help="check the masks as this backend computes them")
     parser.add_argument("--inject-fault", choices=FAULTS, default=None,
                         help="break the attention mask on purpose; the check must then fail")
     args = parser.parse_args(argv)
@@ -328,16 +331,16 @@ def main(argv=None) -> int:
     try:
         if args.mode:
             report = run_seq2seq_check(args.preset, args.mode, args.examples, args.seq_length, args.seed,
-                                       not args.no_rel_pos)
+                                       not args.no_rel_pos, attention_backend=args.attention_backend)
         else:
             report = run_check(args.preset, args.objective, args.examples, args.seq_length, args.seed,
-                               not args.no_rel_pos, args.inject_fault)
+                               not args.no_rel_pos, args.inject_fault, attention_backend=args.attention_backend)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"leakage check: preset {args.preset}, "
           + (f"fine-tuning mode {args.mode}" if args.mode else f"objective {args.objective}")
-          + f", {args.examples} examples"
+          + f", {args.examples} examples, attention backend {args.attention_backend}"
           + (f", injected fault: {args.inject_fault}" if args.inject_fault else ""))
     print(report.summary())
     return 0 if report.passed else 1

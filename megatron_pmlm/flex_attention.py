@@ -21,6 +21,7 @@ math kernel: the speed and memory gain is a GPU matter).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import warnings
 from dataclasses import dataclass
@@ -38,8 +39,23 @@ class FlexAttentionMask:
     """What every layer's FlexAttention needs for one batch: who sees whom and the score bias."""
 
     block_mask: BlockMask
-    score_mod: ScoreMod | None
-    """Adds the relative position bias; None for a model without one."""
+    distance_bias: torch.Tensor | None
+    """[heads, 2 x max_distance + 1] bias per key - query distance; None for a model without one."""
+    position_ids: torch.Tensor
+    key_position_ids: torch.Tensor
+    max_distance: int
+
+    @property
+    def score_mod(self) -> ScoreMod | None:
+        if self.distance_bias is None:
+            return None
+        return relative_bias_score_mod(self.distance_bias, self.position_ids, self.key_position_ids,
+                                       self.max_distance)
+
+    def with_distance_bias(self, distance_bias: torch.Tensor) -> "FlexAttentionMask":
+        """The same mask over another tensor of the bias table (activation checkpointing passes the
+        table explicitly, see `model.checkpointed_layer`)."""
+        return dataclasses.replace(self, distance_bias=distance_bias)
 
 
 def build_flex_attention_mask(attention_rule, roles: torch.Tensor, steps: torch.Tensor,
@@ -60,11 +76,8 @@ def build_flex_attention_mask(attention_rule, roles: torch.Tensor, steps: torch.
         return allowed[b, q_idx, kv_idx]
 
     block_mask = create_block_mask(mask_mod, batch, None, queries, keys, device=allowed.device)
-    score_mod = None
-    if distance_bias is not None:
-        key_position_ids = position_ids if key_position_ids is None else key_position_ids
-        score_mod = relative_bias_score_mod(distance_bias, position_ids, key_position_ids, max_distance)
-    return FlexAttentionMask(block_mask, score_mod)
+    key_position_ids = position_ids if key_position_ids is None else key_position_ids
+    return FlexAttentionMask(block_mask, distance_bias, position_ids, key_position_ids, max_distance)
 
 
 def relative_bias_score_mod(distance_bias: torch.Tensor, position_ids: torch.Tensor,

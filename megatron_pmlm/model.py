@@ -174,15 +174,27 @@ class BertEncoder(nn.Module):
         """Recompute each layer in the backward pass instead of storing its activations."""
 
     def forward(self, hidden, attention_bias):
-        if self.checkpoint_activations and self.training and isinstance(attention_bias, FlexAttentionMask) \
-                and attention_bias.score_mod is not None:
-            raise ConfigError(FLEX_CHECKPOINT_REFUSAL)
         for layer in self.layer:
             if self.checkpoint_activations and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(layer, hidden, attention_bias, use_reentrant=False)
+                hidden = checkpointed_layer(layer, hidden, attention_bias)
             else:
                 hidden = layer(hidden, attention_bias)
         return hidden
+
+
+def checkpointed_layer(layer: nn.Module, hidden: torch.Tensor, attention) -> torch.Tensor:
+    """The layer recomputed in the backward pass instead of storing its activations.
+
+    With the flex backend the relative-bias table goes in as an explicit input of a reentrant
+    checkpoint: torch 2.13's non-reentrant recomputation of FlexAttention gives the table its
+    score_mod captures a wrong gradient (values of 1e25 where sdpa gives O(1), measured on CPU),
+    the reentrant one with the table as an input gives sdpa's.
+    """
+    if isinstance(attention, FlexAttentionMask) and attention.distance_bias is not None:
+        return torch.utils.checkpoint.checkpoint(
+            lambda h, table: layer(h, attention.with_distance_bias(table)), hidden, attention.distance_bias,
+            use_reentrant=True)
+    return torch.utils.checkpoint.checkpoint(layer, hidden, attention, use_reentrant=False)
 
 
 class BertModel(nn.Module):
@@ -288,19 +300,11 @@ class KeyValueCache:
         self.positions, self.roles, self.steps = (t.index_select(0, index) for t in (self.positions, self.roles, self.steps))
 
 
-FLEX_CHECKPOINT_REFUSAL = (
-    "attention backend flex with the relative position bias cannot be recomputed by activation checkpointing: "
-    "torch 2.13's FlexAttention returns a wrong gradient for the bias table when its layer is recomputed; "
-    "drop --checkpoint-activations, use --attention-backend sdpa, or --no-rel-pos")
-
-
-def check_attention_backend(config: ModelConfig, checkpoint_activations: bool = False) -> None:
+def check_attention_backend(config: ModelConfig) -> None:
     """Refuse what a backend cannot compute: FlexAttention has no attention dropout."""
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")
-    if config.attention_backend == "flex" and config.rel_pos and checkpoint_activations:
-        raise ConfigError(FLEX_CHECKPOINT_REFUSAL)
 
 
 def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,

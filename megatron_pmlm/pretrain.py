@@ -238,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
                           "--pipeline-model-parallel-size > 1")
     from .model import check_attention_backend
 
-    check_attention_backend(model_config, args.checkpoint_activations)
+    check_attention_backend(model_config)
 
     import torch.distributed as dist
 

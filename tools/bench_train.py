@@ -35,7 +35,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_pmlm.config import HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
+from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
 from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, build_batch  # noqa: E402
 from megatron_pmlm.masking import mask_example  # noqa: E402
 from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
@@ -172,6 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--fp16", action="store_true", help="autocast fp16 with loss scaling (CUDA)")
     precision.add_argument("--bf16", action="store_true", help="autocast bf16")
+    parser.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
+                        help="sdpa (dense bias) or flex (block mask + score_mod; compiled on CUDA, torch's unfused "
+                             "reference path on a CPU)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -199,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = model_config_from_preset(args.preset, hidden_dropout=0.0, attention_dropout=0.0,
-                                          max_position_embeddings=max(args.seq_length, 128))
+                                          max_position_embeddings=max(args.seq_length, 128),
+                                          attention_backend=args.attention_backend)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -226,14 +230,14 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, "
                                                                                      f"{torch.get_num_threads()} threads)",
         "preset": args.preset, "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
-        "precision": precision, "layout_width": int(batch.input_ids.shape[1]), "padding_share": padding,
+        "precision": precision, "attention_backend": args.attention_backend, "layout_width": int(batch.input_ids.shape[1]), "padding_share": padding,
         "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
         "tokens_per_sec": tokens / seconds, "sequence_tokens_per_sec": sequence_tokens / seconds,
         "model_tflops": tflops, "peak_tflops": peak, "peak_source": peak_source,
         "mfu": tflops / peak if peak else None, "peak_memory_gb": memory[0], "memory_source": memory[1],
     }
     print(f"{figures['device']} | {args.preset}, seq {args.seq_length} (layout width {figures['layout_width']}, "
-          f"padding {padding:.1%}), micro batch {args.micro_batch_size}, {precision}")
+          f"padding {padding:.1%}), micro batch {args.micro_batch_size}, {precision}, attention {args.attention_backend}")
     print(f"  {seconds * 1e3:.1f} ms/step | {figures['samples_per_sec']:.2f} samples/s | "
           f"{figures['tokens_per_sec']:,.0f} tokens/s | {tflops:.3f} model TFLOP/s | "
           + (f"MFU {figures['mfu']:.1%} of {peak:.1f} TFLOP/s ({peak_source})" if peak else f"MFU ? ({peak_source})")
