@@ -89,8 +89,9 @@ class PalmBatchBuilder:
 def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stage: int,
                        data_parallel_rank: int = 0, data_parallel_size: int = 1, consumed_samples: int = 0,
                        seed: int | None = None, max_length: int | None = None,
-                       vocab_size: int | None = None) -> PretrainingLoaders:
-    """Train/valid PalmBatch iterators: PMLM's resumable sampler over PALM pairs."""
+                       vocab_size: int | None = None, global_batch_size: int | None = None) -> PretrainingLoaders:
+    """Train/valid PalmBatch iterators: PMLM's resumable sampler over PALM pairs (with its length
+    bucketing within each global batch when `global_batch_size` is given)."""
     metadata = read_metadata(data_path)
     check_palm_metadata(metadata, data_path)
     if vocab_size is not None and vocab_size != metadata["vocab_size"]:
@@ -104,7 +105,8 @@ def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stag
     corpora = open_corpora(metadata, Path(data_path))
     train_samples = PretrainingSamples(data_path, "train", corpora)
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size, seed)
+                                 data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
+                                 sample_lengths=train_samples.lengths() if global_batch_size else None)
     train = PMLMBatchLoader(sampler, PalmBatchBuilder(train_samples, stage))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:

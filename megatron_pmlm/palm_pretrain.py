@@ -191,7 +191,8 @@ def run_palm(args: argparse.Namespace) -> int:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(config), finetune=args.finetune)
     loaders = build_palm_loaders(args.data_path, training.micro_batch_size, stage, dp_rank,
                                  layout.data_parallel_size, consumed_samples=trainer.consumed_samples,
-                                 seed=training.seed, max_length=config.max_position_embeddings, vocab_size=vocab_size)
+                                 seed=training.seed, max_length=config.max_position_embeddings, vocab_size=vocab_size,
+                                 global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
     log(f"data: {len(loaders.train_samples):,} training pairs"
         + (f", {len(loaders.valid_samples):,} validation pairs" if loaders.valid_samples else "")
         + f" from {args.data_path} (contexts <= {context_length}, continuations <= {continuation_length} tokens)")

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "with Megatron-style weights, when the samples are built)")
     data.add_argument("--seq-length", type=int, default=None,
                       help="must match the samples' build (default: taken from it)")
+    data.add_argument("--no-length-bucketing", action="store_true",
+                      help="deal each global batch out as micro batches in shuffled order; by default its samples "
+                           "are ordered longest first so micro batches carry less padding (same samples per step)")
 
     train = parser.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=None,
@@ -275,7 +278,8 @@ def run(args: argparse.Namespace) -> int:
     loaders = build_pretraining_loaders(
         args.data_path, training.micro_batch_size, dp_rank, layout.data_parallel_size,
         consumed_samples=trainer.consumed_samples, objective=objective, seed=training.seed,
-        max_length=model_config.max_position_embeddings, vocab_size=vocab_size)
+        max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
+        global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
     log(f"data: {len(loaders.train_samples):,} training samples"
         + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
         + f" from {args.data_path}")

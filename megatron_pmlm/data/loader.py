@@ -86,11 +86,19 @@ class PretrainingSampler:
     of the split (seeded by (seed, e); the tail that does not fill a global step is dropped and
     reshuffled into the next epoch). `consumed_samples` counts samples over all ranks, as Megatron's
     checkpoints do. Yields (indices of this rank's micro batch, epoch).
+
+    Length bucketing (`sample_lengths` and `global_batch_size` given): the samples of each global
+    batch (one optimizer step: micro batch x data-parallel size x accumulation steps) are ordered
+    longest first before they are dealt out as micro batches, so a micro batch holds samples of
+    similar lengths and its layout (longest sequence + 2 x most masked tokens) carries less padding.
+    Which samples make up each optimizer step does not change, and the micro batches are the same
+    for every data-parallel size with the same global batch. Epochs then hold whole global batches.
     """
 
     def __init__(self, num_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 1234,
-                 shuffle: bool = True):
+                 shuffle: bool = True, global_batch_size: int | None = None,
+                 sample_lengths: np.ndarray | None = None):
         if micro_batch_size < 1 or data_parallel_size < 1:
             raise ConfigError("micro_batch_size and data_parallel_size must be >= 1")
         if not 0 <= data_parallel_rank < data_parallel_size:
@@ -105,8 +113,21 @@ class PretrainingSampler:
                               f"data-parallel size ({self.global_batch})")
         self.num_samples, self.consumed_samples = num_samples, consumed_samples
         self.micro_batch_size, self.rank, self.seed, self.shuffle = micro_batch_size, data_parallel_rank, seed, shuffle
-        self.samples_per_epoch = num_samples - num_samples % self.global_batch
+        self.sample_lengths = None
+        self.bucket_size = self.global_batch
+        if sample_lengths is not None and global_batch_size is not None:
+            if global_batch_size % self.global_batch:
+                raise ConfigError(f"global batch size {global_batch_size} is not a multiple of micro batch x "
+                                  f"data-parallel size ({self.global_batch})")
+            if len(sample_lengths) != num_samples:
+                raise ConfigError(f"{len(sample_lengths)} sample lengths for {num_samples} samples")
+            if num_samples < global_batch_size:
+                raise ConfigError(f"{num_samples} samples cannot fill one global batch of {global_batch_size}")
+            self.sample_lengths = np.asarray(sample_lengths)
+            self.bucket_size = global_batch_size
+        self.samples_per_epoch = num_samples - num_samples % self.bucket_size
         self._epoch, self._order = -1, None
+        self._bucket_key, self._bucket = None, None
 
     def order(self, epoch: int) -> np.ndarray:
         if epoch != self._epoch:
@@ -121,9 +142,21 @@ class PretrainingSampler:
     def __next__(self) -> tuple[np.ndarray, int]:
         epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
         start = offset + self.rank * self.micro_batch_size
-        indices = self.order(epoch)[start:start + self.micro_batch_size]
+        if self.sample_lengths is None:
+            indices = self.order(epoch)[start:start + self.micro_batch_size]
+        else:
+            bucket_start = offset - offset % self.bucket_size
+            indices = self.bucket(epoch, bucket_start)[start - bucket_start:start - bucket_start + self.micro_batch_size]
         self.consumed_samples += self.global_batch
         return indices, epoch
+
+    def bucket(self, epoch: int, bucket_start: int) -> np.ndarray:
+        """The global batch at `bucket_start` of epoch `epoch`, longest samples first (ties: epoch order)."""
+        if self._bucket_key != (epoch, bucket_start):
+            members = self.order(epoch)[bucket_start:bucket_start + self.bucket_size]
+            self._bucket = members[np.argsort(-self.sample_lengths[members], kind="stable")]
+            self._bucket_key = (epoch, bucket_start)
+        return self._bucket
 
 
 class PMLMBatchLoader:
@@ -173,11 +206,13 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
                               data_parallel_rank: int = 0, data_parallel_size: int = 1,
                               consumed_samples: int = 0, objective: str | Objective = "ae+par",
                               seed: int | None = None, max_length: int | None = None,
-                              split: str | None = None, vocab_size: int | None = None) -> PretrainingLoaders:
+                              split: str | None = None, vocab_size: int | None = None,
+                              global_batch_size: int | None = None) -> PretrainingLoaders:
     """Train/valid PMLMBatch iterators over a `data_prep.build_samples` output directory.
 
     `seed` (default: the build's seed) drives the epoch shuffles and the AR step orders;
-    `split` and `vocab_size`, when given, must match the build (a clear error otherwise).
+    `split` and `vocab_size`, when given, must match the build (a clear error otherwise);
+    `global_batch_size` turns on the sampler's length bucketing within each global batch.
     """
     metadata = read_metadata(data_path)
     if split is not None and split != metadata["split"]:
@@ -194,7 +229,8 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
     corpora = open_corpora(metadata, Path(data_path))
     train_samples = PretrainingSamples(data_path, "train", corpora)
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size, seed)
+                                 data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
+                                 sample_lengths=train_samples.lengths() if global_batch_size else None)
     train = PMLMBatchLoader(sampler, batch_builder(train_samples, objective, seed, max_length))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:

@@ -160,6 +160,11 @@ class PretrainingSamples:
     def __len__(self) -> int:
         return self.num_samples
 
+    def lengths(self) -> np.ndarray:
+        """Every sample's length in tokens, `[SOS] A [EOS] (B [EOS])` (vectorized over the rows)."""
+        rows = np.asarray(self.rows)
+        return 2 + rows[:, A_LEN] + np.where(rows[:, B_LEN] > 0, rows[:, B_LEN] + 1, 0)
+
     def tokens(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(input_ids, segment_ids) per sample, as views of two flat arrays."""
         indices = self._check(indices)
