@@ -9,8 +9,11 @@ Layer specs, in order (index: what):
     L+4      LossPipe: output bias, cross entropy, accuracy counts
 Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
 gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
-batch (`dynamic_shape`); the attention bias [B, heads, T, T] travels with the hidden states so the
-relative-position table lives on the first stage only.
+batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
+hidden states so the relative-position table lives on the first stage only. With the flex backend
+the stages pass the relative-bias distance table [heads, 2 x max_distance + 1] (its gradient flows
+back to the first stage) and the position ids, steps and roles, and every layer builds its
+FlexAttention block mask from the same rule: no dense [B, heads, T, T] tensor is sent.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .layout import MASKED, PSEUDO, AttentionRule, pmlm_attention_allowed, predicted_slots
+from .flex_attention import build_flex_attention_mask
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
@@ -52,6 +56,7 @@ class EmbeddingPipe(nn.Module):
                  attention_rule: AttentionRule = pmlm_attention_allowed):
         super().__init__()
         self.attention_rule = attention_rule
+        self.attention_backend = config.attention_backend
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
@@ -61,17 +66,41 @@ class EmbeddingPipe(nn.Module):
                              if config.rel_pos else None)
 
     def forward(self, activations):
+        """sdpa: (hidden, dense bias, roles, labels); flex: (hidden, distance table, position ids,
+        steps, roles, labels). Roles and labels come last in both, for HeadTransformPipe."""
         word, position_ids, token_type_ids, roles, steps, labels = activations
         hidden = self.dropout(self.LayerNorm(
             word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
+        if self.attention_backend == "flex":
+            # Without the bias an integer placeholder travels instead: DeepSpeed sends no empty tensors
+            # and expects a gradient for every floating-point activation.
+            table = self.rel_pos_bias() if self.rel_pos_bias is not None else position_ids.new_zeros(1)
+            return hidden, table, position_ids, steps, roles, labels
+        if self.rel_pos_bias is None:
+            # The mask alone as booleans: a floating-point activation without a gradient would stop
+            # DeepSpeed's backward pass; each layer turns it into the additive bias.
+            return hidden, self.attention_rule(roles, steps)[:, None], roles, labels
         bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
         return hidden, bias, roles, labels
 
 
 class LayerPipe(BertLayer):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers,
+                 attention_rule: AttentionRule = pmlm_attention_allowed):
+        super().__init__(config, layers)
+        self.attention_rule = attention_rule
+        self.max_distance = config.max_rel_pos
+
     def forward(self, activations):
-        hidden, bias, roles, labels = activations
-        return super().forward(hidden, bias), bias, roles, labels
+        if len(activations) == 4:  # sdpa
+            hidden, bias, roles, labels = activations
+            additive = (torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
+                        if bias.dtype == torch.bool else bias)
+            return super().forward(hidden, additive), bias, roles, labels
+        hidden, table, position_ids, steps, roles, labels = activations
+        mask = build_flex_attention_mask(self.attention_rule, roles, steps, table if table.is_floating_point() else None,
+                                         position_ids, self.max_distance)
+        return super().forward(hidden, mask), table, position_ids, steps, roles, labels
 
 
 class HeadTransformPipe(nn.Module):
@@ -83,7 +112,7 @@ class HeadTransformPipe(nn.Module):
         self.transform = BertPredictionHeadTransform(config)
 
     def forward(self, activations):
-        hidden, _, roles, labels = activations
+        hidden, roles, labels = activations[0], activations[-2], activations[-1]
         is_ae_slot = predicted_slots(roles, labels, MASKED) & self.objective.autoencoding
         is_par_slot = predicted_slots(roles, labels, PSEUDO) & self.objective.pseudo_masked
         selected = is_ae_slot | is_par_slot

@@ -235,10 +235,6 @@ def run(args: argparse.Namespace) -> int:
     if objective.is_unilm and pp > 1:
         raise ConfigError(f"objective {objective.name} does not run on pipeline stages yet (its per-LM losses and NSP "
                           "head are in the plain/tensor-parallel model only): use --pipeline-model-parallel-size 1")
-    if model_config.attention_backend != "sdpa" and pp > 1:
-        raise ConfigError(f"--attention-backend {model_config.attention_backend} is not wired into the pipeline stages "
-                          "yet (they pass the dense bias between stages): use --attention-backend sdpa with "
-                          "--pipeline-model-parallel-size > 1")
     from .model import check_attention_backend
 
     check_attention_backend(model_config)

@@ -48,7 +48,9 @@ def baseline(pretraining_samples, tmp_path_factory):
     ["--zero-stage", "2"],
     ["--zero-stage", "3"],
     ["--zero-stage", "2", "--checkpoint-activations"],
-], ids=["tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing"])
+    ["--pipeline-model-parallel-size", "2", "--attention-backend", "flex", "--checkpoint-activations"],
+], ids=["tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing",
+        "pp2-flex-activation-checkpointing"])
 def test_every_layout_reproduces_the_single_process_losses(layout, baseline, pretraining_samples, tmp_path):
     records, result = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, nproc=2)
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
@@ -61,6 +63,16 @@ def test_every_layout_reproduces_the_single_process_losses(layout, baseline, pre
         assert ours == pytest.approx(reference, rel=2e-3), (losses(records, "grad_norm"), losses(baseline, "grad_norm"))
     # The losses move: the comparison is not between four copies of the initial loss.
     assert baseline[-1]["loss"] < baseline[0]["loss"] - 0.05
+
+
+def test_pipeline_without_the_relative_bias_reproduces_one_process_with_either_backend(pretraining_samples, tmp_path):
+    """Without the bias the stages pass the boolean mask (sdpa) or an integer placeholder (flex):
+    DeepSpeed's pipeline wants a gradient for every floating-point activation it sends."""
+    reference, _ = pretrain(pretraining_samples, tmp_path / "one", *NO_DROPOUT, "--no-rel-pos", iters=2)
+    for backend in ("sdpa", "flex"):
+        records, _ = pretrain(pretraining_samples, tmp_path / backend, *NO_DROPOUT, "--no-rel-pos",
+                              "--pipeline-model-parallel-size", "2", "--attention-backend", backend, nproc=2, iters=2)
+        assert losses(records) == pytest.approx(losses(reference), rel=2e-4), (backend, records, reference)
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"]],
