@@ -5,8 +5,10 @@ Layer specs, in order (index: what):
     1        EmbeddingPipe: position/segment embeddings, LayerNorm, dropout, attention bias
     2..L+1   LayerPipe: the transformer layers
     L+2      HeadTransformPipe: picks the [M] and [P] slots, dense + GELU + LayerNorm
+             (UniLM v1: every labelled slot, and the pooler on [SOS] for NSP)
     L+3      WordEmbeddingPipe again (tied): the softmax tied to the embedding -- last stage
-    L+4      LossPipe: output bias, cross entropy, accuracy counts
+    L+4      LossPipe: output bias, cross entropy, accuracy counts (UniLM v1: per-LM sums and the
+             next-sentence head, through unilm.unilm_losses_from_logits)
 Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
 gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
 batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
@@ -46,8 +48,7 @@ class WordEmbeddingPipe(nn.Module):
 
 def tied_logits_forward(layers: ParallelLayers):
     def forward(module: WordEmbeddingPipe, activations):
-        transformed, targets, is_ae = activations
-        return layers.tied_logits(transformed, module.word_embeddings.weight), targets, is_ae
+        return (layers.tied_logits(activations[0], module.word_embeddings.weight),) + tuple(activations[1:])
     return forward
 
 
@@ -66,8 +67,9 @@ class EmbeddingPipe(nn.Module):
                              if config.rel_pos else None)
 
     def forward(self, activations):
-        """sdpa: (hidden, dense bias, roles, labels); flex: (hidden, distance table, position ids,
-        steps, roles, labels). Roles and labels come last in both, for HeadTransformPipe."""
+        """sdpa: (hidden, dense bias, segment ids, roles, labels); flex: (hidden, distance table,
+        position ids, steps, segment ids, roles, labels). The last three are the same in both, for
+        HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
         word, position_ids, token_type_ids, roles, steps, labels = activations
         hidden = self.dropout(self.LayerNorm(
             word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
@@ -75,13 +77,13 @@ class EmbeddingPipe(nn.Module):
             # Without the bias an integer placeholder travels instead: DeepSpeed sends no empty tensors
             # and expects a gradient for every floating-point activation.
             table = self.rel_pos_bias() if self.rel_pos_bias is not None else position_ids.new_zeros(1)
-            return hidden, table, position_ids, steps, roles, labels
+            return hidden, table, position_ids, steps, token_type_ids, roles, labels
         if self.rel_pos_bias is None:
             # The mask alone as booleans: a floating-point activation without a gradient would stop
             # DeepSpeed's backward pass; each layer turns it into the additive bias.
-            return hidden, self.attention_rule(roles, steps)[:, None], roles, labels
+            return hidden, self.attention_rule(roles, steps)[:, None], token_type_ids, roles, labels
         bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
-        return hidden, bias, roles, labels
+        return hidden, bias, token_type_ids, roles, labels
 
 
 class LayerPipe(BertLayer):
@@ -92,27 +94,38 @@ class LayerPipe(BertLayer):
         self.max_distance = config.max_rel_pos
 
     def forward(self, activations):
-        if len(activations) == 4:  # sdpa
-            hidden, bias, roles, labels = activations
+        if len(activations) == 5:  # sdpa
+            hidden, bias = activations[:2]
             additive = (torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
                         if bias.dtype == torch.bool else bias)
-            return super().forward(hidden, additive), bias, roles, labels
-        hidden, table, position_ids, steps, roles, labels = activations
+            return (super().forward(hidden, additive),) + tuple(activations[1:])
+        hidden, table, position_ids, steps, _, roles, _ = activations
         mask = build_flex_attention_mask(self.attention_rule, roles, steps, table if table.is_floating_point() else None,
                                          position_ids, self.max_distance)
-        return super().forward(hidden, mask), table, position_ids, steps, roles, labels
+        return (super().forward(hidden, mask),) + tuple(activations[1:])
 
 
 class HeadTransformPipe(nn.Module):
-    """Keeps the labelled [M] (if AE is on) and [P] (if PAR/AR is on) slots, then the MLM transform."""
+    """Keeps the labelled [M] (if AE is on) and [P] (if PAR/AR is on) slots, then the MLM transform.
+    UniLM v1: every labelled slot and its LM type, and the pooled [SOS] with the NSP targets."""
 
     def __init__(self, config: ModelConfig, objective: Objective):
         super().__init__()
         self.objective = objective
         self.transform = BertPredictionHeadTransform(config)
+        if objective.next_sentence_prediction:
+            from .unilm import BertPooler
+
+            self.pooler = BertPooler(config.hidden_size)
 
     def forward(self, activations):
-        hidden, roles, labels = activations[0], activations[-2], activations[-1]
+        hidden, token_type_ids, roles, labels = activations[0], activations[-3], activations[-2], activations[-1]
+        if self.objective.is_unilm:
+            from .unilm import unilm_slots
+
+            selected, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels)
+            out = (self.transform(hidden[selected]), labels[selected], slot_lm)
+            return out + ((self.pooler(hidden), nsp_targets) if self.objective.next_sentence_prediction else ())
         is_ae_slot = predicted_slots(roles, labels, MASKED) & self.objective.autoencoding
         is_par_slot = predicted_slots(roles, labels, PSEUDO) & self.objective.pseudo_masked
         selected = is_ae_slot | is_par_slot
@@ -120,14 +133,25 @@ class HeadTransformPipe(nn.Module):
 
 
 class LossPipe(nn.Module):
-    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers, objective: Objective):
         super().__init__()
         self.layers = layers
+        self.objective = objective
         self.bias = nn.Parameter(torch.zeros(config.embedding_rows // layers.tensor_parallel_size))
         self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
+        if objective.next_sentence_prediction:
+            self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, activations):
-        """metrics.PMLM_METRICS's vector; only `loss` carries gradient."""
+        """The objective's metrics vector (metrics.PMLM_METRICS / UNILM_METRICS); only `loss`
+        carries gradient."""
+        if self.objective.is_unilm:
+            from .unilm import unilm_losses_from_logits
+
+            logits, targets, slot_lm = activations[:3]
+            nsp = (self.seq_relationship(activations[3]), activations[4]) if len(activations) == 5 else (None, None)
+            return unilm_losses_from_logits(logits + self.bias + self.padding_logit_bias, targets, slot_lm,
+                                            self.layers, *nsp).metrics_with_grad()
         logits, targets, is_ae = activations
         logits = logits + self.bias + self.padding_logit_bias
         token_losses = self.layers.cross_entropy(logits, targets)
@@ -153,9 +177,9 @@ def canonical_parameter_name(pipe_name: str, num_layers: int) -> str:
     if 2 <= index <= num_layers + 1:
         return f"bert.encoder.layer.{index - 2}.{rest}"
     if index == num_layers + 2:
-        return "cls.predictions." + rest
+        return ("bert." + rest) if rest.startswith("pooler.") else "cls.predictions." + rest
     if index == num_layers + 4:
-        return "cls.predictions." + rest
+        return ("cls." + rest) if rest.startswith("seq_relationship.") else "cls.predictions." + rest
     raise ValueError(f"unexpected pipeline parameter {pipe_name!r}")
 
 
@@ -190,7 +214,7 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     specs += [LayerSpec(HeadTransformPipe, config, objective),
               TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers,
                             forward_fn=tied_logits_forward(layers), **tied),
-              LayerSpec(LossPipe, config, layers)]
+              LayerSpec(LossPipe, config, layers, objective)]
     model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,
                          partition_method="type:LayerPipe", dynamic_shape=True,
                          activation_checkpoint_interval=1 if checkpoint_activations else 0,

@@ -232,9 +232,6 @@ def run(args: argparse.Namespace) -> int:
                           "attention heads")
     if pp > model_config.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
-    if objective.is_unilm and pp > 1:
-        raise ConfigError(f"objective {objective.name} does not run on pipeline stages yet (its per-LM losses and NSP "
-                          "head are in the plain/tensor-parallel model only): use --pipeline-model-parallel-size 1")
     from .model import check_attention_backend
 
     check_attention_backend(model_config)

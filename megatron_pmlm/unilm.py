@@ -310,43 +310,59 @@ class UniLMLosses:
     """metrics.UNILM_METRICS's fields after the two losses, in order."""
 
     def metrics(self) -> torch.Tensor:
-        return torch.cat([torch.stack([self.loss.detach().float(), self.loss_mlm.detach().float()]),
+        return self.metrics_with_grad().detach()
+
+    def metrics_with_grad(self) -> torch.Tensor:
+        """The metrics vector with the total loss first, still differentiable (the pipeline's last
+        stage returns this and backpropagates its first entry)."""
+        return torch.cat([torch.stack([self.loss.float(), self.loss_mlm.detach().float()]),
                           self.counts.detach().float()])
+
+
+def unilm_slots(token_type_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(predicted slots [B, T] - the labelled ones but the [SOS] slot, which holds the NSP label -,
+    the LM type of each predicted slot, the NSP targets [B])."""
+    selected = labels != IGNORE_INDEX
+    selected[:, 0] = False
+    lm_type = lm_type_of_segment(token_type_ids[:, 0])
+    return selected, lm_type[:, None].expand_as(selected)[selected], labels[:, 0]
 
 
 def unilm_losses(hidden: torch.Tensor, token_type_ids: torch.Tensor, labels: torch.Tensor, mlm_logits,
                  layers, nsp_logits=None) -> UniLMLosses:
+    """The plain/tensor-parallel model's losses: the heads on `hidden`, then `unilm_losses_from_logits`."""
+    selected, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels)
+    return unilm_losses_from_logits(mlm_logits(hidden[selected]), labels[selected], slot_lm, layers,
+                                    None if nsp_logits is None else nsp_logits(hidden), nsp_targets)
+
+
+def unilm_losses_from_logits(logits: torch.Tensor, targets: torch.Tensor, slot_lm: torch.Tensor, layers,
+                             nsp_row_logits: torch.Tensor | None = None,
+                             nsp_targets: torch.Tensor | None = None) -> UniLMLosses:
     """L = mean cross entropy over every masked token of the batch (the LMs' losses summed over
     their tokens, one normaliser) + the NSP cross entropy over the bidirectional rows that have one.
-    Per-LM sums and counts go to the metrics so each LM's loss is logged on its own."""
-    token_labels = labels.clone()
-    token_labels[:, 0] = IGNORE_INDEX  # the [SOS] slot holds the NSP label
-    selected = token_labels != IGNORE_INDEX
-    lm_type = lm_type_of_segment(token_type_ids[:, 0])
-    logits = mlm_logits(hidden[selected])
-    targets = token_labels[selected]
+    Per-LM sums and counts go to the metrics so each LM's loss is logged on its own. Shared by the
+    model and the pipeline's last stage."""
     token_losses = layers.cross_entropy(logits, targets)
     correct = layers.predicted_ids(logits) == targets
-    count = selected.sum()
+    count = torch.tensor(targets.numel(), device=logits.device)
     loss_mlm = token_losses.sum() / count.clamp(min=1)
-    slot_lm = lm_type[:, None].expand_as(selected)[selected]
     per_lm = []
     for index in range(len(LM_TYPES)):
         in_lm = slot_lm == index
         per_lm += [(token_losses.detach() * in_lm).sum(), in_lm.sum()]
-    nsp_targets = labels[:, 0]
-    has_nsp = nsp_targets != IGNORE_INDEX
-    if nsp_logits is not None:
+    if nsp_row_logits is not None:
         # Every row goes through the head (a zero weight where there is no label), so the pooler
         # always has a gradient: ZeRO and DDP expect every parameter to take part.
-        row_logits = nsp_logits(hidden).float()
+        has_nsp = nsp_targets != IGNORE_INDEX
+        row_logits = nsp_row_logits.float()
         row_losses = nn.functional.cross_entropy(row_logits, nsp_targets.clamp(min=0), reduction="none")
         nsp_count = has_nsp.sum()
         loss_nsp = (row_losses * has_nsp).sum() / nsp_count.clamp(min=1)
         nsp_correct = ((row_logits.argmax(-1) == nsp_targets) & has_nsp).sum()
         nsp_loss_sum = (row_losses.detach() * has_nsp).sum()
     else:
-        zero = hidden.new_zeros(())
+        zero = logits.new_zeros(())
         loss_nsp, nsp_count, nsp_correct, nsp_loss_sum = zero, zero, zero, zero
     counts = torch.stack([correct.sum().float(), count.float(), nsp_correct.float(), nsp_count.float(),
                           nsp_loss_sum.float()] + [value.float() for value in per_lm])
