@@ -4,7 +4,6 @@ base preset; accelerated.py's choices on this (CPU) machine."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -144,31 +143,10 @@ def test_check_leakage_passes_with_the_flex_backend():
     from megatron_pmlm.check_leakage import run_check, run_seq2seq_check
 
     for objective in ("ae+par", "unilm"):
-        report = run_check("tiny", objective, examples=2, seed=3, attention_backend="flex")
+        report = run_check("tiny", objective, examples=1, seed=3, attention_backend="flex")
         assert report.passed, report.summary()
-    assert run_seq2seq_check("tiny", "pseudo-masked", examples=2, attention_backend="flex").passed
+    assert run_seq2seq_check("tiny", "pseudo-masked", examples=1, attention_backend="flex").passed
     assert not run_check("tiny", "ae+par", examples=1, fault="implicit", attention_backend="flex").passed
-
-
-def test_pretrain_logs_the_same_losses_with_either_backend(tmp_path, pretraining_samples):
-    """A short DeepSpeed run, dropout off: flex (with activation checkpointing, which recomputes
-    FlexAttention) logs sdpa's losses."""
-    from pmlm_testing import run_module
-
-    histories = {}
-    for backend, extra in (("sdpa", []), ("flex", ["--checkpoint-activations"])):
-        history = tmp_path / f"{backend}.json"
-        result = run_module(
-            "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
-            "--attention-backend", backend, "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--micro-batch-size", "4", "--global-batch-size", "4", "--train-iters", "6", "--log-interval", "2",
-            "--eval-iters", "0", "--history-json", str(history), *extra)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        histories[backend] = [r for r in json.loads(history.read_text()) if "loss_ae" in r]
-    assert len(histories["sdpa"]) == 3
-    for sdpa, flex in zip(histories["sdpa"], histories["flex"]):
-        for key in ("loss", "loss_ae", "loss_par"):
-            assert abs(sdpa[key] - flex[key]) < 1e-4, (key, sdpa, flex)
 
 
 def test_bench_train_takes_the_flex_backend():
