@@ -306,6 +306,11 @@ def check_precision_supported(precision: str) -> None:
                           f"support on this machine; use {other}")
 
 
+RUNTIME_MODEL_FIELDS = ("attention_backend", "hidden_dropout", "attention_dropout")
+"""ModelConfig fields a resumed or fine-tuning run may change: they choose kernels and training
+noise, not the weights' shapes or meaning."""
+
+
 def check_zero_with_pipeline(zero_stage: int, pipeline: bool) -> None:
     if pipeline and zero_stage > 1:
         raise ConfigError(
@@ -710,9 +715,11 @@ class Trainer:
         saved = json.loads((tag_dir / RUN_STATE_FILE).read_text())
         saved_model = saved.get("args", {}).get("model_config")
         if expected_model_config and saved_model:
+            # The attention backend and dropout are how the model is trained, not what it is: a run
+            # may switch them on resume (and checkpoints written before the backend existed do not name it).
             differences = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {v!r}"
                                     for k, v in expected_model_config.items()
-                                    if saved_model.get(k) != v)
+                                    if k not in RUNTIME_MODEL_FIELDS and saved_model.get(k) != v)
             if differences:
                 raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
         if saved.get("args", {}).get("converted_from") and not finetune:

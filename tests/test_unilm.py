@@ -264,3 +264,45 @@ def test_pipeline_stages_reproduce_one_process_and_the_pipeline_checkpoint_conve
                            str(tmp_path / "hf"), "--verify")
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
     assert "pipeline parallel 2" in converted.stdout and "next-sentence logits" in converted.stdout
+
+
+def test_a_bert_checkpoint_imports_for_unilm_as_the_released_code_initialises_it(tmp_path, bert_vocab,
+                                                                               pretraining_samples):
+    """The paper starts UniLM v1 from BERT: --from-hf --objective unilm keeps BERT's pooler and
+    next-sentence head and grows the segment embedding to 6 rows (2, 3, 4 <- 0; 5 <- 1); pretrain
+    --objective unilm --finetune starts from it (with the other attention backend, which a resume
+    may switch)."""
+    import shutil
+
+    import transformers
+
+    from megatron_pmlm.hf import convert
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, max_position_embeddings=128)
+    bert = transformers.BertForPreTraining(config).eval()
+    folder = tmp_path / "bert"
+    bert.save_pretrained(str(folder))
+    shutil.copyfile(bert_vocab, folder / "vocab.txt")
+    imported = tmp_path / "imported"
+    result = run_module("megatron_pmlm.hf.convert", "--from-hf", str(folder), "--save", str(imported),
+                        "--objective", "unilm", "--add-rel-pos")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    checkpoint = convert.load_pretraining_checkpoint(imported)
+    state = checkpoint.state_dict
+    segments = bert.bert.embeddings.token_type_embeddings.weight.detach()
+    torch.testing.assert_close(state["bert.embeddings.token_type_embeddings.weight"], segments[[0, 1, 0, 0, 0, 1]])
+    torch.testing.assert_close(state["cls.seq_relationship.weight"], bert.cls.seq_relationship.weight.detach())
+    torch.testing.assert_close(state["bert.pooler.dense.weight"], bert.bert.pooler.dense.weight.detach())
+    assert checkpoint.model_config.type_vocab_size == TYPE_VOCAB_SIZE
+    history = tmp_path / "history.json"
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--objective", "unilm", "--data-path",
+                        str(pretraining_samples), "--load", str(imported), "--finetune", "--attention-backend", "flex",
+                        "--attention-dropout", "0", "--micro-batch-size", "4", "--global-batch-size", "4",
+                        "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--history-json", str(history))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "loaded the weights of" in result.stdout
+    first = [r for r in json.loads(history.read_text()) if "loss_mlm" in r][0]
+    # BERT-initialised (random here, but the imported weights): the NSP head is BERT's, not a fresh one.
+    assert 0.0 < first["loss_nsp"] < 5.0

@@ -127,7 +127,9 @@ def read_run_state(tag_dir: Path) -> tuple[dict[str, Any], ModelConfig]:
     if unknown:
         raise ConversionError(f"{path}: args.model_config has fields this version does not know: {', '.join(unknown)}")
     try:
-        config = ModelConfig(**saved)
+        # The weights do not depend on the attention backend the run computed with; whoever reads
+        # them (conversion, fine-tuning) gets the default one and may choose again.
+        config = ModelConfig(**{**saved, "attention_backend": ModelConfig.attention_backend})
     except (ConfigError, TypeError) as error:
         raise ConversionError(f"{path}: invalid args.model_config ({error})") from None
     return run_state, config
@@ -438,13 +440,22 @@ def model_config_from_hf(hf: dict[str, Any], source: str, padded_vocab_size: int
 
 
 def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, source: str,
-                       add_rel_pos: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Our (padded) state dict from a Hugging Face BERT state dict; also the names dropped."""
+                       add_rel_pos: bool = False, nsp_head: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our (padded) state dict from a Hugging Face BERT state dict; also the names dropped.
+
+    `nsp_head` (a UniLM v1 run starts from it): the pooler and next-sentence head are kept (drawn
+    fresh, BERT's init, where the folder has none), and a 2-row segment embedding grows to
+    `config.type_vocab_size` rows as the released UniLM v1 code grows it (rows 2, 3, 4 = row 0,
+    row 5 = row 1: left-to-right, right-to-left and the seq2seq source start from segment A, the
+    seq2seq target from segment B)."""
     state, dropped = {}, []
     for name, tensor in hf_state.items():
         new = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
         if not new.startswith(("bert.", "cls.", "crit_mask_lm_smoothed.")):
             new = "bert." + new  # a BertModel checkpoint (no prefix)
+        if nsp_head and new.startswith(("bert.pooler.", "cls.seq_relationship.")):
+            state[new] = tensor
+            continue
         if new in ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias") or \
                 new.startswith(("bert.pooler.", "cls.seq_relationship.", "crit_mask_lm_smoothed.")) or \
                 new.endswith("position_ids"):
@@ -466,8 +477,11 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, s
             padding = torch.zeros((config.embedding_rows - config.vocab_size,) + tuple(tensor.shape[1:]),
                                   dtype=tensor.dtype)
             state[name] = torch.cat([tensor, padding])
+    _grow_segment_embeddings(state, config.type_vocab_size, source)
+    if nsp_head:
+        _add_missing_nsp_head(state, config)
     state = {k: v.detach().float().contiguous().clone() for k, v in state.items()}
-    expected = expected_shapes(config)
+    expected = expected_shapes(config, nsp_head)
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
@@ -480,6 +494,32 @@ def from_hf_state_dict(hf_state: dict[str, torch.Tensor], config: ModelConfig, s
     if wrong:
         raise ConversionError(f"{source}: {', '.join(wrong[:4])}")
     return state, dropped
+
+
+UNILM_SEGMENT_ROWS_FROM = (0, 1, 0, 0, 0, 1)
+"""Row k of UniLM v1's 6-row segment embedding starts as row UNILM_SEGMENT_ROWS_FROM[k] of BERT's."""
+
+
+def _grow_segment_embeddings(state: dict[str, torch.Tensor], rows: int, source: str) -> None:
+    name = "bert.embeddings.token_type_embeddings.weight"
+    table = state.get(name)
+    if table is None or table.shape[0] == rows:
+        return
+    if table.shape[0] != 2 or rows != len(UNILM_SEGMENT_ROWS_FROM):
+        raise ConversionError(f"{source}: a segment embedding of {table.shape[0]} rows cannot become UniLM v1's "
+                              f"{rows} (only BERT's 2 rows grow to 6)")
+    state[name] = table[list(UNILM_SEGMENT_ROWS_FROM)].clone()
+
+
+def _add_missing_nsp_head(state: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """BERT's init (N(0, init_std) matrices, zero biases) for a pooler / next-sentence head the
+    folder lacks (a BertForMaskedLM save), from a fixed generator so every TP rank agrees."""
+    generator = torch.Generator().manual_seed(0)
+    h = config.hidden_size
+    for name, shape in (("bert.pooler.dense", (h, h)), ("cls.seq_relationship", (2, h))):
+        if f"{name}.weight" not in state:
+            state[f"{name}.weight"] = torch.empty(shape).normal_(0.0, config.init_std, generator=generator)
+            state[f"{name}.bias"] = torch.zeros(shape[0])
 
 
 def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
@@ -808,7 +848,15 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
     if config.num_attention_heads % tensor_parallel_size:
         raise ConversionError(f"--tensor-model-parallel-size {tensor_parallel_size} does not divide the "
                               f"{config.num_attention_heads} attention heads")
-    state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos)
+    from ..objectives import get_objective
+
+    unilm = get_objective(objective)
+    if unilm.is_unilm:
+        from ..unilm import TYPE_VOCAB_SIZE
+
+        config = dataclasses.replace(config, type_vocab_size=TYPE_VOCAB_SIZE)
+    state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos,
+                                        nsp_head=unilm.next_sentence_prediction)
     vocab_file = hf_dir / "vocab.txt"
     if vocab_file.is_file() and len(read_vocab(vocab_file)) != config.vocab_size:
         raise ConversionError(f"{vocab_file} has {len(read_vocab(vocab_file))} entries, config.json's vocab_size is "
@@ -887,6 +935,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write tensor-parallel shards for a run of this size")
     from_hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                          help="vocabulary padding, as the run will use it")
+    from_hf.add_argument("--objective", default="ae+par",
+                         help="the objective the run will train: a UniLM v1 one (unilm, unilm-bi, ...) keeps BERT's "
+                              "pooler and next-sentence head and grows its 2 segment embeddings to UniLM v1's 6")
     from_hf.add_argument("--add-rel-pos", action="store_true",
                          help="a BERT without relative position bias: add a zero one (outputs unchanged)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -916,7 +967,8 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
             if not args.save:
                 parser.error("--from-hf needs --save (the checkpoint directory to write)")
             import_from_hf(args.from_hf, args.save, args.tensor_model_parallel_size,
-                           args.make_vocab_size_divisible_by, args.add_rel_pos, overwrite=args.overwrite, log=log)
+                           args.make_vocab_size_divisible_by, args.add_rel_pos, objective=args.objective,
+                           overwrite=args.overwrite, log=log)
     except VerificationFailed as failure:
         print(f"error: verification failed, nothing written: {failure}", file=sys.stderr)
         return 1
