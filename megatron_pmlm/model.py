@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,9 @@ from .flex_attention import FlexAttentionMask, build_flex_attention_mask, flex_a
 from .layout import MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed, predicted_slots
 from .objectives import Objective, get_objective
 from .parallel_layers import LocalLayers, ParallelLayers
+
+if TYPE_CHECKING:
+    from .unilm import UniLMLosses
 
 
 def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int = 32,
