@@ -22,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConfigError
-from .decode_s2s import InputError, encode_sources, read_sources
+from .decode_s2s import InputError, check_batch_and_output, encode_sources, read_sources
 from .files import write_text_atomically
 
 DEFAULT_MAX_TARGET_LENGTH = 100
@@ -91,12 +91,7 @@ def run(args: argparse.Namespace) -> int:
                             max_target_length=args.max_target_length, max_seq_length=args.max_context_length,
                             no_repeat_ngram_size=args.no_repeat_ngram_size,
                             ngram_ignore_tokens=parse_ignore_tokens(args.ngram_ignore_tokens))
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.output.is_dir():
-        raise InputError(f"--output {args.output} is a folder; give a file name")
-    if not args.output.parent.is_dir():
-        raise InputError(f"the output folder {args.output.parent} does not exist")
+    check_batch_and_output(args)
     contexts = read_sources(args.input)
 
     import torch

@@ -94,6 +94,16 @@ DEFAULT_MAX_TARGET_LENGTH = 128
 DEFAULT_MAX_SEQ_LENGTH = 512
 
 
+def check_batch_and_output(args: argparse.Namespace) -> None:
+    """--batch-size and --output, refused before any model is loaded (decode_s2s and decode_palm)."""
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.output.is_dir():
+        raise InputError(f"--output {args.output} is a folder; give a file name")
+    if not args.output.parent.is_dir():
+        raise InputError(f"the output folder {args.output.parent} does not exist")
+
+
 def lengths_from_model(args: argparse.Namespace, settings: dict) -> tuple[int, int]:
     """(max target length, max sequence length): the flags, else what the model was fine-tuned with
     (recorded by finetune_s2s), else s2s-ft's defaults."""
@@ -164,12 +174,7 @@ def run(args: argparse.Namespace) -> int:
                     no_repeat_ngram_size=args.no_repeat_ngram_size,
                     ngram_ignore_tokens=parse_ignore_tokens(args.ngram_ignore_tokens))
     DecodingConfig(**settings)
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.output.is_dir():
-        raise InputError(f"--output {args.output} is a folder; give a file name")
-    if not args.output.parent.is_dir():
-        raise InputError(f"the output folder {args.output.parent} does not exist")
+    check_batch_and_output(args)
     sources = read_sources(args.input)
 
     import torch

@@ -29,8 +29,8 @@ from torch import nn
 from .config import ConfigError, ModelConfig
 from .layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
 from .metrics import MetricSpec
-from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfOutput, LayerKeyValues,
-                    PMLMLosses, initialize_weights, padding_logit_bias, pmlm_losses)
+from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfAttention, BertSelfOutput,
+                    LayerKeyValues, PMLMLosses, initialize_weights, padding_logit_bias, pmlm_losses)
 from .objectives import get_objective
 from .parallel_layers import LocalLayers, ParallelLayers
 
@@ -146,21 +146,9 @@ def key_padding_bias(key_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         ~key_valid, float("-inf"))[:, None, None]
 
 
-class CrossSelfAttention(nn.Module):
-    """Queries from the decoder, keys and values from the encoder states; heads split under TP."""
-
-    def __init__(self, config: PalmConfig, layers: ParallelLayers):
-        super().__init__()
-        self.heads_per_partition = config.num_attention_heads // layers.tensor_parallel_size
-        self.head_dim = config.head_dim
-        self.query = layers.column_linear(config.hidden_size, config.hidden_size)
-        self.key = layers.column_linear(config.hidden_size, config.hidden_size)
-        self.value = layers.column_linear(config.hidden_size, config.hidden_size)
-        self.dropout_p = config.attention_dropout
-
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.heads_per_partition, self.head_dim).transpose(1, 2)
+class CrossSelfAttention(BertSelfAttention):
+    """Queries from the decoder, keys and values from the encoder states; heads split under TP
+    (BertSelfAttention's projections and head split, another forward)."""
 
     def encoder_keys_values(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed once per sequence when decoding."""

@@ -15,7 +15,8 @@ import sys
 from dataclasses import asdict, fields, replace
 from typing import Sequence
 
-from .config import ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, model_config_from_preset
+from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
+                     add_dataclass_arguments, dataclass_overrides, model_config_from_preset)
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
+    add_dataclass_arguments(parser, UniLMMaskingConfig, prefix="unilm-")  # --objective unilm*: masking and NSP
     from .palm_pretrain import add_palm_arguments  # --model palm and its options
 
     add_palm_arguments(parser)
@@ -188,6 +190,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")
+    if unilm_overrides and (args.model != "pmlm" or not get_objective(args.objective).is_unilm):
+        raise ConfigError(f"--unilm-{next(iter(unilm_overrides)).replace('_', '-')} sets UniLM v1's masking and NSP; "
+                          f"it needs --objective unilm (or unilm-bi, ...), not --model {args.model} --objective "
+                          f"{args.objective}")
+    unilm_masking = UniLMMaskingConfig(**unilm_overrides)
     if args.model == "palm":
         from .palm_pretrain import run_palm
 
@@ -272,7 +280,8 @@ def run(args: argparse.Namespace) -> int:
         args.data_path, training.micro_batch_size, dp_rank, layout.data_parallel_size,
         consumed_samples=trainer.consumed_samples, objective=objective, seed=training.seed,
         max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
-        global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
+        global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
+        unilm_masking=unilm_masking)
     log(f"data: {len(loaders.train_samples):,} training samples"
         + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
         + f" from {args.data_path}")

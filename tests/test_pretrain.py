@@ -60,6 +60,8 @@ def _bad(pretraining_samples, *args):
 
 @pytest.mark.parametrize("args,message", [
     (["--objective", "mlm"], "unknown objective 'mlm'"),
+    (["--unilm-ngram-prob", "0.3"], "--unilm-ngram-prob sets UniLM v1's masking and NSP; it needs --objective unilm"),
+    (["--objective", "unilm", "--unilm-min-ngram", "4"], "need 1 <= min_ngram <= max_ngram, got 4..3"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--preset", "tiny", "--max-position-embeddings", "32"],
      "the samples are 64 tokens long, more than the model's maximum sequence length 32"),

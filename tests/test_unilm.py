@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from megatron_pmlm.config import UniLMMaskingConfig, model_config_from_preset
-from megatron_pmlm.data import PretrainingSamples
+from megatron_pmlm.data import PretrainingSamples, build_pretraining_loaders
 from megatron_pmlm.data.samples import A_LEN, A_START, B_LEN, DOCUMENT
 from megatron_pmlm.layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
 from megatron_pmlm.model import PMLMForPreTraining
@@ -179,6 +179,11 @@ def test_nsp_half_random_second_segments_from_other_documents_deterministic(trai
                                   batch.labels[29].numpy()[batch.roles[29].numpy() != PAD])
     other_epoch = builder.build(indices, epoch=1)[1]
     assert (other_epoch.nsp_labels != draws.nsp_labels).any()
+    # --unilm-nsp-random-prob reaches the loader: 0 keeps every true continuation.
+    loaders = build_pretraining_loaders(train_samples.directory, micro_batch_size=64, objective="unilm-bi",
+                                        unilm_masking=UniLMMaskingConfig(nsp_random_prob=0.0))
+    labels = next(loaders.train).labels[:, 0]
+    assert set(labels.tolist()) <= {NSP_IS_NEXT, IGNORE_INDEX} and (labels == NSP_IS_NEXT).any()
 
 
 def test_flex_attention_equals_sdpa_on_the_mixture():

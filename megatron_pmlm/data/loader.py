@@ -70,12 +70,15 @@ class PMLMBatchBuilder:
                            append_pseudo=self.objective.pseudo_masked, max_length=self.max_length)
 
 
-def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, max_length: int | None):
-    """The objective's batch builder: PMLM (stored block masks) or UniLM v1 (masks drawn here)."""
+def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, max_length: int | None,
+                  unilm_masking=None):
+    """The objective's batch builder: PMLM (stored block masks) or UniLM v1 (masks drawn here, with
+    `unilm_masking`, a config.UniLMMaskingConfig; None: the paper's values)."""
     if objective.is_unilm:
+        from ..config import UniLMMaskingConfig
         from ..unilm import UniLMBatchBuilder
 
-        return UniLMBatchBuilder(samples, objective, seed, max_length)
+        return UniLMBatchBuilder(samples, objective, seed, max_length, unilm_masking or UniLMMaskingConfig())
     return PMLMBatchBuilder(samples, objective, seed, max_length)
 
 
@@ -207,12 +210,13 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
                               consumed_samples: int = 0, objective: str | Objective = "ae+par",
                               seed: int | None = None, max_length: int | None = None,
                               split: str | None = None, vocab_size: int | None = None,
-                              global_batch_size: int | None = None) -> PretrainingLoaders:
+                              global_batch_size: int | None = None, unilm_masking=None) -> PretrainingLoaders:
     """Train/valid PMLMBatch iterators over a `data_prep.build_samples` output directory.
 
     `seed` (default: the build's seed) drives the epoch shuffles and the AR step orders;
     `split` and `vocab_size`, when given, must match the build (a clear error otherwise);
-    `global_batch_size` turns on the sampler's length bucketing within each global batch.
+    `global_batch_size` turns on the sampler's length bucketing within each global batch;
+    `unilm_masking` (config.UniLMMaskingConfig) sets UniLM v1 objectives' masking and NSP.
     """
     metadata = read_metadata(data_path)
     if split is not None and split != metadata["split"]:
@@ -231,11 +235,11 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
                                  sample_lengths=train_samples.lengths() if global_batch_size else None)
-    train = PMLMBatchLoader(sampler, batch_builder(train_samples, objective, seed, max_length))
+    train = PMLMBatchLoader(sampler, batch_builder(train_samples, objective, seed, max_length, unilm_masking))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:
         valid_samples = PretrainingSamples(data_path, "valid", corpora)
-        valid_builder = batch_builder(valid_samples, objective, seed, max_length)
+        valid_builder = batch_builder(valid_samples, objective, seed, max_length, unilm_masking)
 
         def valid() -> Iterator[PMLMBatch]:
             return validation_batches(valid_samples, valid_builder, micro_batch_size,
