@@ -68,7 +68,8 @@ _STREAM_LM_TYPE, _STREAM_NSP, _STREAM_PARTNER, _STREAM_ORDER, _STREAM_NGRAM, _ST
     _STREAM_TRIM, _STREAM_CORRUPT, _STREAM_RANDOM_TOKEN = range(1, 10)
 
 
-def _sample_keys(seed: int, epoch: int, sample_indices: np.ndarray) -> np.ndarray:
+def sample_keys(seed: int, epoch: int, sample_indices: np.ndarray) -> np.ndarray:
+    """One uint64 key per sample: all of a sample's draws in an epoch are hashes of it."""
     with np.errstate(over="ignore"):
         base = _splitmix64(np.uint64(seed) * np.uint64(0x2545F4914F6CDD1D) + np.uint64(epoch) + np.uint64(7))
         return _splitmix64(base ^ np.asarray(sample_indices, dtype=np.uint64))
@@ -194,7 +195,7 @@ class UniLMBatchBuilder:
 
     def draw(self, indices: np.ndarray, epoch: int) -> tuple[np.ndarray, UniLMDraws]:
         """The sample rows with NSP partners swapped in, and what was drawn."""
-        keys = _sample_keys(self.seed, epoch, indices)
+        keys = sample_keys(self.seed, epoch, indices)
         lm_types = draw_lm_types(keys, self.objective.lm_mixture)
         rows = np.array(self.samples.rows[indices], dtype=np.int64)
         has_b = rows[:, B_LEN] > 0
@@ -229,7 +230,7 @@ class UniLMBatchBuilder:
         ids[in_sequence] = flat_ids
         second = np.zeros((batch, width), dtype=bool)
         second[in_sequence] = flat_segments == 1
-        keys = _sample_keys(self.seed, epoch, indices)
+        keys = sample_keys(self.seed, epoch, indices)
         pmlm_batch = build_unilm_batch(ids, lengths, second, draws.lm_types, draws.nsp_labels, keys, special,
                                        self.samples.vocab_size, self.config)
         return pmlm_batch, draws

@@ -23,7 +23,7 @@ from megatron_pmlm.model import PMLMForPreTraining
 from megatron_pmlm.objectives import get_objective
 from megatron_pmlm.tokenizer import SpecialTokenIds
 from megatron_pmlm.unilm import (BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE,
-                                 UniLMBatchBuilder, _sample_keys, build_unilm_batch, draw_lm_types,
+                                 UniLMBatchBuilder, sample_keys, build_unilm_batch, draw_lm_types,
                                  expected_visibility, ngram_masks)
 from pmlm_testing import free_port, run_module
 
@@ -48,7 +48,7 @@ def _synthetic(batch_size=16, seed=0, min_length=12, max_length=64):
 def test_each_lm_types_roles_and_steps_give_spec_tables_mask_under_the_one_rule():
     ids, lengths, second = _synthetic(32)
     lm_types = np.arange(32) % 4
-    batch = build_unilm_batch(ids, lengths, second, lm_types, np.full(32, -1), _sample_keys(1, 0, np.arange(32)),
+    batch = build_unilm_batch(ids, lengths, second, lm_types, np.full(32, -1), sample_keys(1, 0, np.arange(32)),
                               SPECIAL, VOCAB)
     allowed = pmlm_attention_allowed(batch.roles, batch.steps).numpy()
     for row, length in enumerate(lengths):
@@ -62,7 +62,7 @@ def test_each_lm_types_roles_and_steps_give_spec_tables_mask_under_the_one_rule(
 
 
 def test_the_mixture_is_a_third_bi_a_third_seq2seq_a_sixth_each_direction():
-    keys = _sample_keys(1234, 3, np.arange(120_000))
+    keys = sample_keys(1234, 3, np.arange(120_000))
     drawn = draw_lm_types(keys, get_objective("unilm").lm_mixture)
     shares = np.bincount(drawn, minlength=4) / len(drawn)
     np.testing.assert_allclose(shares[[LM_TYPES.index(lm) for lm in ("bi", "s2s", "l2r", "r2l")]],
@@ -110,7 +110,7 @@ def _share_in_runs(masked: np.ndarray) -> float:
 def test_ngram_masking_takes_fifteen_percent_and_matches_the_released_loaders_rule(ngram_prob):
     ids, lengths, second = _synthetic(600, seed=3, min_length=100, max_length=128)
     is_candidate = (np.arange(ids.shape[1])[None, :] < lengths[:, None]) & (ids > 5)
-    masked = ngram_masks(is_candidate, lengths, _sample_keys(9, 0, np.arange(600)),
+    masked = ngram_masks(is_candidate, lengths, sample_keys(9, 0, np.arange(600)),
                          UniLMMaskingConfig(ngram_prob=ngram_prob))
     assert not (masked & ~is_candidate).any()
     np.testing.assert_array_equal(masked.sum(1), np.maximum(1, np.round(0.15 * lengths)))
@@ -128,7 +128,7 @@ def test_ngram_masking_takes_fifteen_percent_and_matches_the_released_loaders_ru
 def test_masked_tokens_are_80_mask_10_random_10_kept_and_labels_hold_the_originals():
     ids, lengths, second = _synthetic(400, seed=4, min_length=60, max_length=64)
     batch = build_unilm_batch(ids, lengths, second, np.zeros(400, dtype=np.int64), np.full(400, -1),
-                              _sample_keys(2, 0, np.arange(400)), SPECIAL, VOCAB)
+                              sample_keys(2, 0, np.arange(400)), SPECIAL, VOCAB)
     labelled = batch.labels != IGNORE_INDEX
     labelled[:, 0] = False
     original = torch.from_numpy(ids)
@@ -189,7 +189,7 @@ def test_nsp_half_random_second_segments_from_other_documents_deterministic(trai
 def test_flex_attention_equals_sdpa_on_the_mixture():
     ids, lengths, second = _synthetic(8, seed=5)
     batch = build_unilm_batch(ids, lengths, second, np.arange(8) % 4, np.array([0, -1, -1, -1, 1, -1, -1, -1]),
-                              _sample_keys(3, 0, np.arange(8)), SPECIAL, VOCAB)
+                              sample_keys(3, 0, np.arange(8)), SPECIAL, VOCAB)
     losses = {}
     for backend in ("sdpa", "flex"):
         config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,

@@ -13,7 +13,7 @@ from megatron_pmlm.distributed import initialize_model_parallel
 from megatron_pmlm.model import PMLMForPreTraining
 from megatron_pmlm.parallel_layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
 from megatron_pmlm.tokenizer import SpecialTokenIds
-from megatron_pmlm.unilm import TYPE_VOCAB_SIZE, _sample_keys, build_unilm_batch
+from megatron_pmlm.unilm import TYPE_VOCAB_SIZE, sample_keys, build_unilm_batch
 
 VOCAB = 256
 
@@ -40,7 +40,7 @@ def main() -> int:
         second[row, split + 1:length] = True
     special = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
     batch = build_unilm_batch(ids, lengths, second, np.array([0, 1, 2, 3, 0]), np.array([1, -1, -1, -1, 0]),
-                              _sample_keys(5, 0, np.arange(len(lengths))), special, VOCAB)
+                              sample_keys(5, 0, np.arange(len(lengths))), special, VOCAB)
 
     out_ref = reference.forward_batch(batch)
     out_ref.loss.backward()
