@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -45,12 +44,6 @@ def _run(step: str, command: list[str], env: dict | None = None) -> None:
     result = subprocess.run(command, env={**os.environ, **(env or {})})
     if result.returncode:
         raise SystemExit(f"demo: {step} failed (exit code {result.returncode})")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def main(argv=None) -> int:
@@ -109,7 +102,8 @@ def main(argv=None) -> int:
               "--log-interval", str(max(1, args.train_iters // 10)), "--eval-interval", str(half),
               "--eval-iters", "4", "--zero-stage", "2", "--save", str(checkpoints), "--load", str(checkpoints),
               "--tensorboard-dir", str(tensorboard)]
-    launcher = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(args.nproc)]
+    # --standalone: torchrun picks the port itself (no race with other processes for a free one).
+    launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
     if checkpoints.exists():
         import shutil
@@ -118,7 +112,7 @@ def main(argv=None) -> int:
     histories = []
     for phase, extra in (("first half", ["--exit-interval", str(half)]), ("resumed", [])):
         history = out / f"history_{phase.split()[0]}.json"
-        _run(f"pre-training ({phase})", [*launcher, "--master-port", str(_free_port()), *common, *extra,
+        _run(f"pre-training ({phase})", [*launcher, *common, *extra,
                                         "--history-json", str(history)], env)
         histories.append(json.loads(history.read_text()))
 

@@ -8,12 +8,15 @@ PipeModelDataParallelTopology axes pipe-data-model):
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+import sys
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -120,6 +123,44 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = DEFAUL
         # moment leaves behind; every later start then waits on it forever. Training skips it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(minutes=timeout_minutes))
+
+
+def end_distributed() -> None:
+    """End megatron-core's groups and every torch.distributed process group, if any are open.
+
+    Left to interpreter teardown, a process group's C++ threads can outlive their owner: a run that
+    finished can then abort at exit ("terminate called without an active exception", SIGABRT),
+    which fails the launcher and, on a cluster, requeues a finished job."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if "megatron.core" in sys.modules:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+Main = TypeVar("Main", bound=Callable[..., int])
+
+
+def ends_process_groups(main: Main) -> Main:
+    """Decorate an entry point's `main`: whatever way it leaves (a result, an error, a signal turned
+    into an early return), the process groups it opened are ended before the interpreter exits."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            result = main(*args, **kwargs)
+        except BaseException:
+            try:
+                end_distributed()
+            except Exception:  # noqa: BLE001 (the error already on its way out is the one to report)
+                pass
+            raise
+        end_distributed()
+        return result
+
+    return wrapper  # type: ignore[return-value]
 
 
 def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,

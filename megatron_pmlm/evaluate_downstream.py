@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import finetune_glue
+from .distributed import ends_process_groups
 from .finetune_glue import SHARED_DATA, InputError, get_task, write_json_atomically, write_text_atomically
 
 QG = "qg"
@@ -362,6 +363,7 @@ class Evaluation:
             "in all.", ""])
 
 
+@ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .distributed import ends_process_groups
 from .files import write_text_atomically
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -638,6 +639,7 @@ def _train_and_evaluate(args, task: GlueTask, splits: dict[str, Split], output_d
     return metrics
 
 
+@ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

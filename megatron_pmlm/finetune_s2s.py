@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import ConfigError
+from .distributed import ends_process_groups
 from .seq2seq import MODES, Seq2SeqConfig
 from .training import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
 
@@ -91,6 +92,7 @@ def seq2seq_config_from_args(args, settings: dict) -> Seq2SeqConfig:
                          source_type_id=source_type_id, target_type_id=target_type_id)
 
 
+@ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     ExitSignal.install()
     args = build_parser().parse_args(argv)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .distributed import ends_process_groups
 from .finetune_glue import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
                             load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
                             resolve_model, save_fine_tuned, training_arguments, write_json_atomically)
@@ -450,6 +451,7 @@ def _train_and_predict(args, train: list[dict] | None, evaluation: list[dict] | 
     return metrics
 
 
+@ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

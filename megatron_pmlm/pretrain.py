@@ -19,7 +19,7 @@ from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, Mo
                      add_dataclass_arguments, dataclass_overrides, model_config_from_preset)
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
 from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
-from .distributed import DEFAULT_TIMEOUT_MINUTES, quiet_other_ranks
+from .distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
                        check_precision_supported, check_zero_with_pipeline)
 
@@ -177,6 +177,7 @@ def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.1
     return 6.0 * (layer_parameters + predicted_share * head_parameters) + 12.0 * layers * h * seq_length * layout
 
 
+@ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, so a SLURM signal during start-up is remembered rather than fatal.
     ExitSignal.install()

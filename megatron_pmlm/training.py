@@ -555,7 +555,9 @@ class Trainer:
         elif stop_reason == "exit-interval":
             self.log(f"--exit-interval {config.exit_interval} reached: saved at iteration {self.iteration}, exiting")
         if self.tensorboard:
-            self.tensorboard.flush()
+            # Closed, not just flushed: its writer thread is then gone before the process ends.
+            self.tensorboard.close()
+            self.tensorboard = None
         return self.history
 
     def _log_interval(self, interval: MetricSums, tokens: int, elapsed: float, iterations: int) -> None:

@@ -51,3 +51,29 @@ def pretraining_samples(tmp_path_factory, wikitext, bert_vocab) -> Path:
                         "--mask-epochs", "2", "--seed", "7", "--no-progress")
     assert result.returncode == 0, result.stderr[-3000:]
     return directory / "samples"
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tmp_path_factory, bert_vocab) -> Path:
+    """A random tiny PMLM as a Hugging Face folder with the real vocabulary."""
+    from megatron_pmlm.config import model_config_from_preset
+    from megatron_pmlm.hf.convert import to_hf_state_dict, write_hf_folder
+    from megatron_pmlm.model import PMLMForPreTraining
+
+    config = model_config_from_preset("tiny", vocab_size=30522)
+    model = PMLMForPreTraining(config, init_seed=5)
+    folder = tmp_path_factory.mktemp("s2s") / "tiny_hf"
+    write_hf_folder(folder, to_hf_state_dict(model.state_dict(), config), config, bert_vocab)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qg_pairs(shared_data, tmp_path_factory) -> tuple[Path, Path]:
+    src, tgt = shared_data / "qg" / "src-dev.txt", shared_data / "qg" / "tgt-dev.txt"
+    if not src.is_file() or not tgt.is_file():
+        pytest.skip(f"{src.parent} is absent")
+    folder = tmp_path_factory.mktemp("qg")
+    for path in (src, tgt):
+        lines = path.read_text(encoding="utf-8").splitlines()[:96]
+        (folder / path.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder / src.name, folder / tgt.name

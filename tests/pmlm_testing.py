@@ -16,11 +16,16 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m module args` (or under torchrun with `nproc` processes), output captured."""
-    command = [sys.executable, "-m", module, *args] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-port", str(free_port()), "-m", module, *args]
+    command = [sys.executable, "-m", module, *args] if nproc == 1 else [*torchrun(nproc), "-m", module, *args]
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+def torchrun(nproc: int) -> list[str]:
+    """The launcher for `nproc` local processes. --standalone: the agent binds its store on a port
+    of its own choosing and the workers use it, so no port is picked here and then lost to another
+    process before torchrun binds it (a race that fails runs on a busy machine)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
 def free_port() -> int:

@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from pmlm_testing import free_port, run_module
+from pmlm_testing import run_module, torchrun
 
 TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "2e-3",
         "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
@@ -104,8 +103,7 @@ def test_a_signal_saves_a_loadable_checkpoint_and_exits_cleanly(signum, pretrain
     """Like SLURM before a time limit or preemption, the signal reaches the training processes
     (here only one of the two: the ranks agree and both save)."""
     ckpt = tmp_path / "ckpt"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
+    command = [*torchrun(2), "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
                "--train-iters", "100000", "--zero-stage", "2", "--save", str(ckpt)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
@@ -183,8 +181,7 @@ def test_tensor_parallel_gradients_equal_tensor_parallel_size_1():
     and the loss and every merged gradient equal TP=1's."""
     script = Path(__file__).parent / "distributed" / "tp_equivalence.py"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(free_port()), str(script)], capture_output=True, text=True, timeout=300,
+        [*torchrun(2), str(script)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "TP=2 matches TP=1" in result.stdout

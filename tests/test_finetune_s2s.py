@@ -4,7 +4,6 @@ transcription of the authors' code, losses falling on real pairs, exact resume, 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,37 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from pmlm_testing import run_module
-from megatron_pmlm.config import model_config_from_preset
 from megatron_pmlm.layout import pmlm_attention_allowed
 from megatron_pmlm.model import PMLMForPreTraining
 from megatron_pmlm.seq2seq import (Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng,
                                    label_smoothed_loss)
 
 SPECIAL = SpecialIds(cls=101, sep=102, mask=103, pad=0)  # bert-base-uncased ids
-
-
-@pytest.fixture(scope="module")
-def tiny_hf_model(tmp_path_factory, bert_vocab) -> Path:
-    """A random tiny PMLM as a Hugging Face folder with the real vocabulary."""
-    from megatron_pmlm.hf.convert import to_hf_state_dict, write_hf_folder
-
-    config = model_config_from_preset("tiny", vocab_size=30522)
-    model = PMLMForPreTraining(config, init_seed=5)
-    folder = tmp_path_factory.mktemp("s2s") / "tiny_hf"
-    write_hf_folder(folder, to_hf_state_dict(model.state_dict(), config), config, bert_vocab)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def qg_pairs(shared_data, tmp_path_factory) -> tuple[Path, Path]:
-    src, tgt = shared_data / "qg" / "src-dev.txt", shared_data / "qg" / "tgt-dev.txt"
-    if not src.is_file() or not tgt.is_file():
-        pytest.skip(f"{src.parent} is absent")
-    folder = tmp_path_factory.mktemp("qg")
-    for path in (src, tgt):
-        lines = path.read_text(encoding="utf-8").splitlines()[:96]
-        (folder / path.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return folder / src.name, folder / tgt.name
 
 
 # ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from megatron_pmlm.layout import PAD, build_batch
 from megatron_pmlm.masking import mask_example
 from megatron_pmlm.model import KeyValueCache, PMLMForPreTraining
 from megatron_pmlm.objectives import PMLM_OBJECTIVES, get_objective
-from pmlm_testing import free_port
+from pmlm_testing import torchrun
 
 VOCAB = 200
 
@@ -123,8 +123,7 @@ def test_flex_refuses_attention_dropout_and_unknown_backends():
 def test_tensor_parallel_2_with_flex_equals_tensor_parallel_1():
     script = Path(__file__).parent / "distributed" / "tp_flex_equivalence.py"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-         str(free_port()), str(script)], capture_output=True, text=True, timeout=300,
+        [*torchrun(2), str(script)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "TP=2 flex matches TP=1 sdpa" in result.stdout

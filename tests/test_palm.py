@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, free_port, run_module
+from pmlm_testing import REPO_ROOT, run_module
 
 from data_prep.palm_pairs import palm_pairs
 from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, PAD
@@ -177,7 +177,7 @@ def test_batches_hold_the_context_for_the_encoder_and_the_continuation_for_the_d
 
 
 def test_tensor_parallel_2_equals_1_in_both_stages():
-    result = run_module("torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+    result = run_module("torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                         str(REPO_ROOT / "tests" / "distributed" / "palm_tp_equivalence.py"), timeout=300,
                         env={"PYTHONPATH": str(REPO_ROOT)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +24,7 @@ from megatron_pmlm.tokenizer import SpecialTokenIds
 from megatron_pmlm.unilm import (BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE,
                                  UniLMBatchBuilder, sample_keys, build_unilm_batch, draw_lm_types,
                                  expected_visibility, ngram_masks)
-from pmlm_testing import free_port, run_module
+from pmlm_testing import run_module, torchrun
 
 SPECIAL = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
 VOCAB = 300
@@ -201,7 +200,7 @@ def test_flex_attention_equals_sdpa_on_the_mixture():
 def test_tensor_parallel_2_equals_1():
     script = Path(__file__).parent / "distributed" / "unilm_tp_equivalence.py"
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+        [*torchrun(2),
          str(script)], capture_output=True, text=True, timeout=300,
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

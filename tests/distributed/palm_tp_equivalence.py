@@ -7,7 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_pmlm.distributed import initialize_model_parallel
+from megatron_pmlm.distributed import ends_process_groups, initialize_model_parallel
 from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
 from megatron_pmlm.palm import PalmBatch, PalmForPreTraining, palm_config_from_preset
 from megatron_pmlm.parallel_layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
@@ -32,6 +32,7 @@ def batch() -> PalmBatch:
     return PalmBatch(encoder_ids, torch.where(masked, MASKED, roles), context, mlm_labels, decoder_ids, labels)
 
 
+@ends_process_groups
 def main() -> int:
     initialize_model_parallel(tensor_parallel_size=2)
     rank = dist.get_rank()
