@@ -124,9 +124,6 @@ set -euo pipefail
 
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-.}}
 cd "$REPO"
-[ -f slurm/task_status.sh ] || { echo "no slurm/task_status.sh in REPO=$REPO: submit from the repository root or set REPO" >&2; exit 2; }
-# shellcheck source=task_status.sh
-. slurm/task_status.sh  # TASK_STATUS_WRAPPER, task_root_cause
 PRESET=${PRESET:-base}
 DEVICE=${DEVICE:-gpu}
 VENV=${VENV:-$REPO/.venv}
@@ -151,6 +148,9 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 SRUN_ARGS=${SRUN_ARGS:-}
 JOB_ID=${SLURM_JOB_ID:?run this script with sbatch}
 RESTART=${SLURM_RESTART_COUNT:-0}
+[ -f slurm/task_status.sh ] || { echo "no slurm/task_status.sh in REPO=$REPO: submit from the repository root or set REPO" >&2; exit 2; }
+# shellcheck source=task_status.sh
+. slurm/task_status.sh  # TASK_STATUS_WRAPPER, task_root_cause
 
 case "$DEVICE" in
   gpu) PRECISION=${PRECISION:-fp16}; DS_CONFIG=${DS_CONFIG:-ds_configs/pretrain_base_v100.json} ;;
