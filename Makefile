@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test env clean-env
+.PHONY: demo test env mpi clean-env
 
 env: $(STAMP)
 
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+# The optional extra `mpi` (mpi4py, for data_prep.preprocess under mpirun): needs an MPI runtime,
+# e.g. Debian's `apt-get install openmpi-bin libopenmpi-dev` (the tests install both themselves).
+mpi: $(STAMP)
+	@command -v mpirun >/dev/null || { echo "no mpirun: install an MPI runtime first, e.g. apt-get install openmpi-bin libopenmpi-dev" >&2; exit 1; }
+	$(PY) -m pip install --quiet -e '.[mpi]'
 
 # DEMO_INPUT="a.txt b.jsonl" and VOCAB=path/to/vocab.txt are optional.
 demo: $(STAMP)

@@ -255,13 +255,30 @@ def detect_rank_and_world(rank: int | None, world_size: int | None) -> tuple[int
         return rank or 0, world_size or 1, None
     if "SLURM_NTASKS" in os.environ and "SLURM_PROCID" in os.environ:
         return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), None
-    if any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+    launcher = next((k for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK") if k in os.environ), None)
+    if launcher is not None:
         try:
             from mpi4py import MPI  # optional: pip install megatron-pmlm[mpi]
         except ImportError:
-            return 0, 1, None
+            size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+            if size is not None and int(size) == 1:
+                return 0, 1, None
+            # Every rank would take itself for the only one and write the same files.
+            raise InputError(f"started by an MPI launcher ({launcher}={os.environ[launcher]}) but mpi4py is not "
+                             "installed: pip install megatron-pmlm[mpi] (make mpi), or give --rank and "
+                             "--world-size") from None
         return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD
     return 0, 1, None
+
+
+def _abort_other_ranks(comm, status: int) -> None:
+    """Under MPI, one rank's failure ends every rank (MPI_Abort; mpirun then exits non-zero): the
+    others would otherwise wait for it forever, in the collective before the merge or in
+    MPI_Finalize."""
+    if comm is not None and comm.Get_size() > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        comm.Abort(status)
 
 
 def build_plan(config: PreprocessConfig, vocab_file: str) -> dict:
@@ -494,6 +511,7 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    comm = None
     try:
         rank, world_size, comm = detect_rank_and_world(args.rank, args.world_size)
         config = PreprocessConfig(
@@ -506,7 +524,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run(config, comm)
     except (InputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
+        _abort_other_ranks(comm, 2)
         return 2
+    except BaseException:
+        if comm is not None and comm.Get_size() > 1:
+            import traceback
+
+            traceback.print_exc()
+            _abort_other_ranks(comm, 1)
+        raise
     if summary is not None:
         summary["max_sentence_tokens"] = config.max_sentence_tokens
         print(format_summary(summary))

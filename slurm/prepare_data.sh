@@ -23,6 +23,9 @@ set -euo pipefail
 PREFIX=${1:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 INPUTS=${2:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}
 cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
+[ -f slurm/task_status.sh ] || { echo "prepare_data.sh: submit it from the repository root (no slurm/task_status.sh in $PWD)" >&2; exit 2; }
+# shellcheck source=task_status.sh
+. slurm/task_status.sh  # TASK_STATUS_WRAPPER, task_root_cause
 PYTHON=${PYTHON:-.venv/bin/python}
 WORKERS=${SLURM_CPUS_PER_TASK:-$(nproc)}
 NTASKS=${SLURM_NTASKS:-1}
@@ -41,8 +44,20 @@ COMMON=(--input "${INPUT_ARGS[@]}" --output-prefix "$PREFIX" --vocab-file "$VOCA
         --json-key "${JSON_KEY:-text}" --shard-size-mb "${SHARD_SIZE_MB:-256}" --no-progress)
 
 echo "[$(date -u +%FT%TZ)] tokenizing on $NTASKS task(s) x $WORKERS worker(s)"
-srun --ntasks="$NTASKS" --kill-on-bad-exit=1 \
-    "$PYTHON" -m data_prep.preprocess "${COMMON[@]}" --workers "$WORKERS"
+# Each task records its own exit status (slurm/task_status.sh): when one fails, srun ends the
+# others, and its own status may be theirs (143) rather than the failure's.
+STATUS_DIR=$PREFIX.task-status
+rm -rf "$STATUS_DIR" && mkdir -p "$STATUS_DIR"
+RC=0
+srun --ntasks="$NTASKS" --kill-on-bad-exit=1 bash -c "$TASK_STATUS_WRAPPER" pmlm-task "$STATUS_DIR" \
+    "$PYTHON" -m data_prep.preprocess "${COMMON[@]}" --workers "$WORKERS" || RC=$?
+if (( RC != 0 )); then
+  task_root_cause "$STATUS_DIR" "$RC"
+  rm -rf "$STATUS_DIR"
+  echo "[$(date -u +%FT%TZ)] tokenizing failed: $ROOT_CAUSE (rerun to resume: finished shards are kept)" >&2
+  exit "$ROOT_STATUS"
+fi
+rm -rf "$STATUS_DIR"
 
 if [ "$NTASKS" -gt 1 ]; then  # a single task merges by itself
     echo "[$(date -u +%FT%TZ)] merging the shards into $PREFIX.bin/.idx"

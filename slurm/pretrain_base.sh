@@ -37,6 +37,11 @@
 #   Failures that leave no newer checkpoint than the start's count as "without progress"; after
 #   MAX_FAILED_RESTARTS of those in a row (a broken node, a bad argument, missing data) the job
 #   stops with the failing status instead of looping. The count lives in $SAVE_DIR/.failed_restarts.
+#   The log and that status name the root cause: the first failed task's own exit status or signal
+#   ("exit status 2 of task 1 on host H", "signal 9 (SIGKILL) of task 0 on host H"), not the SIGTERM
+#   srun then sent the other tasks (each task records its status, see slurm/task_status.sh), and
+#   whether it crashed at start-up (no iteration logged and no checkpoint saved by this start) or
+#   mid-run.
 # * A hung collective fails after --distributed-timeout-minutes (DIST_TIMEOUT_MINUTES, default 10)
 #   instead of holding 64 GPUs idle until the time limit; with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 the
 #   NCCL watchdog then aborts the process, and the job requeues as above.
@@ -143,6 +148,9 @@ EXTRA_ARGS=${EXTRA_ARGS:-}
 SRUN_ARGS=${SRUN_ARGS:-}
 JOB_ID=${SLURM_JOB_ID:?run this script with sbatch}
 RESTART=${SLURM_RESTART_COUNT:-0}
+[ -f slurm/task_status.sh ] || { echo "no slurm/task_status.sh in REPO=$REPO: submit from the repository root or set REPO" >&2; exit 2; }
+# shellcheck source=task_status.sh
+. slurm/task_status.sh  # TASK_STATUS_WRAPPER, task_root_cause
 
 case "$DEVICE" in
   gpu) PRECISION=${PRECISION:-fp16}; DS_CONFIG=${DS_CONFIG:-ds_configs/pretrain_base_v100.json} ;;
@@ -208,8 +216,13 @@ SRUN_PID=""
 trap 'SIGNALLED=1; log "received SIGUSR1: relaying it to the training tasks"; [ -z "$SRUN_PID" ] || kill -USR1 "$SRUN_PID" 2>/dev/null || true' USR1
 trap 'TERMINATING=1; log "received SIGTERM: the training tasks got it too and save"' TERM
 
+# Each task records its own exit status (slurm/task_status.sh): when one fails, srun ends the
+# others, and its own status may be theirs (143) rather than the failure's.
+TASK_STATUS_DIR=$SAVE_DIR/.task_status/job$JOB_ID-restart$RESTART
+rm -rf "$TASK_STATUS_DIR" && mkdir -p "$TASK_STATUS_DIR"
 srun --nodes="$NNODES" --ntasks=$((NNODES * GPUS_PER_NODE)) --ntasks-per-node="$GPUS_PER_NODE" \
      --cpus-per-task="$CPUS_PER_TASK" --kill-on-bad-exit=1 ${SRUN_EXTRA[@]+"${SRUN_EXTRA[@]}"} \
+     bash -c "$TASK_STATUS_WRAPPER" pmlm-task "$TASK_STATUS_DIR" \
      "$PYTHON" -u -m megatron_pmlm.pretrain "${ARGS[@]}" &
 SRUN_PID=$!
 while :; do
@@ -224,12 +237,27 @@ done
 
 read -r ITER TOTAL EXIT_AT <<< "$(checkpoint_state)"
 if (( RC != 0 )); then
-  # 138/143: SIGUSR1/SIGTERM arrived while pretrain was still starting, before its handlers were
-  # installed (e.g. a time limit shorter than the start-up plus the --signal lead).
-  (( RC == 138 || RC == 143 )) && log "a signal stopped the training processes during start-up"
+  # The root cause: the first failed task's own status, not the SIGTERM srun sent the others.
+  task_root_cause "$TASK_STATUS_DIR" "$RC"
+  RC=$ROOT_STATUS
+  rm -rf "$TASK_STATUS_DIR"
+  # Start-up or mid-run: did this attempt log an iteration (its history file) or save a checkpoint?
+  LOGGED=$(grep -o '"iteration": *[0-9]*' "$HISTORY_DIR/job$JOB_ID-restart$RESTART.json" 2>/dev/null \
+           | grep -o '[0-9]*$' | sort -n | tail -n 1 || true)
+  if (( ${LOGGED:-0} > START_ITER || ITER > START_ITER )); then
+    WHEN="mid-run (last iteration logged by this attempt: ${LOGGED:-none}; checkpoint at iteration $ITER, $START_ITER at the start)"
+  else
+    WHEN="at start-up (no iteration logged and no checkpoint saved by this attempt; LOG_INTERVAL=$LOG_INTERVAL)"
+  fi
   if [ -n "$TERMINATING" ]; then
-    log "training exited with status $RC while SLURM ends the job (checkpoint at iteration $ITER)"
+    log "training exited with status $RC while SLURM ends the job, $WHEN: $ROOT_CAUSE"
     exit "$RC"
+  fi
+  log "training crashed $WHEN: $ROOT_CAUSE"
+  # SIGUSR1/SIGTERM before pretrain installed its handlers: e.g. a time limit shorter than the
+  # start-up plus the --signal lead.
+  if [[ $WHEN == at\ start-up* ]] && (( RC == 138 || RC == 143 )); then
+    log "a signal stopped the training processes during start-up"
   fi
   if (( ITER > START_ITER )); then
     FAILURES=0
@@ -252,6 +280,7 @@ if (( RC != 0 )); then
   scontrol requeue "$JOB_ID" || { log "scontrol requeue failed (submitted with --no-requeue?): resubmit to continue"; exit "$RC"; }
   exit 0
 fi
+rm -rf "$TASK_STATUS_DIR"
 echo 0 > "$FAILURES_FILE"
 if (( ITER >= TOTAL && TOTAL > 0 )) || (( EXIT_AT > 0 && ITER >= EXIT_AT )); then
   log "training complete: checkpoint at iteration $ITER of $TOTAL"

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from system_packages import apt_install, install_lock
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
@@ -56,12 +58,9 @@ def ensure_installed() -> None:
         raise SlurmUnavailable(
             f"SLURM/munge programs missing ({', '.join(missing)}) and they cannot be installed here "
             f"({'not root' if os.geteuid() else 'no apt-get'}): apt-get install {' '.join(PACKAGES)}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for command in (["apt-get", "update"], ["apt-get", "install", "-y", *PACKAGES]):
-        result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
-        if result.returncode:
-            raise RuntimeError(f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-2000:]}"
-                               f"\n{result.stderr[-2000:]}")
+    with install_lock():  # another test process may be installing them right now
+        if missing_programs():
+            apt_install(PACKAGES)
     still = missing_programs()
     if still:
         raise RuntimeError(f"installed {' '.join(PACKAGES)} but still missing: {', '.join(still)}")

@@ -99,6 +99,41 @@ def cluster():
     started.stop()
 
 
+# Two tasks under slurm/task_status.sh's wrapper: task 1 fails (exit 2, then killed by SIGKILL) while
+# task 0 is still running, so srun terminates task 0 (SIGTERM: 143) and reports 143 itself; then a
+# step that succeeds.
+TASK_STATUS_JOB = r"""#!/usr/bin/env bash
+set -euo pipefail
+. "$REPO/slurm/task_status.sh"
+step() {  # COMMAND...: srun it on 2 tasks, print srun's status and the root cause
+  rm -rf "$STATUS_DIR" && mkdir -p "$STATUS_DIR"
+  local rc=0
+  srun --ntasks=2 --kill-on-bad-exit=1 bash -c "$TASK_STATUS_WRAPPER" task "$STATUS_DIR" "$@" || rc=$?
+  task_root_cause "$STATUS_DIR" "$rc"
+  echo "srun $rc | root $ROOT_STATUS | $ROOT_CAUSE"
+}
+step bash -c 'if [ "$SLURM_PROCID" = 1 ]; then sleep 1; exit 2; fi; exec sleep 60'
+step bash -c 'if [ "$SLURM_PROCID" = 1 ]; then sleep 1; kill -9 $$; fi; exec sleep 60'
+step true
+"""
+
+
+def test_task_status_gives_the_failed_tasks_status_not_the_sigterm_srun_sent_the_other(cluster, tmp_path):
+    script = tmp_path / "steps.sh"
+    script.write_text(TASK_STATUS_JOB)
+    env = cluster.env(REPO=str(REPO), STATUS_DIR=str(tmp_path / "status"))
+    job = cluster.sbatch(["--ntasks=2", "--cpus-per-task=1", f"--output={tmp_path}/steps.out", str(script)],
+                         env=env, cwd=tmp_path)
+    info = cluster.wait_until_done(job, timeout=120)
+    log = (tmp_path / "steps.out").read_text(errors="replace")
+    assert info["JobState"] == "COMPLETED", log + str(info)
+    results = re.findall(r"^srun (\d+) \| root (\d+) \| (.*)$", log, re.M)
+    node = cluster.node
+    assert results == [("143", "2", f"exit status 2 of task 1 on host {node}"),
+                       ("143", "137", f"signal 9 (SIGKILL) of task 1 on host {node}"),
+                       ("0", "0", "srun's exit status 0 (no task recorded a failure)")], log
+
+
 @pytest.fixture(scope="module")
 def prepared(cluster, tmp_path_factory, wikitext, bert_vocab):
     """slurm/prepare_data.sh with 2 tasks (each tokenizes its shards, then the merge and
@@ -132,6 +167,25 @@ def test_prepare_data_job_tokenizes_on_two_ranks_and_builds_samples(prepared, be
                          shard_size_mb=0.05, progress=False))
     for extension in (".bin", ".idx"):
         assert Path(f"{prefix}{extension}").read_bytes() == Path(f"{single}{extension}").read_bytes(), extension
+
+
+def test_prepare_data_job_reports_the_failing_rank(cluster, tmp_path, wikitext, bert_vocab):
+    """Rank 1's shard (b.jsonl) has a malformed line: it exits with 2 while rank 0 is still tokenizing
+    its larger shard, which srun then terminates; the job ends with rank 1's status and names it."""
+    text = wikitext.read_text(encoding="utf-8")[:400_000]
+    documents = [line for line in text.splitlines() if line.strip()]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents * 3))
+    (tmp_path / "b.jsonl").write_text('{"text": "fine."}\n{"text": "broken\n')
+    env = cluster.env(VOCAB=str(bert_vocab), PYTHON=sys.executable)
+    job = cluster.sbatch(["--ntasks=2", "--cpus-per-task=1", f"--output={tmp_path}/prepare-%j.out",
+                          str(REPO / "slurm" / "prepare_data.sh"), str(tmp_path / "out"),
+                          f"{tmp_path}/a.jsonl {tmp_path}/b.jsonl"], env=env, cwd=REPO)
+    info = cluster.wait_until_done(job, timeout=300)
+    log = (tmp_path / f"prepare-{job}.out").read_text(errors="replace")
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", log + str(info)
+    assert "b.jsonl, line 2: malformed JSON" in log, log
+    assert f"tokenizing failed: exit status 2 of task 1 on host {cluster.node} (rerun to resume" in log, log
+    assert not (tmp_path / "out.task-status").exists()
 
 
 ITERATION = re.compile(r"^iteration\s+(\d+)/(\d+) \| consumed samples (\d+) \| lr \S+ \| loss ([\d.]+)", re.M)
@@ -256,6 +310,12 @@ def _training_pids(marker: str) -> list[int]:
             if "megatron_pmlm.pretrain" in line and marker in line and line.split(None, 2)[1] == sys.executable]
 
 
+def _task_rank(pid: int) -> int:
+    """SLURM_PROCID of a task's process (from its environment)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"SLURM_PROCID=")).split(b"=", 1)[1])
+
+
 def test_pretrain_job_requeues_after_a_crash_and_gives_up_after_repeated_start_failures(cluster, prepared, tmp_path):
     """kill -9 of one training process mid-run (what a GPU Xid or the OOM killer does): the job
     requeues and resumes from its newest checkpoint. A job that cannot start (here: its data is
@@ -271,14 +331,19 @@ def test_pretrain_job_requeues_after_a_crash_and_gives_up_after_repeated_start_f
     _wait_for_iteration(cluster, job, log_path, 0, at_least=5, timeout=240)
     victims = _training_pids(str(save_dir))
     assert len(victims) == 2, victims
+    task = _task_rank(victims[1])
     os.kill(victims[1], 9)
     info = cluster.wait_until_done(job, timeout=300)
     log = log_path.read_text(errors="replace")
     context = f"\n{log[-6000:]}\n{info}"
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context
     first, second = _attempts(log)
-    crashed_at = int(re.search(r"training failed with status \d+ \(checkpoint at iteration (\d+)", first)[1])
+    crashed_at = int(re.search(r"training failed with status 137 \(checkpoint at iteration (\d+)", first)[1])
     assert crashed_at >= 4 and f"requeueing job {job}" in first, context
+    # The cause is the killed task's SIGKILL (not the SIGTERM srun then sent the other one), mid-run.
+    assert re.search(r"training crashed mid-run \(last iteration logged by this attempt: ([5-9]|\d\d+);.*\): "
+                     rf"signal 9 \(SIGKILL\) of task {task} on host {cluster.node}\n", first), context
+    assert "start-up" not in first and not list((save_dir / ".task_status").iterdir()), context
     assert f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in second, context
     assert [i for i, _, _ in _iterations(second)] == list(range(crashed_at + 1, 41)), context
     assert "training complete" in second and (save_dir / ".failed_restarts").read_text().strip() == "0"
@@ -289,8 +354,14 @@ def test_pretrain_job_requeues_after_a_crash_and_gives_up_after_repeated_start_f
     info = cluster.wait_until_done(job, timeout=300)
     log = log_path.read_text(errors="replace")
     context = f"\n{log[-6000:]}\n{info}"
-    assert info["JobState"] == "FAILED" and info["Restarts"] == "2" and info["ExitCode"].startswith("2:"), context
+    # Both tasks fail with status 2, and srun ends whichever is still running with SIGTERM: the job
+    # still reports the 2 of the task that failed first.
+    assert info["JobState"] == "FAILED" and info["Restarts"] == "2" and info["ExitCode"] == "2:0", context
     attempts = _attempts(log)
     assert len(attempts) == 3 and all("no-such-samples" in a for a in attempts), context
+    cause = re.compile(r"training crashed at start-up \(no iteration logged and no checkpoint saved by this "
+                       rf"attempt; LOG_INTERVAL=1\): exit status 2 of task [01] on host {cluster.node}\n")
+    assert all(cause.search(a) and "training failed with status 2" in a for a in attempts), context
+    assert "a signal stopped" not in log and "mid-run" not in log, context
     assert "1 failure(s) in a row without progress" in attempts[0] and "requeueing" in attempts[0], context
     assert "3 time(s) in a row without progress" in attempts[2] and "MAX_FAILED_RESTARTS=3 reached" in attempts[2]

@@ -271,26 +271,79 @@ def test_slurm_ranks_as_separate_processes_then_merge(tmp_path, corpus_slices, v
     assert _same_files(prefix, tokenized)
 
 
-def test_mpi_ranks_tokenize_and_rank_zero_merges(tmp_path, corpus_slices, vocab_file, tokenized):
-    """Under mpirun with mpi4py (optional extra `mpi`): ranks split the shards, rank 0 merges after
-    the others are done. Skipped without an MPI runtime and mpi4py."""
-    import os
-    import shutil as _shutil
+@pytest.fixture(scope="module")
+def mpi() -> None:
+    """Open MPI and mpi4py, installed here when missing (tests/mpi_runtime.py); a skip only where
+    they are missing and cannot be installed."""
+    from mpi_runtime import MpiUnavailable, ensure_mpi
+
+    try:
+        ensure_mpi()
+    except MpiUnavailable as reason:
+        pytest.skip(str(reason))
+
+
+def _mpi_preprocess(*arguments: str, timeout: float = 300):
     import subprocess
     import sys
 
-    if not _shutil.which("mpirun") or subprocess.run([sys.executable, "-c", "import mpi4py.MPI"],
-                                                      capture_output=True).returncode:
-        pytest.skip("no MPI here (mpirun or mpi4py absent; pip install .[mpi] with an MPI runtime)")
+    from mpi_runtime import mpi_env, mpirun
+
     repo = Path(__file__).resolve().parents[2]
+    return subprocess.run([*mpirun(2), sys.executable, "-m", "data_prep.preprocess", *arguments, "--no-progress"],
+                          cwd=repo, capture_output=True, text=True, timeout=timeout, env=mpi_env())
+
+
+def test_mpi_ranks_tokenize_and_rank_zero_merges(mpi, tmp_path, corpus_slices, vocab_file, tokenized):
+    """Under mpirun with mpi4py (optional extra `mpi`): ranks split the shards, rank 0 merges after
+    the others are done, into the bytes one process writes."""
     prefix = tmp_path / "mpi"
-    extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
-    result = subprocess.run(
-        ["mpirun", *extra, "--oversubscribe", "-np", "2", "-x", "PYTHONPATH", sys.executable, "-m",
-         "data_prep.preprocess", "--input", *map(str, corpus_slices), "--output-prefix", str(prefix),
-         "--vocab-file", str(vocab_file), "--shard-size-mb", "0.05", "--no-progress"],
-        cwd=repo, capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
+    result = _mpi_preprocess("--input", *map(str, corpus_slices), "--output-prefix", str(prefix),
+                             "--vocab-file", str(vocab_file), "--shard-size-mb", "0.05")
     assert result.returncode == 0, result.stderr
     assert "rank 1/2" in result.stderr and "rank 0 merges" in result.stderr
+    assert "documents" in result.stdout and f"wrote {prefix}.bin" in result.stdout
     assert _same_files(prefix, tokenized)
+
+
+def test_mpi_rank_failure_ends_every_rank(mpi, tmp_path, corpus_slices, vocab_file):
+    """Rank 1's shard has a malformed line: mpirun exits with its status 2 and the message, at once;
+    rank 0 does not wait for it forever (in the collective before the merge, or in MPI_Finalize)."""
+    documents = list(read_text_documents(corpus_slices[:1]))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    (tmp_path / "b.jsonl").write_text('{"text": "fine."}\n{"text": "broken\n')
+    result = _mpi_preprocess("--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--output-prefix",
+                             str(tmp_path / "out"), "--vocab-file", str(vocab_file), timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "b.jsonl, line 2: malformed JSON" in result.stderr
+    assert not list(tmp_path.glob("out.bin*")) and not list(tmp_path.glob("out.idx*"))
+
+
+def test_an_mpi_launch_without_mpi4py_is_refused(monkeypatch, tmp_path, corpus_slices, vocab_file):
+    """Without mpi4py every rank under mpirun would take itself for the only one and write the same
+    files: refused, unless the launcher started one process or the ranks are given."""
+    from data_prep.preprocess import detect_rank_and_world
+
+    monkeypatch.setitem(__import__("sys").modules, "mpi4py", None)  # `import mpi4py` fails as if absent
+    for name in ("SLURM_NTASKS", "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.raises(InputError, match=r"MPI launcher \(OMPI_COMM_WORLD_SIZE=2\) but mpi4py is not installed"):
+        detect_rank_and_world(None, None)
+    assert main(["--input", str(corpus_slices[1]), "--output-prefix", str(tmp_path / "out"), "--vocab-file",
+                 str(vocab_file), "--no-progress"]) == 2
+    assert not list(tmp_path.glob("out*"))
+    assert detect_rank_and_world(1, 2) == (1, 2, None)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    assert detect_rank_and_world(None, None) == (0, 1, None)
+
+
+def test_without_mpi_and_without_root_the_mpi_tests_skip_saying_why(monkeypatch):
+    import mpi_runtime
+
+    monkeypatch.setattr(mpi_runtime, "missing_programs", lambda: ["mpirun", "mpicc"])
+    monkeypatch.setattr(mpi_runtime, "has_mpi4py", lambda: False)
+    monkeypatch.setattr(mpi_runtime.os, "geteuid", lambda: 1000)
+    with pytest.raises(mpi_runtime.MpiUnavailable, match=r"missing \(mpirun, mpicc\).*not root.*apt-get install "
+                                                         r"openmpi-bin libopenmpi-dev.*make mpi"):
+        mpi_runtime.ensure_mpi()
