@@ -19,7 +19,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,6 +33,7 @@ from data_prep.sources import (InputError, ReadStats, Shard, iter_documents, pla
 from megatron_pmlm.config import HelpFormatter
 from megatron_pmlm.data.indexed import (IndexedDatasetWriter, bin_path, idx_path,
                                         merge_indexed_datasets, token_dtype_for_vocab)
+from megatron_pmlm.files import write_json_atomically
 from megatron_pmlm.text_data import split_sentences
 from megatron_pmlm.tokenizer import WordPieceTokenizer, train_wordpiece
 
@@ -120,12 +120,6 @@ def shard_dir(output_prefix: str | os.PathLike) -> Path:
 
 def shard_prefix(output_prefix: str | os.PathLike, index: int) -> Path:
     return shard_dir(output_prefix) / f"shard-{index:05d}"
-
-
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,8 +219,8 @@ def process_shard(task: tuple[int, dict, dict, str, str]) -> tuple[int, dict]:
     stats.invalid_utf8 = read_stats.invalid_utf8
     stats.invalid_utf8_files = read_stats.invalid_utf8_files
     stats.seconds = time.perf_counter() - started
-    _write_json_atomic(Path(f"{prefix}.json"), {"shard": shard.to_json(), "plan_sha256": plan_hash,
-                                                "stats": asdict(stats)})
+    write_json_atomically(Path(f"{prefix}.json"), {"shard": shard.to_json(), "plan_sha256": plan_hash,
+                                                   "stats": asdict(stats)}, indent=1)
     return index, asdict(stats)
 
 
@@ -305,7 +299,7 @@ def _check_or_write_plan(config: PreprocessConfig, plan: dict) -> None:
             if config.rank == 0 and config.world_size == 1:
                 shutil.rmtree(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(plan_file, plan)
+    write_json_atomically(plan_file, plan, indent=1)
 
 
 def _train_vocabulary(config: PreprocessConfig) -> str:
@@ -449,7 +443,7 @@ def _merge(config: PreprocessConfig, vocab_file: str, plan: dict) -> dict:
             "dtype": str(token_dtype_for_vocab(tokenizer.vocab_size)),
             "max_sentence_tokens": config.max_sentence_tokens, "inputs": config.inputs,
             "num_shards": len(shards), "stats": summary}
-    _write_json_atomic(Path(f"{output_prefix}.json"), meta)
+    write_json_atomically(Path(f"{output_prefix}.json"), meta, indent=1)
     if not config.keep_shards:
         shutil.rmtree(shard_dir(output_prefix), ignore_errors=True)
     return summary

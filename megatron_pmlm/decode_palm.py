@@ -10,7 +10,8 @@ The model is a PALM pre-training checkpoint directory (`pretrain --model palm --
 converted Hugging Face folder. Input: one context per line, or the `src` field of each .jsonl line.
 The encoder reads `[CLS] context [SEP]`; the decoder starts from [CLS] and generates under the copy
 distribution P = λ P^v + (1 - λ) P^c until [SEP] (greedy, or the beam search of decoding.py with its
-n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically.
+n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically
+(`-`: standard output, the messages then go to standard error; a FIFO or device is written through).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from .config import ConfigError
 from .decode_s2s import InputError, check_batch_and_output, encode_sources, read_sources
-from .files import write_text_atomically
+from .files import logs_to_stderr, write_text_atomically
 
 DEFAULT_MAX_TARGET_LENGTH = 100
 """PALM's continuations: at most 100 tokens (§3.1)."""
@@ -40,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a PALM checkpoint directory (pretrain --model palm --save) or its Hugging Face folder")
     parser.add_argument("--input", required=True, type=Path, metavar="FILE",
                         help="contexts: text (one per line) or .jsonl (the `src` field of each line)")
-    parser.add_argument("--output", required=True, type=Path, metavar="FILE", help="continuations, one line per input")
+    parser.add_argument("--output", required=True, type=Path, metavar="FILE",
+                        help="continuations, one line per input ('-': standard output)")
     parser.add_argument("--beam-size", type=int, default=1, metavar="K", help="1: greedy")
     parser.add_argument("--length-penalty", type=float, default=0.0, metavar="A",
                         help="beam search: rank finished hypotheses by score / ((5 + length) / 6) ** A when A > 0")
@@ -62,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with logs_to_stderr(args.output):
+            return run(args)
     except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -7,7 +7,8 @@
 
 Input: one source per line, or with a .jsonl file the `src` field of each line (a string, or a
 list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
-atomically. SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
+atomically (`-`: standard output, the messages then go to standard error; a FIFO or device is written
+through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from .config import ConfigError
 
-from .files import write_text_atomically
+from .files import check_output, logs_to_stderr, write_text_atomically
 
 
 class InputError(ValueError):
@@ -98,10 +99,7 @@ def check_batch_and_output(args: argparse.Namespace) -> None:
     """--batch-size and --output, refused before any model is loaded (decode_s2s and decode_palm)."""
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    if args.output.is_dir():
-        raise InputError(f"--output {args.output} is a folder; give a file name")
-    if not args.output.parent.is_dir():
-        raise InputError(f"the output folder {args.output.parent} does not exist")
+    check_output(args.output)  # an OutputError is a ValueError: one line, exit 2
 
 
 def lengths_from_model(args: argparse.Namespace, settings: dict) -> tuple[int, int]:
@@ -123,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a Hugging Face folder or a checkpoint directory (fine-tuning --save)")
     parser.add_argument("--input", required=True, type=Path, metavar="FILE",
                         help="sources: text (one per line) or .jsonl (the `src` field of each line)")
-    parser.add_argument("--output", required=True, type=Path, metavar="FILE", help="predictions, one line per input")
+    parser.add_argument("--output", required=True, type=Path, metavar="FILE",
+                        help="predictions, one line per input ('-': standard output)")
     parser.add_argument("--beam-size", type=int, default=1, metavar="K",
                         help="beam width (default 1 = greedy, s2s-ft's: argmax at every step, ignoring "
                         "--min-length, --no-repeat-ngram-size and --length-penalty, which are beam search only)")
@@ -158,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with logs_to_stderr(args.output):
+            return run(args)
     except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from .files import write_text_atomically
 from .objectives import OBJECTIVES, get_objective
 
 
@@ -33,9 +34,7 @@ def write_pydoc_corpus(path: Path) -> int:
 
     documents = [re.sub(r"\n\s*\n", "\n", text.strip()) for _, text in sorted(topics.items())]
     text = "\n\n".join(d for d in documents if d) + "\n"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_text_atomically(path, text)
     return len(text.encode("utf-8"))
 
 

@@ -24,11 +24,10 @@ corpus downloaded at run time, and nothing here may download data while it runs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from .files import write_text_atomically
+from .files import OutputError, check_output, logs_to_stderr, write_json_atomically
 
 TOKENIZERS = ("bert", "13a", "none")
 NO_METEOR = ("METEOR is not reported: nltk's meteor_score needs the WordNet corpus downloaded at "
@@ -104,10 +103,6 @@ def read_lines(path: Path, role: str) -> list[str]:
     return [line.rstrip("\r") for line in lines]
 
 
-def write_json_atomically(path: Path, data: dict) -> None:
-    write_text_atomically(path, json.dumps(data, indent=2) + "\n")
-
-
 def format_table(results: dict) -> str:
     rows = [("ROUGE-1", results["rouge1"]), ("ROUGE-2", results["rouge2"]),
             ("ROUGE-L", results["rougeL"]), ("BLEU-4", results["bleu4"])]
@@ -126,37 +121,46 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--pred", required=True, type=Path, help="predictions, one per line")
     parser.add_argument("--ref", required=True, type=Path, help="references, one per line")
-    parser.add_argument("--output", type=Path, default=None, help="also write the scores here (JSON)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="also write the scores here (JSON; '-': standard output, the table then goes to "
+                        "standard error)")
     parser.add_argument("--tokenize", default="bert",
                         help=f"normalisation of both sides: {', '.join(TOKENIZERS)} (see the module "
                         "docstring)")
     parser.add_argument("--no-lowercase", action="store_true", help="keep case (BLEU; ROUGE ignores case)")
     args = parser.parse_args(argv)
     try:
-        if args.tokenize not in TOKENIZERS:
-            raise InputError(f"unknown --tokenize {args.tokenize!r} (choose from {', '.join(TOKENIZERS)})")
-        if args.output is not None and args.output.is_dir():
-            raise InputError(f"--output {args.output} is a folder; give a file name")
-        predictions = read_lines(args.pred, "prediction")
-        references = read_lines(args.ref, "reference")
-        if len(predictions) != len(references):
-            raise InputError(f"{args.pred} has {len(predictions)} lines but {args.ref} has "
-                             f"{len(references)}")
-        if not references:
-            raise InputError(f"{args.ref} is empty")
-        empty = next((number for number, line in enumerate(references, 1) if not line.strip()), None)
-        if empty is not None:
-            raise InputError(f"{args.ref} line {empty}: empty reference")
-        results = evaluate(predictions, references, args.tokenize, not args.no_lowercase)
-        print(format_table(results))
-        if args.output is not None:
-            try:
-                write_json_atomically(args.output, {**results, "pred": str(args.pred), "ref": str(args.ref)})
-            except OSError as error:
-                raise InputError(f"cannot write {args.output}: {error.strerror or error}") from None
+        with logs_to_stderr(args.output):
+            return _evaluate_files(args)
     except (InputError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+
+
+def _evaluate_files(args: argparse.Namespace) -> int:
+    if args.tokenize not in TOKENIZERS:
+        raise InputError(f"unknown --tokenize {args.tokenize!r} (choose from {', '.join(TOKENIZERS)})")
+    if args.output is not None:
+        try:
+            check_output(args.output, create_folders=True)
+        except OutputError as error:
+            raise InputError(str(error)) from None
+    predictions = read_lines(args.pred, "prediction")
+    references = read_lines(args.ref, "reference")
+    if len(predictions) != len(references):
+        raise InputError(f"{args.pred} has {len(predictions)} lines but {args.ref} has {len(references)}")
+    if not references:
+        raise InputError(f"{args.ref} is empty")
+    empty = next((number for number, line in enumerate(references, 1) if not line.strip()), None)
+    if empty is not None:
+        raise InputError(f"{args.ref} line {empty}: empty reference")
+    results = evaluate(predictions, references, args.tokenize, not args.no_lowercase)
+    print(format_table(results))
+    if args.output is not None:
+        try:
+            write_json_atomically(args.output, {**results, "pred": str(args.pred), "ref": str(args.ref)})
+        except OSError as error:
+            raise InputError(f"cannot write {args.output}: {error.strerror or error}") from None
     return 0
 
 

@@ -14,7 +14,8 @@ Every task runs once per seed; the table gives per task and metric the mean, sta
 minimum and maximum over the seeds (GLUE scores x100, QG's BLEU-4 and ROUGE-L as eval_s2s reports
 them). The markdown goes to --output, the same as JSON next to it (results.md -> results.json,
 with every run's metrics), both written atomically when all runs are done; each run's own files
-stay in --work-dir.
+stay in --work-dir. `--output -` (or a FIFO, a device) writes the markdown there and the JSON to
+WORK_DIR/results.json (--work-dir is then required); the progress lines go to standard error.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from typing import Callable, Sequence
 
 from . import finetune_glue
 from .distributed import ends_process_groups
-from .finetune_glue import SHARED_DATA, InputError, get_task, write_json_atomically, write_text_atomically
+from .files import (OutputError, check_output, logs_to_stderr, write_json_atomically, write_text_atomically,
+                    written_through)
+from .finetune_glue import SHARED_DATA, InputError, get_task
 
 QG = "qg"
 QG_TRAIN, QG_DEV = 9570, 1000
@@ -144,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tasks", default="mrpc,rte",
                         help=f"comma-separated: {', '.join(finetune_glue.TASKS)}, {QG}")
     parser.add_argument("--output", required=True, type=Path,
-                        help="the markdown table (the JSON goes next to it, with the suffix .json)")
+                        help="the markdown table (the JSON goes next to it, with the suffix .json; '-': standard "
+                        "output, the JSON then goes to WORK_DIR/results.json)")
     parser.add_argument("--seeds", default="1,2,3", help="one run per task and seed (the paper averages five)")
     parser.add_argument("--work-dir", type=Path, default=None,
                         help="each run's files, the converted model (default: OUTPUT's name + '-runs', beside it)")
@@ -189,11 +193,19 @@ class Evaluation:
             if value is not None and value <= 0:
                 raise InputError(f"--{name.replace('_', '-')} must be positive")
         self.output = Path(args.output)
-        self.json_output = self.output.with_suffix(".json")
+        try:
+            check_output(self.output, create_folders=True)
+        except OutputError as error:
+            raise InputError(str(error)) from None
+        if written_through(self.output):  # '-', a FIFO, a device: nothing to put the JSON beside
+            if not args.work_dir:
+                raise InputError(f"--output {self.output} is not a regular file: give --work-dir (the runs and "
+                                 "results.json go there)")
+            self.json_output = Path(args.work_dir) / "results.json"
+        else:
+            self.json_output = self.output.with_suffix(".json")
         if self.json_output == self.output:
             raise InputError(f"--output {self.output} ends in .json; give the markdown file (e.g. results.md)")
-        if self.output.is_dir():
-            raise InputError(f"--output {self.output} is a folder; give a file name")
         self.work_dir = Path(args.work_dir) if args.work_dir else self.output.parent / f"{self.output.stem}-runs"
         self.glue_extra = shlex.split(args.glue_args)
         self.qg_finetune_extra = shlex.split(args.qg_finetune_args)
@@ -367,7 +379,8 @@ class Evaluation:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        Evaluation(args).run()
+        with logs_to_stderr(args.output):
+            Evaluation(args).run()
     except InputError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -1,23 +1,239 @@
-"""Writing outputs so that nothing half-written is ever left behind."""
+"""Writing outputs so that nothing half-written is ever left behind, with the permissions the user's
+umask asks for, and without ever replacing what is not a regular file.
+
+Every output path (`--output`, `--json`, ...) follows the same rules (`open_output`):
+  `-`                      standard output (the program's own messages then go to standard error:
+                           `logs_to_stderr`);
+  a FIFO, a device (`/dev/null`), a link to one, or one of this process's open files named through
+  /proc (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`)
+                           written through: opened and written, never replaced (appended to when
+                           it is a regular file the shell opened for us, so nothing it holds is lost);
+  anything else            a regular file, written to a temporary file beside it and renamed over
+                           it: readers see the old file (or none) or the whole new one. A symbolic
+                           link to a regular file keeps pointing where it did: the file it names is
+                           the one replaced.
+Files and folders are created with mode 0o666 / 0o777 less the umask (0644 / 0755 under umask 022),
+as any program the user runs creates them: teammates can resume, convert and read results.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import math
 import os
-import tempfile
+import secrets
+import shutil
+import stat
+import sys
 from pathlib import Path
+from typing import IO, Any, Iterator
+
+STDOUT = "-"
+"""The output path that means standard output."""
+
+_data_stdouts: list[IO] = []
+"""The real standard output while `logs_to_stderr` sends everything printed to standard error."""
+
+
+class OutputError(ValueError):
+    """An output path that cannot be written (a folder, a missing or read-only folder): one line."""
+
+
+def _stdout() -> IO:
+    return _data_stdouts[-1] if _data_stdouts else sys.stdout
+
+
+def _same_file(path: str, fd: int) -> bool:
+    try:
+        return os.path.samestat(os.stat(path), os.fstat(fd))
+    except (OSError, ValueError):
+        return False
+
+
+def writes_to_stdout(path: str | os.PathLike | None) -> bool:
+    """`-`, or a path naming this process's standard output (/dev/stdout, /dev/fd/1, or the file or
+    pipe it is redirected to)."""
+    if path is None:
+        return False
+    if os.fspath(path) == STDOUT:
+        return True
+    try:
+        fd = _stdout().fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        fd = 1
+    return _same_file(os.fspath(path), fd)
+
+
+def _through_proc(path: str) -> bool:
+    """Whether `path` is, or leads through links to, /proc's per-process links (/dev/stdout ->
+    /proc/self/fd/1, /dev/fd/N): files some process holds open, never ours to replace."""
+    current = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on a chain of links
+        current = os.path.join(os.path.realpath(os.path.dirname(current)), os.path.basename(current))
+        if current == "/proc" or current.startswith("/proc/"):
+            return True
+        if not os.path.islink(current):
+            return False
+        current = os.path.join(os.path.dirname(current), os.readlink(current))
+    return False
+
+
+def written_through(path: str | os.PathLike) -> bool:
+    """True when `open_output` writes into `path` as it is (standard output, a FIFO, a device, an
+    open file named through /proc) rather than replacing it."""
+    path = os.fspath(path)
+    if writes_to_stdout(path) or _through_proc(path):
+        return True
+    try:
+        return not stat.S_ISREG(os.stat(path).st_mode) and not os.path.isdir(path)
+    except OSError:  # nothing there yet (or a dangling link): a regular file will be created
+        return False
+
+
+def check_output(path: str | os.PathLike, flag: str = "--output", create_folders: bool = False) -> None:
+    """Refuse, before any work, an output that cannot be written: a folder, a folder that does not
+    exist (unless `create_folders`: the tool makes it), a place without write permission (OutputError,
+    one line naming the flag and the path)."""
+    text = os.fspath(path)
+    if written_through(text):
+        if writes_to_stdout(text):
+            return
+        if not os.path.exists(text):
+            raise OutputError(f"{flag} {text} does not exist")
+        if not os.access(text, os.W_OK):
+            raise OutputError(f"{flag} {text}: no permission to write it")
+        return
+    if os.path.isdir(text):
+        raise OutputError(f"{flag} {text} is a folder; give a file name")
+    target = os.path.realpath(text)
+    folder = os.path.dirname(target) or "."
+    while create_folders and not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+        folder = os.path.dirname(folder)  # the first folder that exists is the one written in
+    if not os.path.isdir(folder):
+        problem = "is not a folder" if os.path.lexists(folder) else "does not exist"
+        raise OutputError(f"{flag} {text}: the output folder {folder} {problem}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {text}: no permission to write in {folder}")
+    if os.path.exists(target) and not os.access(target, os.W_OK):  # renaming over it would bypass that
+        raise OutputError(f"{flag} {text}: the file is read-only")
+
+
+def _new_temporary_file(folder: Path, name: str, binary: bool) -> tuple[Path, IO]:
+    """A fresh hidden file in `folder`, created with mode 0o666 less the umask (tempfile's are 0600)."""
+    for _ in range(100):
+        tmp = folder / f".{name}.{secrets.token_hex(4)}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        return tmp, (os.fdopen(fd, "wb") if binary else os.fdopen(fd, "w", encoding="utf-8"))
+    raise FileExistsError(f"no free temporary name for {folder / name}")
+
+
+def new_temporary_folder(destination: str | os.PathLike) -> Path:
+    """A fresh hidden folder beside `destination`, created with mode 0o777 less the umask (mkdtemp's
+    are 0700), to be renamed to `destination` once complete."""
+    destination = Path(destination)
+    for _ in range(100):
+        staging = destination.parent / f".{destination.name}.tmp-{secrets.token_hex(4)}"
+        try:
+            staging.mkdir(mode=0o777)
+        except FileExistsError:
+            continue
+        return staging
+    raise FileExistsError(f"no free temporary name for {destination}")
+
+
+@contextlib.contextmanager
+def replacing_folder(destination: str | os.PathLike) -> Iterator[Path]:
+    """A temporary folder beside `destination`, renamed to it when the block completes (an existing
+    `destination` is moved aside first and then deleted); removed if the block fails."""
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = new_temporary_folder(destination)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = None
+    if destination.exists() or destination.is_symlink():
+        old = destination.parent / f".{destination.name}.old-{os.getpid()}"
+        os.replace(destination, old)
+    os.replace(staging, destination)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True) if old.is_dir() and not old.is_symlink() else old.unlink()
+
+
+@contextlib.contextmanager
+def open_output(path: str | os.PathLike, binary: bool = False) -> Iterator[IO]:
+    """A handle to write `path`'s new contents to, by the rules in the module docstring: standard
+    output for `-`, written through for what is not a regular file, else a temporary file renamed
+    over the target (the link's target for a symbolic link) when the block ends without an error,
+    and deleted if it ends with one."""
+    text = os.fspath(path)
+    if writes_to_stdout(text):
+        stream = _stdout()
+        handle = stream.buffer if binary else stream
+        yield handle
+        handle.flush()
+        return
+    if written_through(text):
+        # Append: nothing to truncate in a FIFO or a device, and a file the shell opened keeps its start.
+        with open(text, "ab" if binary else "a", **({} if binary else {"encoding": "utf-8"})) as handle:
+            yield handle
+        return
+    target = Path(os.path.realpath(text)) if os.path.islink(text) else Path(text)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp, handle = _new_temporary_file(target.parent, target.name, binary)
+    try:
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def write_text_atomically(path: str | os.PathLike, text: str) -> None:
-    """A temporary file in the same folder, then os.replace: readers see the old file (or none) or
-    the whole new one, never a partial write."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp", delete=False)
+    """`text` as `path`'s whole contents, by `open_output`'s rules (atomic for regular files)."""
+    with open_output(path) as handle:
+        handle.write(text)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    numpy = sys.modules.get("numpy")  # a numpy scalar exists only once numpy is imported
+    if numpy is not None and isinstance(value, numpy.generic):
+        return _finite(value.item())
+    return value
+
+
+def write_json_atomically(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
+    """Strict JSON (NaN and infinities, which strict readers refuse, become null; numpy scalars
+    become numbers) by `open_output`'s rules."""
+    write_text_atomically(path, json.dumps(_finite(data), indent=indent, allow_nan=False) + "\n")
+
+
+@contextlib.contextmanager
+def logs_to_stderr(*outputs: str | os.PathLike | None) -> Iterator[None]:
+    """When one of `outputs` is standard output, everything printed inside the block goes to standard
+    error, so that progress lines never mix with the data; `open_output` still reaches the real
+    standard output."""
+    if not any(writes_to_stdout(path) for path in outputs):
+        yield
+        return
+    _data_stdouts.append(sys.stdout)
     try:
-        with handle:
-            handle.write(text)
-        os.replace(handle.name, path)
-    except BaseException:
-        os.unlink(handle.name)
-        raise
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _data_stdouts.pop()

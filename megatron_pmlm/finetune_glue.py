@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .distributed import ends_process_groups
-from .files import write_text_atomically
+from .files import write_json_atomically
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 """The shared data folder beside the repository (GLUE under glue/, question generation under qg/)."""
@@ -298,23 +297,6 @@ def glue_metrics(task: str | GlueTask, predictions: np.ndarray, labels: np.ndarr
 # ------------------------------------------------------------------------------------------------
 # Shared with finetune_squad / evaluate_downstream
 # ------------------------------------------------------------------------------------------------
-
-def _finite(value):
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, np.generic):
-        return _finite(value.item())
-    return value
-
-
-def write_json_atomically(path: Path, data: Any) -> None:
-    """Strict JSON (non-finite numbers become null), written atomically."""
-    write_text_atomically(path, json.dumps(_finite(data), indent=2, allow_nan=False) + "\n")
-
 
 def check_model_path(path: str | os.PathLike) -> str:
     """'hf' (a Hugging Face folder: config.json, weights, vocab.txt) or 'checkpoint' (a directory with

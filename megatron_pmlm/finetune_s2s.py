@@ -213,6 +213,7 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     """SAVE/hf: the latest checkpoint as a Hugging Face folder, with the seq2seq settings decoding
     needs (s2s_mode, source/target type ids, the source/target lengths trained with) and the tag it
     came from in config.json."""
+    from .files import write_json_atomically
     from .hf.convert import export_to_hf
     from .pretrained import HF_EXPORT_DIR
     from .training import LATEST_FILE
@@ -225,9 +226,7 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     values.update(s2s_mode=s2s.mode, source_type_id=s2s.source_type_id, target_type_id=s2s.target_type_id,
                   s2s_max_source_length=s2s.max_source_length, s2s_max_target_length=s2s.max_target_length,
                   checkpoint_tag=(save_dir / LATEST_FILE).read_text().strip())
-    tmp = config_file.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(dict(sorted(values.items())), indent=2) + "\n")
-    tmp.replace(config_file)
+    write_json_atomically(config_file, dict(sorted(values.items())))
     log(f"wrote the Hugging Face folder {output} (decode with: python -m megatron_pmlm.decode_s2s --model {save_dir} ...)")
     return output
 

@@ -620,6 +620,7 @@ def test_evaluate_downstream_bad_input_before_any_run(tiny_model, tmp_path, caps
         (["--tasks", "rte", "--data-dir", str(good), "--glue-args", "--learning-rate x"],
          "--glue-args: argument --learning-rate: invalid float value: 'x'"),
         (["--tasks", "rte", "--data-dir", str(good), "--output", str(tmp_path / "eval" / "r.json")], "ends in .json"),
+        (["--tasks", "rte", "--data-dir", str(good), "--output", "-"], "--output - is not a regular file: give --work-dir"),
         (["--tasks", "rte", "--data-dir", str(good), "--model", str(broken_checkpoint(tmp_path))],
          "latest names 'iter_0000009' but"),
     ]

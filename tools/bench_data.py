@@ -30,6 +30,8 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
+
 
 def best_of(repeats: int, function) -> float:
     times = []
@@ -131,8 +133,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--json", help="also write the figures to this file ('-': standard output, the "
+                        "printed copy then goes to standard error)")
     args = parser.parse_args()
+    if args.json:
+        try:
+            check_output(args.json, "--json")
+        except OutputError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    with logs_to_stderr(args.json):
+        return benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> int:
     corpus_files = sorted(Path(args.corpus).glob("*.txt"))
     if not corpus_files or not Path(args.vocab_file).is_file():
         print(f"error: need *.txt under {args.corpus} and {args.vocab_file}", file=sys.stderr)
@@ -161,7 +175,7 @@ def main() -> int:
               "preprocess": pre, "samples_and_loader": loader, "160GB_on_64_cores": scale}
     print(json.dumps(report, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json_atomically(args.json, report, indent=1)
     return 0
 
 

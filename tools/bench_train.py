@@ -22,7 +22,6 @@ It prints the cost ratio PMLM / naive (UniLMv2's claim: one pass serves AE and e
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import sys
@@ -36,6 +35,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
+from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
 from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, build_batch  # noqa: E402
 from megatron_pmlm.masking import mask_example  # noqa: E402
 from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
@@ -183,12 +183,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--naive-cloze", action="store_true",
                         help="also time one pass per factorization step on the same examples; print the ratio")
     parser.add_argument("--seed", type=int, default=1234, help="token ids and masks")
-    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--json", help="also write the figures to this file ('-': standard output, the table "
+                        "then goes to standard error)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.json:
+        try:
+            check_output(args.json, "--json")
+        except OutputError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    with logs_to_stderr(args.json):
+        return benchmark(args)
+
+
+def benchmark(args: argparse.Namespace) -> int:
     for name in ("seq_length", "micro_batch_size", "iterations"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
@@ -252,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  naive cloze: {len(naive)} passes (AE + one per factorization step) {naive_seconds * 1e3:.1f} "
               f"ms/step; PMLM's one pass costs {seconds / naive_seconds:.3f}x of it")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+        write_json_atomically(args.json, figures, indent=1)
     return 0
 
 

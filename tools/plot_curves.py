@@ -2,6 +2,7 @@
 
 One panel per tag (train/loss_ae, train/loss_par, valid/loss by default), one line per run; a run
 directory is any folder holding TensorBoard event files (searched recursively), named by its path.
+The image's format follows the output's suffix (PNG otherwise, and for `-o -`: standard output).
 """
 
 from __future__ import annotations
@@ -9,6 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_pmlm.files import logs_to_stderr, open_output  # noqa: E402
 
 DEFAULT_TAGS = ("train/loss_ae", "train/loss_par", "valid/loss")
 
@@ -53,24 +58,26 @@ def plot(runs: list[Path], tags: list[str], output: Path) -> None:
         axis.grid(alpha=0.3)
     axes[0][0].legend(fontsize="small")
     figure.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + ".tmp.png")
-    figure.savefig(tmp, dpi=100)
-    tmp.replace(output)
+    image_format = output.suffix.lstrip(".").lower()
+    if image_format not in figure.canvas.get_supported_filetypes():
+        image_format = "png"
+    with open_output(output, binary=True) as handle:
+        figure.savefig(handle, format=image_format, dpi=100)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="TensorBoard log directories (--tensorboard-dir)")
-    parser.add_argument("-o", "--output", type=Path, default=Path("curves.png"))
+    parser.add_argument("-o", "--output", type=Path, default=Path("curves.png"), help="'-': standard output")
     parser.add_argument("--tags", nargs="+", default=list(DEFAULT_TAGS))
     args = parser.parse_args(argv)
     try:
-        plot(args.runs, args.tags, args.output)
+        with logs_to_stderr(args.output):
+            plot(args.runs, args.tags, args.output)
+            print(f"wrote {args.output}")
     except (FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    print(f"wrote {args.output}")
     return 0
 
 

@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ConfigError, HelpFormatter, ModelConfig
+from ..files import replacing_folder
 
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
@@ -600,26 +601,13 @@ def find_vocab_file(checkpoint: PretrainingCheckpoint, override: str | None) -> 
 # Writing
 # ------------------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
 def staged_output(destination: Path, overwrite: bool):
-    """A temporary folder next to `destination`, renamed to it when the block completes."""
+    """A temporary folder next to `destination`, renamed to it when the block completes (its mode
+    and its files' follow the umask: `files.replacing_folder`)."""
     destination = Path(destination)
     if destination.exists() and not overwrite and (not destination.is_dir() or any(destination.iterdir())):
         raise ConversionError(f"{destination} already exists and is not empty (pass --overwrite to replace it)")
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    old = None
-    if destination.exists():
-        old = destination.parent / f".{destination.name}.old-{os.getpid()}"
-        os.replace(destination, old)
-    os.replace(staging, destination)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+    return replacing_folder(destination)
 
 
 def write_hf_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: ModelConfig, vocab_file: Path,
