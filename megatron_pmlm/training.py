@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, checkpoint_dirs,
-                               newest_complete_checkpoint)
+from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, checkpoint_dirs, checkpoint_listing,
+                               checksum_note, checksum_share, file_checksums, manifest, newest_complete_checkpoint)
 from .config import ConfigError
 from .files import write_text_atomically
 from .layout import PMLMBatch
@@ -640,8 +640,8 @@ class Trainer:
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike) -> str:
         """DeepSpeed checkpoint + every rank's RNG state, then (rank 0, once every rank is done) the
-        run state with a manifest of every file and its size, then `latest`: a checkpoint is
-        complete exactly when its manifest matches the files (see `checkpoint_problem`)."""
+        run state with a manifest of every file, its size and checksum, then `latest`: a checkpoint
+        is complete exactly when its manifest matches the files (see `checkpoint_problem`)."""
         save_dir = Path(save_dir)
         tag = f"iter_{self.iteration:07d}"
         client_state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
@@ -662,17 +662,43 @@ class Trainer:
                                     save_latest=False)
         torch.save(rng_state(), save_dir / tag / f"rng_state_rank{self.rank:05d}.pt")
         dist.barrier()
+        files = self._checksum_files(save_dir / tag)
         if self.rank == 0:
             tag_dir = save_dir / tag
-            files = {str(path.relative_to(tag_dir)): path.stat().st_size
-                     for path in sorted(tag_dir.rglob("*")) if path.is_file() and path.name != RUN_STATE_FILE}
             write_text_atomically(tag_dir / RUN_STATE_FILE,
-                                  json.dumps({**client_state, "files": files}, indent=1, default=str))
+                                  json.dumps({**client_state, **manifest(files)}, indent=1, default=str))
             write_text_atomically(save_dir / LATEST_FILE, tag)
             self._delete_old_checkpoints(save_dir, tag)
         dist.barrier()
         self.log(f"saved checkpoint {save_dir / tag}")
         return tag
+
+    def _checksum_files(self, tag_dir: Path) -> dict[str, tuple[int, str]]:
+        """{name: (size, checksum)} of every file of a saved checkpoint (for rank 0; {} elsewhere):
+        each rank hashes a share (rank 0 lists the files for all), so the save waits about as
+        long as hashing the largest file takes."""
+        listing = [checkpoint_listing(tag_dir) if self.rank == 0 else None]
+        if self.world_size == 1:
+            return file_checksums(tag_dir, listing[0])
+        dist.broadcast_object_list(listing, src=0, device=_collective_device())
+        shares: list[dict[str, tuple[int, str]] | None] = [None] * self.world_size
+        mine = checksum_share(listing[0], self.rank, self.world_size)
+        dist.all_gather_object(shares, file_checksums(tag_dir, mine))
+        return {name: entry for share in shares for name, entry in share.items()} if self.rank == 0 else {}
+
+    def _newest_verified_checkpoint(self, load_dir: Path) -> tuple[str | None, list[str]]:
+        """`newest_complete_checkpoint` with checksums, run on rank 0 only (not once per rank over
+        a shared file system); every rank gets its answer."""
+        answer = [None]
+        if self.rank == 0:
+            tag, skipped = newest_complete_checkpoint(load_dir, contents=True)
+            answer = [(tag, skipped, checksum_note(load_dir / tag) if tag else None)]
+        if self.world_size > 1:
+            dist.broadcast_object_list(answer, src=0, device=_collective_device())
+        tag, skipped, note = answer[0]
+        if note:
+            self.log(note)
+        return tag, skipped
 
     def _delete_old_checkpoints(self, save_dir: Path, latest_tag: str) -> None:
         """Retention, run once `latest` names the new complete checkpoint: the newest
@@ -702,7 +728,7 @@ class Trainer:
         universal format (once, next to it) and loaded from there, on any data-parallel size.
         """
         load_dir = Path(load_dir)
-        tag, skipped = newest_complete_checkpoint(load_dir)
+        tag, skipped = self._newest_verified_checkpoint(load_dir)
         for note in skipped:
             self.log(f"warning: skipping {note}")
         if tag is None:

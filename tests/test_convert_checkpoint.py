@@ -204,6 +204,7 @@ def test_pretraining_starts_from_an_imported_checkpoint(converted, workdir, pret
                         "--seed", "99", "--load", str(save), "--finetune", "--save", str(run))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "loaded the weights of" in result.stdout
+    assert "saved by an older version" not in result.stdout  # the import has a manifest with checksums
     assert (run / "latest").read_text() == "iter_0000001"  # the iteration count started afresh
     out = workdir / "hf-from-run"
     assert main(["--load", str(run), "--output", str(out), "--vocab-file", str(source / "vocab.txt")],

@@ -213,7 +213,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pre
     verified = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"), str(ckpt)],
                               capture_output=True, text=True)
     assert verified.returncode == 1, verified.stdout + verified.stderr
-    assert f"iter_0000004 (latest): INCOMPLETE: mp_rank_00_model_states.pt is {size // 2:,} bytes" in verified.stdout
+    assert f"iter_0000004 (latest): UNUSABLE: mp_rank_00_model_states.pt is {size // 2:,} bytes" in verified.stdout
     assert f"resuming would use {ckpt / 'iter_0000002'}" in verified.stdout
     history = tmp_path / "history.json"
     result = run_module("megatron_pmlm.pretrain", *common, "--train-iters", "5", "--load", str(ckpt),

@@ -1,13 +1,14 @@
-"""Check pre-training checkpoints without converting or training: is each complete and readable?
+"""Check pre-training checkpoints without converting or training: is each complete and intact?
 
     python tools/verify_checkpoint.py checkpoints/pmlm-base              # every iter_N, newest first
-    python tools/verify_checkpoint.py checkpoints/pmlm-base/iter_0012000 --deep
+    python tools/verify_checkpoint.py checkpoints/pmlm-base/iter_0012000 --fast
 
-A checkpoint is complete when its run_state.json exists and every file of its manifest has the size
-it was saved with (what `pretrain --load` checks before choosing one); `--deep` also loads every
-.pt file with torch.load (slow for large models, catches corruption that keeps the size). Exit 0
-when the checkpoint given (or, for a save directory, the newest one) is usable, 1 when not, 2 on
-bad arguments.
+A checkpoint is usable when its run_state.json exists and every file of its manifest has the size
+and the checksum it was saved with: what `pretrain --load` checks before choosing one (it reads
+every file once). `--fast` compares sizes only (catches a missing or truncated file, not bytes
+changed in place); `--deep` also loads every .pt file with torch.load. A checkpoint saved before
+checksums existed is checked by size, and said so. Exit 0 when the checkpoint given (or, for a
+save directory, the newest one) is usable, 1 when not, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pmlm.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, verify  # noqa: E402
+from megatron_pmlm.checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, checksum_note,  # noqa: E402
+                                            verify)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("path", type=Path, help="a --save directory, or one checkpoint (DIR/iter_N) in it")
+    parser.add_argument("--fast", action="store_true", help="compare sizes only, not checksums (reads no file)")
     parser.add_argument("--deep", action="store_true", help="also load every .pt file with torch.load")
     args = parser.parse_args(argv)
     if not args.path.is_dir():
@@ -40,16 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     latest = (args.path / LATEST_FILE).read_text().strip() if (args.path / LATEST_FILE).is_file() else None
     usable = None
     for _, path in sorted(candidates, reverse=True):
-        problem = verify(path, deep=args.deep)
+        problem = verify(path, contents=not args.fast, deep=args.deep)
         marker = " (latest)" if path.name == latest else ""
-        print(f"{path}{marker}: " + ("complete" if problem is None else f"INCOMPLETE: {problem}"))
+        note = None if args.fast or problem else checksum_note(path)
+        checked = "sizes only (--fast)" if args.fast else "sizes only" if note else "sizes and checksums match"
+        print(f"{path}{marker}: " + (f"complete, {checked}" if problem is None else f"UNUSABLE: {problem}"))
+        if note:
+            print(f"  note: {note}")
         if problem is None and usable is None:
             usable = path
     if usable is None:
         print("no usable checkpoint")
         return 1
     if len(candidates) > 1:
-        print(f"resuming would use {usable}")
+        print(f"resuming would use {usable}" + (" (if its checksums match: --fast compared sizes only)"
+                                                if args.fast else ""))
     newest = max(candidates)[1]
     return 0 if usable == newest else 1
 

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..checkpoint_files import checkpoint_listing, file_checksums, manifest
 from ..config import ConfigError, HelpFormatter, ModelConfig
 from ..files import replacing_folder
 
@@ -881,7 +882,8 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
             }, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
         if vocab_file.is_file():
             shutil.copyfile(vocab_file, tag_dir / "vocab.txt")
-        (tag_dir / RUN_STATE_FILE).write_text(json.dumps(run_state, indent=1))
+        files = manifest(file_checksums(tag_dir, checkpoint_listing(tag_dir)))  # as a pre-training save's
+        (tag_dir / RUN_STATE_FILE).write_text(json.dumps({**run_state, **files}, indent=1))
         (staging / LATEST_FILE).write_text(IMPORT_TAG)
     log(f"read {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
         f"vocabulary {config.vocab_size} padded to {config.embedding_rows}, relative position bias "
