@@ -4,6 +4,7 @@ transcription of the authors' code, losses falling on real pairs, exact resume, 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -378,3 +379,27 @@ def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_mode
                             str(tmp_path / "m.src"), "--output", str(output), "--beam-size", beam, "--no-progress")
         assert result.returncode == 0, result.stderr[-3000:]
         assert output.read_text().splitlines() == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# --load/--save checks, resuming with other settings, Ctrl-C (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["load-typo", "load-empty", "save-is-file", "save-under-file"])
+def test_load_and_save_are_refused_before_anything_is_built(case, tiny_hf_model, qg_pairs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x\n")
+    args, message = {
+        "load-typo": (["--load", f"{tmp_path}/typo", "--save", f"{tmp_path}/out"], f"--load {tmp_path}/typo does not exist"),
+        "load-empty": (["--load", f"{tmp_path}/empty", "--save", f"{tmp_path}/out"],
+                       f"--load {tmp_path}/empty holds no complete checkpoint"),
+        "save-is-file": (["--save", f"{tmp_path}/a_file"], f"--save {tmp_path}/a_file is a file, not a directory"),
+        "save-under-file": (["--save", f"{tmp_path}/a_file/run"], f"--save {tmp_path}/a_file/run cannot be created"),
+    }[case]
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src", str(qg_pairs[0]),
+                        "--train-tgt", str(qg_pairs[1]), "--tensorboard-dir", str(tmp_path / "tb"), *args, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {message}") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]  # no out/, no tb/
+

@@ -3,7 +3,9 @@ TensorBoard under the documented tags, and bad arguments stop with a clear messa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 
@@ -252,3 +254,92 @@ def test_fused_adamw_on_cuda_only_and_the_same_update():
             optimizer.step()
     for fused, plain in zip(weights, copies):
         torch.testing.assert_close(fused, plain)
+
+
+# ------------------------------------------------------------------------------------------------
+# --load and --save checked before anything is built (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+def _prepare_paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("not a directory\n")
+    hf = tmp_path / "hf_folder"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}\n")
+    broken = tmp_path / "broken"
+    (broken / "iter_0000004").mkdir(parents=True)
+    (broken / "latest").write_text("iter_0000004")
+
+
+@pytest.mark.parametrize("args,message", [
+    # the start-from-BERT flow with a typo: would have trained from random weights and exited 0
+    (["--load", "{t}/typo", "--finetune", "--save", "{t}/out"],
+     "--load {t}/typo does not exist (--finetune needs a checkpoint to take the weights from)"),
+    (["--load", "{t}/typo", "--save", "{t}/out"], "--load {t}/typo does not exist (to start from scratch leave --load"),
+    (["--load", "{t}/empty", "--save", "{t}/out"], "--load {t}/empty holds no complete checkpoint (to start"),
+    (["--load", "{t}/broken", "--save", "{t}/out"],
+     "--load {t}/broken holds no complete checkpoint; newest: {t}/broken/iter_0000004: run_state.json is missing"),
+    (["--load", "{t}/hf_folder", "--finetune", "--save", "{t}/out"],
+     "--load {t}/hf_folder is a Hugging Face folder, not a checkpoint directory: convert it with"),
+    (["--load", "{t}/a_file", "--save", "{t}/out"], "--load {t}/a_file is a file, not a checkpoint directory"),
+    # the auto-resume idiom is for resuming; --finetune with nothing to load is always an error
+    (["--load", "{t}/out", "--save", "{t}/out", "--finetune"], "--load {t}/out does not exist (--finetune needs"),
+    (["--finetune", "--save", "{t}/out"], "--finetune needs --load"),
+    (["--save", "{t}/a_file"], "--save {t}/a_file is a file, not a directory"),
+    (["--save", "{t}/a_file/run"], "--save {t}/a_file/run cannot be created: {t}/a_file is a file, not a directory"),
+    (["--save", "/proc/pmlm-run"], "--save /proc/pmlm-run cannot be written: nothing can be created in /proc"),
+    (["--save", "{t}/out", "--tensorboard-dir", "{t}/a_file/tb"], "--tensorboard-dir {t}/a_file/tb cannot be created"),
+    (["--save", "{t}/out", "--history-json", "{t}/empty"], "--history-json {t}/empty is a directory, not a file"),
+    (["--model", "palm", "--load", "{t}/typo", "--save", "{t}/out"], "--load {t}/typo does not exist"),
+], ids=["load-typo-finetune", "load-typo", "load-empty", "load-incomplete", "load-hf-folder", "load-file",
+        "finetune-auto-resume-empty", "finetune-without-load", "save-is-file", "save-under-file", "save-in-proc",
+        "tensorboard-under-file", "history-is-dir", "palm-load-typo"])
+def test_load_and_save_are_refused_before_anything_is_built(args, message, pretraining_samples, tmp_path):
+    _prepare_paths(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = [a.replace("{t}", str(tmp_path)) for a in args]
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                        "--tensorboard-dir", str(tmp_path / "tb"), *args, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr  # one line
+    assert result.stderr.startswith("error: " + message.replace("{t}", str(tmp_path))), result.stderr
+    assert result.stdout == ""  # no model, no process group: nothing said, nothing written
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options: str):
+    """A small tmpfs at `path` (root with CAP_SYS_ADMIN; the case is skipped elsewhere)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("case", ["read-only", "full"])
+def test_save_on_a_read_only_or_full_file_system_is_refused(case, pretraining_samples, tmp_path):
+    place = tmp_path / case
+    with contextlib.ExitStack() as stack:
+        if case == "read-only" and os.geteuid() != 0:
+            place.mkdir(mode=0o555)  # permission bits stop a user (not root: a read-only mount then)
+            expected = f"{place} is not writable"
+        elif case == "read-only":
+            stack.enter_context(_tmpfs(place, "ro,size=64k"))
+            expected = f"{place} is on a read-only file system"
+        else:
+            stack.enter_context(_tmpfs(place, "size=64k"))
+            with open(place / "filler", "wb", buffering=0) as filler:  # full: statvfs reports 0 bytes free
+                with contextlib.suppress(OSError):
+                    while True:
+                        filler.write(b"\0" * 4096)
+            expected = f"the file system of {place} is full (0 bytes free)"
+        result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                            "--save", str(place / "run"), timeout=120)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        assert result.stderr.strip() == f"error: --save {place / 'run'} cannot be written: {expected}"
+        assert not (place / "run").exists()
+
