@@ -206,10 +206,10 @@ def run(args: argparse.Namespace) -> int:
 
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
-    if args.save and rank == 0:
+    if args.save and rank == 0 and (Path(args.save) / "latest").is_file():  # none: stopped before a first save
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
-    return 0
+    return trainer.exit_status
 
 
 def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=print) -> Path:

@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         + f" from {args.data_path}")
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
-    return 0
+    return trainer.exit_status
 
 
 def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log) -> bool:

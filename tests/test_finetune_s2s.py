@@ -403,3 +403,33 @@ def test_load_and_save_are_refused_before_anything_is_built(case, tiny_hf_model,
     assert result.stdout == ""
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]  # no out/, no tb/
 
+
+def test_ctrl_c_saves_exports_and_exits_130(tiny_hf_model, qg_pairs, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from megatron_pmlm.checkpoint_files import checkpoint_problem
+
+    ckpt = tmp_path / "c"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src",
+         str(qg_pairs[0]), "--train-tgt", str(qg_pairs[1]), "--max-source-length", "32", "--max-target-length", "12",
+         "--micro-batch-size", "8", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "100000",
+         "--save", str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("iteration") and int(line.split()[1].split("/")[0]) >= 2:
+            break
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    text = "".join(lines) + output
+    assert process.returncode == 130, text[-4000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    stops = [line for line in text.splitlines() if "received signal" in line]
+    assert len(stops) == 1 and stops[0].startswith("received signal 2 (SIGINT, Ctrl-C): saved at iteration "), stops
+    tag = f"iter_{int(stops[0].split('saved at iteration ')[1].split(',')[0]):07d}"
+    assert (ckpt / "latest").read_text() == tag and checkpoint_problem(ckpt / tag) is None
+    assert json.loads((ckpt / "hf" / "config.json").read_text())["checkpoint_tag"] == tag
