@@ -29,6 +29,7 @@ from .config import ConfigError
 from .files import write_text_atomically
 from .layout import PMLMBatch
 from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
+from .preflight import check_resumed_settings
 
 
 
@@ -753,6 +754,7 @@ class Trainer:
         if saved.get("args", {}).get("converted_from") and not finetune:
             raise CheckpointError(f"{tag_dir} was converted from {saved['args']['converted_from']} and holds "
                                   "weights only (no optimizer or schedule): load it with --finetune")
+        check_resumed_settings(tag_dir, saved, self.run_args, asdict(self.config), finetune, self.log)
         if finetune:
             path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
                                                   load_optimizer_states=False, load_lr_scheduler_states=False)

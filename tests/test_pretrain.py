@@ -343,3 +343,39 @@ def test_save_on_a_read_only_or_full_file_system_is_refused(case, pretraining_sa
         assert result.stderr.strip() == f"error: --save {place / 'run'} cannot be written: {expected}"
         assert not (place / "run").exists()
 
+
+# ------------------------------------------------------------------------------------------------
+# Resuming with other settings (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+def test_resume_refuses_another_objective_and_lists_changed_settings(pretraining_samples, tmp_path):
+    ckpt = tmp_path / "c"
+    common = ["--preset", "tiny", "--data-path", str(pretraining_samples), "--micro-batch-size", "4",
+              "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "0"]
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae", "--train-iters", "2", "--save",
+                        str(ckpt))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The objective is what the checkpoint was trained for: refused, naming it.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae+par", "--train-iters", "4", "--save",
+                        str(ckpt), "--load", str(ckpt))
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"error: {ckpt / 'iter_0000002'} was trained for something else: --objective ae -> ae+par; resume it " \
+           "with the saved settings, or add --finetune to take its weights only" in result.stderr
+    assert "Traceback" not in result.stderr and not (ckpt / "iter_0000004").exists()
+    # Learning rate, schedule length, dropout: legitimate, listed in one line.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae", "--train-iters", "3", "--lr", "5e-4",
+                        "--hidden-dropout", "0", "--save", str(ckpt), "--load", str(ckpt))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "resuming with changed settings: train_iters 2 -> 3, lr 0.001 -> 0.0005, hidden_dropout 0.1 -> 0.0\n" \
+        in result.stdout
+    assert f"resumed from {ckpt / 'iter_0000002'}: iteration 2" in result.stdout
+    # --finetune takes the weights for another objective (what it is for), but not for another shape.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae+par", "--train-iters", "1", "--load",
+                        str(ckpt), "--finetune", "--save", str(tmp_path / "f"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"loaded the weights of {ckpt / 'iter_0000003'}" in result.stdout
+    assert "resuming with changed settings" not in result.stdout
+    result = run_module("megatron_pmlm.pretrain", *common, "--num-layers", "3", "--train-iters", "1", "--load",
+                        str(ckpt), "--finetune", "--save", str(tmp_path / "g"))
+    assert result.returncode == 2 and "holds a different model (num_layers: saved 2, now 3)" in result.stderr, \
+        result.stderr[-2000:]
