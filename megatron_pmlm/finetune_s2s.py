@@ -20,6 +20,7 @@ from typing import Sequence
 
 from .config import ConfigError
 from .distributed import ends_process_groups
+from .preflight import check_run_paths
 from .seq2seq import MODES, Seq2SeqConfig
 from .training import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
 
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory (and, at the end, its Hugging Face export in hf/)")
-    output.add_argument("--load", help="resume from this directory's latest checkpoint (if any)")
+    output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
+                                           "holding none is refused unless it is --save (a first start)")
     output.add_argument("--tensorboard-dir")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval)")
@@ -108,7 +110,10 @@ def run(args: argparse.Namespace) -> int:
     from .seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
     from .tokenizer import WordPieceTokenizer
 
-    # Everything that can be refused is checked before processes start talking to each other.
+    # Everything that can be refused is checked before processes start talking to each other;
+    # --load and the outputs first, so a refused run has written nothing.
+    check_run_paths(args.save, args.load, tensorboard_dir=args.tensorboard_dir, history_json=args.history_json,
+                    weights_hint="a model to fine-tune goes to --model")
     if args.train_iters is not None and args.epochs is not None:
         raise ConfigError("give --train-iters or --epochs, not both")
     train_sources, train_targets = read_pairs(args.train_file, args.train_src, args.train_tgt, "train")
@@ -203,10 +208,10 @@ def run(args: argparse.Namespace) -> int:
 
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
-    if args.save and rank == 0:
+    if args.save and rank == 0 and (Path(args.save) / "latest").is_file():  # none: stopped before a first save
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
-    return 0
+    return trainer.exit_status
 
 
 def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=print) -> Path:

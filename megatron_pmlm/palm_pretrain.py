@@ -198,4 +198,4 @@ def run_palm(args: argparse.Namespace) -> int:
         + f" from {args.data_path} (contexts <= {context_length}, continuations <= {continuation_length} tokens)")
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
-    return 0
+    return trainer.exit_status

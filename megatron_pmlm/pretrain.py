@@ -18,6 +18,7 @@ from typing import Sequence
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
                      add_dataclass_arguments, dataclass_overrides, model_config_from_preset)
 from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
+from .preflight import check_run_paths
 from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from .distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory")
-    output.add_argument("--load", help="resume from this directory's latest checkpoint (if any)")
+    output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
+                                           "holding none is refused unless it is --save (a first start)")
     output.add_argument("--universal-checkpoint", action="store_true",
                         help="with --load: resume on another data-parallel size (e.g. fewer nodes), keeping iteration, "
                              "optimizer, schedule and sample order; the ZeRO checkpoint is converted to DeepSpeed's "
@@ -191,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
+    check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")
     if unilm_overrides and (args.model != "pmlm" or not get_objective(args.objective).is_unilm):
         raise ConfigError(f"--unilm-{next(iter(unilm_overrides)).replace('_', '-')} sets UniLM v1's masking and NSP; "
@@ -288,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
         + f" from {args.data_path}")
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
-    return 0
+    return trainer.exit_status
 
 
 def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log) -> bool:

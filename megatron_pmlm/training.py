@@ -29,6 +29,7 @@ from .config import ConfigError
 from .files import write_text_atomically
 from .layout import PMLMBatch
 from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
+from .preflight import check_resumed_settings
 
 
 
@@ -255,17 +256,22 @@ def seed_everything(seed: int) -> None:
 
 
 class ExitSignal:
-    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) ask the run to save and stop.
+    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) and SIGINT (Ctrl-C) ask the run to
+    save and stop.
 
     One per process, installed as early as possible (`ExitSignal.install()` first thing in the
     entry point): a signal that arrives while the run is still starting is remembered, not fatal.
+    After a first SIGINT the default action is back, so a second Ctrl-C ends the process at once
+    (without saving).
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
     _instance: "ExitSignal | None" = None
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.agreed: int | None = None
+        """The signal all ranks act on (the highest number received on any rank), once they agreed."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -277,14 +283,24 @@ class ExitSignal:
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002
         self.received = signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def any_rank_received(self) -> bool:
         """All ranks agree (one tiny all-reduce per iteration) so they save together."""
-        flag = torch.tensor([1.0 if self.received is not None else 0.0])
+        flag = torch.tensor([float(self.received or 0)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             flag = flag.to(_collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        self.agreed = int(flag.item()) or None
+        return self.agreed is not None
+
+
+def _signal_text(signum: int | None) -> str:
+    """"15", or "2 (SIGINT, Ctrl-C)"; "on another rank" for a rank that did not receive it."""
+    if signum is None:
+        return "on another rank"
+    return f"{signum} (SIGINT, Ctrl-C)" if signum == signal.SIGINT else str(signum)
 
 
 def _collective_device() -> torch.device:
@@ -454,11 +470,20 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.history_path = Path(history_path) if history_path else None
         self.exit_signal = ExitSignal.install()
+        self.stop_signal: int | None = None
+        """The signal that stopped `train` (None: it ran to the end, or to --exit-interval)."""
         self.tensorboard = None
         if tensorboard_dir and self.is_logging_rank:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+
+    @property
+    def exit_status(self) -> int:
+        """What the entry point exits with after `train`: 130 (128 + SIGINT, as a shell reports an
+        interrupted command) when Ctrl-C stopped it; 0 otherwise, also after SIGTERM/SIGUSR1 (a
+        saved stop that SLURM's requeue logic expects to succeed)."""
+        return 128 + signal.SIGINT if self.stop_signal == signal.SIGINT else 0
 
     # ---------------------------------------------------------------- steps
     @property
@@ -527,7 +552,8 @@ class Trainer:
         stop_reason = None
         if self.exit_signal.any_rank_received():
             # Signalled while starting: nothing new to save (the last checkpoint, if any, is current).
-            self.log(f"received signal {self.exit_signal.received or 'on another rank'} before the first "
+            self.stop_signal = self.exit_signal.agreed
+            self.log(f"received signal {_signal_text(self.exit_signal.received)} before the first "
                      f"iteration: exiting at iteration {self.iteration} without training")
             return self.history
         while self.iteration < config.train_iters and stop_reason is None:
@@ -544,14 +570,17 @@ class Trainer:
                 self._validate(valid_batches)
             if self.exit_signal.any_rank_received():
                 stop_reason = "signal"
+                self.stop_signal = self.exit_signal.agreed
             elif config.exit_interval and self.iteration >= config.exit_interval:
                 stop_reason = "exit-interval"
             if save_dir and (stop_reason or self.iteration == config.train_iters or (
                     config.save_interval and self.iteration % config.save_interval == 0)):
                 self.save_checkpoint(save_dir)
         if stop_reason == "signal":
-            self.log(f"received signal {self.exit_signal.received or 'on another rank'}: saved at "
-                     f"iteration {self.iteration}, exiting")
+            self.log(f"received signal {_signal_text(self.exit_signal.received)}: "
+                     + (f"saved at iteration {self.iteration}" if save_dir else
+                        f"stopped at iteration {self.iteration} (no --save: nothing saved)")
+                     + (f", exiting with status {self.exit_status}" if self.exit_status else ", exiting"))
         elif stop_reason == "exit-interval":
             self.log(f"--exit-interval {config.exit_interval} reached: saved at iteration {self.iteration}, exiting")
         if self.tensorboard:
@@ -753,6 +782,7 @@ class Trainer:
         if saved.get("args", {}).get("converted_from") and not finetune:
             raise CheckpointError(f"{tag_dir} was converted from {saved['args']['converted_from']} and holds "
                                   "weights only (no optimizer or schedule): load it with --finetune")
+        check_resumed_settings(tag_dir, saved, self.run_args, asdict(self.config), finetune, self.log)
         if finetune:
             path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
                                                   load_optimizer_states=False, load_lr_scheduler_states=False)

@@ -4,7 +4,6 @@ once several test folders have one)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,9 +25,3 @@ def torchrun(nproc: int) -> list[str]:
     of its own choosing and the workers use it, so no port is picked here and then lost to another
     process before torchrun binds it (a race that fails runs on a busy machine)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -129,6 +130,84 @@ def test_a_signal_saves_a_loadable_checkpoint_and_exits_cleanly(signum, pretrain
                                nproc=2, iters=stopped_at + 1)
     assert f"iteration {stopped_at}, consumed samples {16 * stopped_at}" in result.stdout
     assert [r["iteration"] for r in resumed] == [stopped_at + 1]
+
+
+def _start_until_iteration(command: list[str], iteration: int, **popen) -> tuple[subprocess.Popen, list[str]]:
+    """Start a training command and read its output until it logs `iteration` (of 100000)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}, **popen)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("iteration") and "/100000" in line and int(line.split()[1].split("/")[0]) >= iteration:
+            return process, lines
+    process.wait()
+    raise AssertionError(f"exited with {process.returncode} before iteration {iteration}:\n" + "".join(lines)[-4000:])
+
+
+def _saved_on_ctrl_c(text: str, ckpt: Path, seen: int) -> int:
+    """The one line, and a complete checkpoint at the iteration it names (no earlier than `seen`)."""
+    from megatron_pmlm.checkpoint_files import checkpoint_problem
+
+    lines = [line for line in text.splitlines() if "received signal" in line]
+    assert len(lines) == 1, text[-4000:]
+    iteration = int(lines[0].split("saved at iteration ")[1].split(",")[0])
+    assert lines[0] == f"received signal 2 (SIGINT, Ctrl-C): saved at iteration {iteration}, exiting with status 130"
+    assert iteration >= seen
+    tag = f"iter_{iteration:07d}"
+    assert (ckpt / "latest").read_text() == tag
+    assert checkpoint_problem(ckpt / tag) is None
+    assert json.loads((ckpt / tag / "run_state.json").read_text())["iteration"] == iteration
+    assert "KeyboardInterrupt" not in text
+    return iteration
+
+
+def test_ctrl_c_saves_at_the_current_iteration_and_exits_130(pretraining_samples, tmp_path):
+    """SIGINT as SIGTERM: save at the end of the iteration, one line, exit 130; no traceback."""
+    ckpt = tmp_path / "ckpt"
+    process, lines = _start_until_iteration(
+        [sys.executable, "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
+         "--train-iters", "100000", "--save", str(ckpt)], iteration=2)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    text = "".join(lines) + output
+    assert process.returncode == 130, text[-4000:]
+    assert "Traceback" not in text
+    _saved_on_ctrl_c(text, ckpt, seen=2)
+
+
+def test_a_second_ctrl_c_exits_at_once(pretraining_samples, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    process, lines = _start_until_iteration(
+        [sys.executable, "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
+         "--train-iters", "100000", "--save", str(ckpt)], iteration=1)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.1)  # the first is handled (the rest of an iteration and a save take longer)
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    text = "".join(lines) + output
+    assert process.returncode == -signal.SIGINT, text[-4000:]  # the default action: ended by the signal
+    assert "received signal" not in text and "Traceback" not in text and "KeyboardInterrupt" not in text
+    assert not (ckpt / "latest").exists()
+
+
+def test_ctrl_c_under_torchrun_saves_before_the_agent_s_grace_period_ends(pretraining_samples, tmp_path):
+    """Ctrl-C in a terminal signals the foreground process group. torchrun starts its workers in
+    sessions of their own and relays SIGINT to them, then waits --shutdown-timeout (30 s) before
+    SIGKILL: the workers save within it and exit 130. (torchrun itself then exits 1 with its own
+    SignalException traceback, which names no frame of ours.)"""
+    ckpt = tmp_path / "ckpt"
+    process, lines = _start_until_iteration(
+        [*torchrun(2), "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
+         "--train-iters", "100000", "--zero-stage", "2", "--save", str(ckpt)], iteration=2, start_new_session=True)
+    os.killpg(process.pid, signal.SIGINT)  # what the terminal does
+    output, _ = process.communicate(timeout=240)
+    text = "".join(lines) + output
+    iteration = _saved_on_ctrl_c(text, ckpt, seen=2)
+    assert {p.name for p in (ckpt / f"iter_{iteration:07d}").glob("rng_state_rank*.pt")} == \
+        {"rng_state_rank00000.pt", "rng_state_rank00001.pt"}
+    assert "Unable to shutdown process" not in text  # no worker needed the SIGKILL
+    assert "megatron_pmlm" not in "".join(text.split("Traceback")[1:]), text[-4000:]
 
 
 def test_refused_combinations_say_why(pretraining_samples, tmp_path):

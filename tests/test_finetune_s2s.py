@@ -4,6 +4,7 @@ transcription of the authors' code, losses falling on real pairs, exact resume, 
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -352,3 +353,80 @@ def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_mode
                             str(tmp_path / "m.src"), "--output", str(output), "--beam-size", beam, "--no-progress")
         assert result.returncode == 0, result.stderr[-3000:]
         assert output.read_text().splitlines() == expected
+
+
+# ------------------------------------------------------------------------------------------------
+# --load/--save checks, resuming with other settings, Ctrl-C (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["load-typo", "load-empty", "save-is-file", "save-under-file"])
+def test_load_and_save_are_refused_before_anything_is_built(case, tiny_hf_model, qg_pairs, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("x\n")
+    args, message = {
+        "load-typo": (["--load", f"{tmp_path}/typo", "--save", f"{tmp_path}/out"],
+                      f"--load {tmp_path}/typo does not exist"),
+        "load-empty": (["--load", f"{tmp_path}/empty", "--save", f"{tmp_path}/out"],
+                       f"--load {tmp_path}/empty holds no complete checkpoint"),
+        "save-is-file": (["--save", f"{tmp_path}/a_file"], f"--save {tmp_path}/a_file is a file, not a directory"),
+        "save-under-file": (["--save", f"{tmp_path}/a_file/run"], f"--save {tmp_path}/a_file/run cannot be created"),
+    }[case]
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src", str(qg_pairs[0]),
+                        "--train-tgt", str(qg_pairs[1]), "--tensorboard-dir", str(tmp_path / "tb"), *args, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {message}") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stdout == ""
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "empty"]  # no out/, no tb/
+
+
+def test_resuming_in_another_mode_is_refused_and_changed_settings_are_listed(tiny_hf_model, qg_pairs, tmp_path):
+    """A masked-mode checkpoint resumed with --mode causal would be exported as causal (decoded with
+    the position shift it never learned): refused, naming the field. Another learning rate and a
+    longer schedule are fine, and listed."""
+    ckpt = tmp_path / "c"
+    common = ["--max-source-length", "32", "--max-target-length", "12", "--micro-batch-size", "8",
+              "--global-batch-size", "8", "--log-interval", "1", "--save", str(ckpt)]
+    _finetune(tiny_hf_model, *qg_pairs, tmp_path, *common, "--mode", "masked", "--train-iters", "2")
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src", str(qg_pairs[0]),
+                        "--train-tgt", str(qg_pairs[1]), *common, "--mode", "causal", "--train-iters", "4",
+                        "--load", str(ckpt), timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"error: {ckpt / 'iter_0000002'} was trained for something else: --mode masked -> causal; resume it with " \
+           "the saved settings, or start a new --save directory with it as --model" in result.stderr
+    assert "Traceback" not in result.stderr and (ckpt / "latest").read_text() == "iter_0000002"
+    assert json.loads((ckpt / "hf" / "config.json").read_text())["s2s_mode"] == "masked"
+    _, result = _finetune(tiny_hf_model, *qg_pairs, tmp_path, *common, "--mode", "masked", "--train-iters", "3",
+                          "--lr", "1e-4", "--load", str(ckpt), name="resumed")
+    assert "resuming with changed settings: train_iters 2 -> 3, lr 5e-05 -> 0.0001\n" in result.stdout
+    assert json.loads((ckpt / "hf" / "config.json").read_text())["checkpoint_tag"] == "iter_0000003"
+
+
+def test_ctrl_c_saves_exports_and_exits_130(tiny_hf_model, qg_pairs, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from megatron_pmlm.checkpoint_files import checkpoint_problem
+
+    ckpt = tmp_path / "c"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src",
+         str(qg_pairs[0]), "--train-tgt", str(qg_pairs[1]), "--max-source-length", "32", "--max-target-length", "12",
+         "--micro-batch-size", "8", "--global-batch-size", "8", "--log-interval", "1", "--train-iters", "100000",
+         "--save", str(ckpt)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith("iteration") and int(line.split()[1].split("/")[0]) >= 2:
+            break
+    process.send_signal(signal.SIGINT)
+    output, _ = process.communicate(timeout=240)
+    text = "".join(lines) + output
+    assert process.returncode == 130, text[-4000:]
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text
+    stops = [line for line in text.splitlines() if "received signal" in line]
+    assert len(stops) == 1 and stops[0].startswith("received signal 2 (SIGINT, Ctrl-C): saved at iteration "), stops
+    tag = f"iter_{int(stops[0].split('saved at iteration ')[1].split(',')[0]):07d}"
+    assert (ckpt / "latest").read_text() == tag and checkpoint_problem(ckpt / tag) is None
+    assert json.loads((ckpt / "hf" / "config.json").read_text())["checkpoint_tag"] == tag

@@ -3,7 +3,9 @@ TensorBoard under the documented tags, and bad arguments stop with a clear messa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 
@@ -252,3 +254,128 @@ def test_fused_adamw_on_cuda_only_and_the_same_update():
             optimizer.step()
     for fused, plain in zip(weights, copies):
         torch.testing.assert_close(fused, plain)
+
+
+# ------------------------------------------------------------------------------------------------
+# --load and --save checked before anything is built (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+def _prepare_paths(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "a_file").write_text("not a directory\n")
+    hf = tmp_path / "hf_folder"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}\n")
+    broken = tmp_path / "broken"
+    (broken / "iter_0000004").mkdir(parents=True)
+    (broken / "latest").write_text("iter_0000004")
+
+
+@pytest.mark.parametrize("args,message", [
+    # the start-from-BERT flow with a typo: would have trained from random weights and exited 0
+    (["--load", "{t}/typo", "--finetune", "--save", "{t}/out"],
+     "--load {t}/typo does not exist (--finetune needs a checkpoint to take the weights from)"),
+    (["--load", "{t}/typo", "--save", "{t}/out"], "--load {t}/typo does not exist (to start from scratch leave --load"),
+    (["--load", "{t}/empty", "--save", "{t}/out"], "--load {t}/empty holds no complete checkpoint (to start"),
+    (["--load", "{t}/broken", "--save", "{t}/out"],
+     "--load {t}/broken holds no complete checkpoint; newest: {t}/broken/iter_0000004: run_state.json is missing"),
+    (["--load", "{t}/hf_folder", "--finetune", "--save", "{t}/out"],
+     "--load {t}/hf_folder is a Hugging Face folder, not a checkpoint directory: convert it with"),
+    (["--load", "{t}/a_file", "--save", "{t}/out"], "--load {t}/a_file is a file, not a checkpoint directory"),
+    # the auto-resume idiom is for resuming; --finetune with nothing to load is always an error
+    (["--load", "{t}/out", "--save", "{t}/out", "--finetune"], "--load {t}/out does not exist (--finetune needs"),
+    (["--finetune", "--save", "{t}/out"], "--finetune needs --load"),
+    (["--save", "{t}/a_file"], "--save {t}/a_file is a file, not a directory"),
+    (["--save", "{t}/a_file/run"], "--save {t}/a_file/run cannot be created: {t}/a_file is a file, not a directory"),
+    (["--save", "/proc/pmlm-run"], "--save /proc/pmlm-run cannot be written: nothing can be created in /proc"),
+    (["--save", "{t}/out", "--tensorboard-dir", "{t}/a_file/tb"], "--tensorboard-dir {t}/a_file/tb cannot be created"),
+    (["--save", "{t}/out", "--history-json", "{t}/empty"], "--history-json {t}/empty is a directory, not a file"),
+    (["--model", "palm", "--load", "{t}/typo", "--save", "{t}/out"], "--load {t}/typo does not exist"),
+], ids=["load-typo-finetune", "load-typo", "load-empty", "load-incomplete", "load-hf-folder", "load-file",
+        "finetune-auto-resume-empty", "finetune-without-load", "save-is-file", "save-under-file", "save-in-proc",
+        "tensorboard-under-file", "history-is-dir", "palm-load-typo"])
+def test_load_and_save_are_refused_before_anything_is_built(args, message, pretraining_samples, tmp_path):
+    _prepare_paths(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    args = [a.replace("{t}", str(tmp_path)) for a in args]
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                        "--tensorboard-dir", str(tmp_path / "tb"), *args, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr  # one line
+    assert result.stderr.startswith("error: " + message.replace("{t}", str(tmp_path))), result.stderr
+    assert result.stdout == ""  # no model, no process group: nothing said, nothing written
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@contextlib.contextmanager
+def _tmpfs(path, options: str):
+    """A small tmpfs at `path` (root with CAP_SYS_ADMIN; the case is skipped elsewhere)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("case", ["read-only", "full"])
+def test_save_on_a_read_only_or_full_file_system_is_refused(case, pretraining_samples, tmp_path):
+    place = tmp_path / case
+    with contextlib.ExitStack() as stack:
+        if case == "read-only" and os.geteuid() != 0:
+            place.mkdir(mode=0o555)  # permission bits stop a user (not root: a read-only mount then)
+            expected = f"{place} is not writable"
+        elif case == "read-only":
+            stack.enter_context(_tmpfs(place, "ro,size=64k"))
+            expected = f"{place} is on a read-only file system"
+        else:
+            stack.enter_context(_tmpfs(place, "size=64k"))
+            with open(place / "filler", "wb", buffering=0) as filler:  # full: statvfs reports 0 bytes free
+                with contextlib.suppress(OSError):
+                    while True:
+                        filler.write(b"\0" * 4096)
+            expected = f"the file system of {place} is full (0 bytes free)"
+        result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                            "--save", str(place / "run"), timeout=120)
+        assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+        assert result.stderr.strip() == f"error: --save {place / 'run'} cannot be written: {expected}"
+        assert not (place / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# Resuming with other settings (issue 22)
+# ------------------------------------------------------------------------------------------------
+
+def test_resume_refuses_another_objective_and_lists_changed_settings(pretraining_samples, tmp_path):
+    ckpt = tmp_path / "c"
+    common = ["--preset", "tiny", "--data-path", str(pretraining_samples), "--micro-batch-size", "4",
+              "--global-batch-size", "4", "--log-interval", "1", "--eval-iters", "0"]
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae", "--train-iters", "2", "--save",
+                        str(ckpt))
+    assert result.returncode == 0, result.stderr[-3000:]
+    # The objective is what the checkpoint was trained for: refused, naming it.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae+par", "--train-iters", "4", "--save",
+                        str(ckpt), "--load", str(ckpt))
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"error: {ckpt / 'iter_0000002'} was trained for something else: --objective ae -> ae+par; resume it " \
+           "with the saved settings, or add --finetune to take its weights only" in result.stderr
+    assert "Traceback" not in result.stderr and not (ckpt / "iter_0000004").exists()
+    # Learning rate, schedule length, dropout: legitimate, listed in one line.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae", "--train-iters", "3", "--lr", "5e-4",
+                        "--hidden-dropout", "0", "--save", str(ckpt), "--load", str(ckpt))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "resuming with changed settings: train_iters 2 -> 3, lr 0.001 -> 0.0005, hidden_dropout 0.1 -> 0.0\n" \
+        in result.stdout
+    assert f"resumed from {ckpt / 'iter_0000002'}: iteration 2" in result.stdout
+    # --finetune takes the weights for another objective (what it is for), but not for another shape.
+    result = run_module("megatron_pmlm.pretrain", *common, "--objective", "ae+par", "--train-iters", "1", "--load",
+                        str(ckpt), "--finetune", "--save", str(tmp_path / "f"))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"loaded the weights of {ckpt / 'iter_0000003'}" in result.stdout
+    assert "resuming with changed settings" not in result.stdout
+    result = run_module("megatron_pmlm.pretrain", *common, "--num-layers", "3", "--train-iters", "1", "--load",
+                        str(ckpt), "--finetune", "--save", str(tmp_path / "g"))
+    assert result.returncode == 2 and "holds a different model (num_layers: saved 2, now 3)" in result.stderr, \
+        result.stderr[-2000:]
