@@ -118,13 +118,16 @@ MIN_CAPABILITY = (8, 0)
 """Triton (FlexAttention's compiler) supports compute capability 8.0+ (SPEC §13); Volta's tensor-core
 code generation is deprecated and fp16 `tl.dot` has been reported to return zeros there."""
 ALLOW_BELOW_MIN_CAPABILITY_ENV = "PMLM_ALLOW_FLEX_BELOW_SM80"
-LAYOUT_QUANTUM = 64
-"""Layout width multiple on CUDA with flex: measured in docs/benchmarks.md (real samples, seq 128
-and 512) as a few percent more cells for a handful of shapes per run."""
+LAYOUT_QUANTUM = 16
+"""Layout width multiple on CUDA with flex. Measured on real samples (docs/benchmarks.md, "Layout
+width quantum"): 16 adds 1.2-2.1% cells at seq 128 and 512 for 6-33 widths over 20 epochs; 64 adds
+5-12% (every step, for the whole run) to save a few one-time compilations; 128 adds 14-49%."""
 LAYOUT_QUANTUM_ENV = "PMLM_LAYOUT_QUANTUM"
-COMPILE_LIMIT = 64
-"""Compiled shapes allowed per process (torch._dynamo's recompile limit is raised to it); past it
-torch would fall back to the unfused path, which materialises the scores: refused instead."""
+COMPILE_LIMIT = 128
+"""Compiled shapes allowed per process (torch._dynamo's recompile limit is raised to it): at seq 512
+and quantum 16 widths are at most ~700 / 16 = 44, each compiled with and without grad (training,
+validation). Past it torch would fall back to the unfused path, which materialises the scores:
+refused instead."""
 
 
 def flex_capability_problem(device_type: str = "cuda") -> str | None:
@@ -142,7 +145,7 @@ def flex_capability_problem(device_type: str = "cuda") -> str | None:
 
 def default_layout_quantum(backend: str, device: torch.device) -> int:
     """The multiple the layout width is padded to: $PMLM_LAYOUT_QUANTUM when set (1: no padding),
-    else LAYOUT_QUANTUM for flex on CUDA (compiled kernels see few shapes) and 1 elsewhere (the sdpa
+    else LAYOUT_QUANTUM for flex on CUDA (its kernel is compiled per shape) and 1 elsewhere (the sdpa
     kernels and the CPU reference path take any width: padding would only cost)."""
     value = os.environ.get(LAYOUT_QUANTUM_ENV)
     if value is not None:
@@ -159,6 +162,11 @@ _compiled_signatures: set[tuple] = set()
 def compilations() -> int:
     """Shapes the compiled kernel has been called with in this process (each one a compilation)."""
     return len(_compiled_signatures)
+
+
+def compiled_signatures() -> frozenset[tuple]:
+    """(query shape, key shape, dtype, grad enabled, with bias) of each of them."""
+    return frozenset(_compiled_signatures)
 
 
 def _compiled_flex_attention() -> Callable:

@@ -224,7 +224,7 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config, layers)
         self.layout_quantum: int | None = None
         """Pad the layout width to a multiple of this (1: never) before the encoder and cut the
-        outputs back; None: `flex_attention.default_layout_quantum` (64 for flex on CUDA, so its
+        outputs back; None: `flex_attention.default_layout_quantum` (16 for flex on CUDA, so its
         compiled kernel sees few shapes; else 1). Padding slots are PAD: seen by nobody."""
 
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):

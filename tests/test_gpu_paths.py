@@ -15,7 +15,6 @@ from megatron_pmlm.flex_attention import (ALLOW_BELOW_MIN_CAPABILITY_ENV, LAYOUT
                                           default_layout_quantum)
 from megatron_pmlm.layout import IGNORE_INDEX, PAD
 from megatron_pmlm.model import PMLMForPreTraining, check_attention_backend
-from megatron_pmlm.objectives import get_objective
 from pmlm_testing import REPO_ROOT
 
 FLEX = dict(attention_backend="flex", attention_dropout=0.0)
@@ -78,7 +77,7 @@ def test_pretrain_and_bench_train_refuse_flex_on_a_v100_before_training(cuda_of_
 def test_the_layout_quantum_defaults_to_flex_on_cuda_and_can_be_set(monkeypatch):
     monkeypatch.delenv(LAYOUT_QUANTUM_ENV, raising=False)
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert default_layout_quantum("flex", cuda) == LAYOUT_QUANTUM == 64
+    assert default_layout_quantum("flex", cuda) == LAYOUT_QUANTUM == 16
     assert default_layout_quantum("sdpa", cuda) == 1
     assert default_layout_quantum("flex", cpu) == default_layout_quantum("sdpa", cpu) == 1
     monkeypatch.setenv(LAYOUT_QUANTUM_ENV, "1")
@@ -97,7 +96,7 @@ def test_padding_the_layout_to_the_quantum_changes_no_output_loss_or_gradient(pr
     loaders = build_pretraining_loaders(pretraining_samples, 6, objective=objective)
     batch = next(loaders.train)
     width = batch.input_ids.shape[1]
-    # The default quantum, and another one where the width (64 for `ae` on these seq-64 samples) is a multiple.
+    # The default quantum, and one where the width (64 for `ae` on these seq-64 samples) is no multiple.
     quanta = [quantum for quantum in (LAYOUT_QUANTUM, 48) if width % quantum]
     assert quanta
     config = model_config_from_preset("tiny", vocab_size=loaders.metadata["vocab_size"], hidden_dropout=0.0,
@@ -132,3 +131,4 @@ def test_padding_the_layout_to_the_quantum_changes_no_output_loss_or_gradient(pr
             assert grads.keys() == reference_grads.keys()
             for parameter, grad in reference_grads.items():
                 torch.testing.assert_close(grads[parameter], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {parameter}")
+

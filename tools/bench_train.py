@@ -134,8 +134,9 @@ def naive_cloze_batches(examples) -> list[PMLMBatch]:
 
 
 def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
-                iterations: int, warmup: int) -> float:
-    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step."""
+                iterations: int, warmup: int, first_step: list[float] | None = None) -> float:
+    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step.
+    `first_step` (if given) receives the seconds of the first warmup iteration: compilation included."""
     batches = [b.to(device) for b in batches]
 
     def iteration():
@@ -150,8 +151,12 @@ def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dty
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    for number in range(warmup):
+        start = time.perf_counter()
         iteration()
+        if number == 0 and first_step is not None:
+            _synchronize(device)
+            first_step.append(time.perf_counter() - start)
     _synchronize(device)
     start = time.perf_counter()
     for _ in range(iterations):
@@ -234,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     batch = pmlm_batch(examples)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    graphs_before = compiled_graphs()
-    seconds = timed_steps(model, optimizer, [batch], device, autocast_dtype, scaler, args.iterations, args.warmup)
+    graphs_before, first_step = compiled_graphs(), []
+    seconds = timed_steps(model, optimizer, [batch], device, autocast_dtype, scaler, args.iterations, args.warmup,
+                          first_step)
     compilations = compiled_graphs() - graphs_before
 
     tokens = batch.num_tokens()
@@ -254,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "precision": precision, "attention_backend": args.attention_backend, "layout_width": int(batch.input_ids.shape[1]),
         "layout_quantum": quantum, "padded_width": width, "padding_share": padding,
         "compilations": compilations, "recompilations": max(0, compilations - 1),
+        "first_step_seconds": first_step[0] if first_step else None,
         "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
         "tokens_per_sec": tokens / seconds, "sequence_tokens_per_sec": sequence_tokens / seconds,
         "model_tflops": tflops, "peak_tflops": peak, "peak_source": peak_source,
@@ -265,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {seconds * 1e3:.1f} ms/step | {figures['samples_per_sec']:.2f} samples/s | "
           f"{figures['tokens_per_sec']:,.0f} tokens/s | {tflops:.3f} model TFLOP/s | "
           + (f"MFU {figures['mfu']:.1%} of {peak:.1f} TFLOP/s ({peak_source})" if peak else f"MFU ? ({peak_source})")
-          + f" | peak memory {memory[0]:.2f} GB ({memory[1]}) | compilations {compilations}")
+          + f" | peak memory {memory[0]:.2f} GB ({memory[1]}) | compilations {compilations}"
+          + (f" (first step {first_step[0]:.1f} s)" if first_step else ""))
 
     if args.naive_cloze:
         naive = naive_cloze_batches(examples)
