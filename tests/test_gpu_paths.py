@@ -4,7 +4,9 @@ keeps compiled flex kernels to few shapes changes no output, loss or gradient.""
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -132,3 +134,13 @@ def test_padding_the_layout_to_the_quantum_changes_no_output_loss_or_gradient(pr
             for parameter, grad in reference_grads.items():
                 torch.testing.assert_close(grads[parameter], grad, rtol=1e-5, atol=1e-6, msg=f"{name}: {parameter}")
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: `make gpu-check` runs for real")
+def test_gpu_check_stops_at_once_without_a_cuda_device(tmp_path):
+    started = time.time()
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check.py"), "--output-dir",
+                             str(tmp_path / "out")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("no CUDA device found"), result.stderr
+    assert not (tmp_path / "out").exists() and time.time() - started < 60
