@@ -175,7 +175,9 @@ def _compiled_flex_attention() -> Callable:
     if _compiled is None:
         import torch._dynamo
 
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILE_LIMIT)
+        config = torch._dynamo.config  # the limit is `cache_size_limit` before torch 2.6
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), COMPILE_LIMIT))
         _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
 
