@@ -1,4 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both create/refresh .venv first.
+# `make gpu-check` (on a GPU machine): the `gpu` tests and the training benchmarks, see tools/gpu_check.py.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test env mpi clean-env
+.PHONY: demo test gpu-check env mpi clean-env
 
 env: $(STAMP)
 
@@ -33,6 +34,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# GPU_CHECK_ARGS="--skip-tests" etc. are optional; results go to outputs/gpu-check/<time>/ (printed).
+gpu-check: $(STAMP)
+	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean-env:
 	rm -rf $(VENV)

@@ -7,10 +7,19 @@ checkpoints are unchanged) and falls back to `F.layer_norm` for CPU tensors.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 from torch import nn
+
+
+def training_device_type() -> str:
+    """The device type training runs on: cuda when a GPU is present and DS_ACCELERATOR (DeepSpeed's
+    accelerator choice, which the entry points set to cuda on a GPU machine) names no other; else cpu."""
+    if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
+        return "cuda"
+    return "cpu"
 
 
 def adamw_options(device_type: str) -> dict[str, Any]:

@@ -11,7 +11,11 @@ scores, which rules out FlashAttention-style kernels and costs B x heads x T x T
   distance) in a [heads, 2 x max_distance + 1] table computed from the learned [heads, bins]
   table by `RelativePositionBias`, so gradients reach the learned table.
 
-On CUDA the kernel is `torch.compile(flex_attention)` (fused forward and backward). On the CPU
+On CUDA the kernel is `torch.compile(flex_attention)` (fused forward and backward), compiled for
+static shapes: one compilation per layout shape, so the model pads the layout width T to a multiple
+of `LAYOUT_QUANTUM` there (`default_layout_quantum`) and each new shape is counted and announced
+(`compilations`, at most `COMPILE_LIMIT`). Triton, which compiles it, supports compute capability
+8.0+ only: `flex_capability_problem` refuses older GPUs (the V100 is 7.0; its path is sdpa). On the CPU
 torch 2.13 has a compiled forward only (fp32, static shapes) and no backward; there the backend
 runs torch's unfused reference implementation of FlexAttention, which does differentiate, so the
 flex path can be checked against sdpa on any machine (it materialises the scores, like sdpa's
@@ -22,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -30,6 +36,8 @@ from typing import Callable
 import torch
 import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from .config import ConfigError
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -98,20 +106,104 @@ def flex_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.
                            mask: FlexAttentionMask) -> torch.Tensor:
     """Softmax attention [B, heads, Q, head_dim] under the block mask and score_mod."""
     if query.device.type == "cuda":
+        _count_compilation(query, key, mask)
         return _compiled_flex_attention()(query, key, value, score_mod=mask.score_mod, block_mask=mask.block_mask)
     with _reference_backward_allowed():
         return flex_attention(query, key, value, score_mod=mask.score_mod, block_mask=mask.block_mask)
 
 
+# ------------------------------------------------------------------ GPU gate, shapes, compilations
+
+MIN_CAPABILITY = (8, 0)
+"""Triton (FlexAttention's compiler) supports compute capability 8.0+ (SPEC §13); Volta's tensor-core
+code generation is deprecated and fp16 `tl.dot` has been reported to return zeros there."""
+ALLOW_BELOW_MIN_CAPABILITY_ENV = "PMLM_ALLOW_FLEX_BELOW_SM80"
+LAYOUT_QUANTUM = 16
+"""Layout width multiple on CUDA with flex. Measured on real samples (docs/benchmarks.md, "Layout
+width quantum"): 16 adds 1.2-2.1% cells at seq 128 and 512 for 6-33 widths over 20 epochs; 64 adds
+5-12% (every step, for the whole run) to save a few one-time compilations; 128 adds 14-49%."""
+LAYOUT_QUANTUM_ENV = "PMLM_LAYOUT_QUANTUM"
+COMPILE_LIMIT = 128
+"""Compiled shapes allowed per process (torch._dynamo's recompile limit is raised to it): at seq 512
+and quantum 16 widths are at most ~700 / 16 = 44, each compiled with and without grad (training,
+validation). Past it torch would fall back to the unfused path, which materialises the scores:
+refused instead."""
+
+
+def flex_capability_problem(device_type: str = "cuda") -> str | None:
+    """Why the flex backend should not run on this device (one line), or None: not CUDA, compute
+    capability >= 8.0, or PMLM_ALLOW_FLEX_BELOW_SM80=1 (experiments)."""
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    capability = tuple(torch.cuda.get_device_capability())
+    if capability >= MIN_CAPABILITY or os.environ.get(ALLOW_BELOW_MIN_CAPABILITY_ENV) == "1":
+        return None
+    return (f"--attention-backend flex needs a GPU of compute capability >= 8.0 (FlexAttention compiles through "
+            f"Triton, which supports SM 8.0+; this GPU is SM {capability[0]}.{capability[1]}): use --attention-backend "
+            f"sdpa, the V100 path (or set {ALLOW_BELOW_MIN_CAPABILITY_ENV}=1 to try flex anyway)")
+
+
+def default_layout_quantum(backend: str, device: torch.device) -> int:
+    """The multiple the layout width is padded to: $PMLM_LAYOUT_QUANTUM when set (1: no padding),
+    else LAYOUT_QUANTUM for flex on CUDA (its kernel is compiled per shape) and 1 elsewhere (the sdpa
+    kernels and the CPU reference path take any width: padding would only cost)."""
+    value = os.environ.get(LAYOUT_QUANTUM_ENV)
+    if value is not None:
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"{LAYOUT_QUANTUM_ENV} must be a positive integer (1: no padding), got {value!r}")
+        return int(value)
+    return LAYOUT_QUANTUM if backend == "flex" and device.type == "cuda" else 1
+
+
 _compiled: Callable | None = None
+_compiled_signatures: set[tuple] = set()
+
+
+def compilations() -> int:
+    """Shapes the compiled kernel has been called with in this process (each one a compilation)."""
+    return len(_compiled_signatures)
+
+
+def compiled_signatures() -> frozenset[tuple]:
+    """(query shape, key shape, dtype, grad enabled, with bias) of each of them."""
+    return frozenset(_compiled_signatures)
 
 
 def _compiled_flex_attention() -> Callable:
-    """One compiled kernel per process (torch.compile caches per shape; T varies little per batch)."""
+    """One compiled kernel per process, for static shapes (one compilation per layout shape)."""
     global _compiled
     if _compiled is None:
-        _compiled = torch.compile(flex_attention)
+        import torch._dynamo
+
+        config = torch._dynamo.config  # the limit is `cache_size_limit` before torch 2.6
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+        setattr(config, name, max(getattr(config, name), COMPILE_LIMIT))
+        _compiled = torch.compile(flex_attention, dynamic=False)
     return _compiled
+
+
+def _count_compilation(query: torch.Tensor, key: torch.Tensor, mask: FlexAttentionMask) -> None:
+    """Count and announce (rank 0, one line) each new shape the compiled kernel meets: what
+    torch.compile guards on here (shapes, dtype, grad mode, with or without the bias)."""
+    signature = (tuple(query.shape), tuple(key.shape), query.dtype, torch.is_grad_enabled(),
+                 mask.distance_bias is not None)
+    if signature in _compiled_signatures:
+        return
+    problem = flex_capability_problem(query.device.type)  # entry points refuse earlier; this is the backstop
+    if problem:
+        raise ConfigError(problem)
+    if len(_compiled_signatures) >= COMPILE_LIMIT:
+        raise RuntimeError(f"flex attention has compiled {COMPILE_LIMIT} shapes in this process and would fall back "
+                           f"to the unfused kernel; pad the layout to fewer widths ({LAYOUT_QUANTUM_ENV}, now "
+                           f"{os.environ.get(LAYOUT_QUANTUM_ENV, 'unset')}) or use --attention-backend sdpa")
+    _compiled_signatures.add(signature)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        batch, heads, queries, _ = query.shape
+        print(f"flex attention: compiling for batch {batch} x {heads} heads x {queries} queries x {key.shape[2]} keys, "
+              f"{str(query.dtype).replace('torch.', '')}{'' if torch.is_grad_enabled() else ', no grad'} "
+              f"(shape {len(_compiled_signatures)}, at most {COMPILE_LIMIT})", file=sys.stderr, flush=True)
 
 
 _entry_check_lock = threading.RLock()  # re-entered when activation checkpointing recomputes

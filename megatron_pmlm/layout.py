@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .config import ConfigError
 from .masking import ExampleMasks
@@ -56,6 +57,25 @@ def pmlm_attention_allowed(roles: torch.Tensor, steps: torch.Tensor, key_roles: 
     return key_is_visible_context | key_is_earlier_original | key_is_same_step_pseudo
 
 
+def padded_width(width: int, quantum: int) -> int:
+    """The smallest multiple of `quantum` (>= 1) that holds `width` columns."""
+    return -(-width // quantum) * quantum
+
+
+def pad_layout_inputs(quantum: int, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                      token_type_ids: torch.Tensor, roles: torch.Tensor, steps: torch.Tensor,
+                      labels: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The [B, T] tensors widened to a multiple of `quantum` columns with padding slots: role PAD
+    (seen by nobody, so no real slot's output changes), token, position, segment and step 0, no
+    label. Unchanged (the same tensors) when T is a multiple already."""
+    extra = padded_width(input_ids.shape[1], quantum) - input_ids.shape[1]
+    tensors = (input_ids, position_ids, token_type_ids, roles, steps) + (() if labels is None else (labels,))
+    if not extra:
+        return tensors
+    fills = (0, 0, 0, PAD, 0, IGNORE_INDEX)
+    return tuple(F.pad(tensor, (0, extra), value=fill) for tensor, fill in zip(tensors, fills))
+
+
 def predicted_slots(roles: torch.Tensor, labels: torch.Tensor, role: int) -> torch.Tensor:
     """Where a loss is taken: the labelled slots of `role` (MASKED for L_AE, PSEUDO for L_PAR)."""
     return (roles == role) & (labels != IGNORE_INDEX)
@@ -90,6 +110,10 @@ class PMLMBatch:
     def num_tokens(self) -> int:
         """Tokens the model processes (padding excluded): what throughput is counted in."""
         return int((self.roles != PAD).sum())
+
+    def padded_to(self, quantum: int) -> "PMLMBatch":
+        """The same batch with its width padded to a multiple of `quantum` (`pad_layout_inputs`)."""
+        return PMLMBatch(*pad_layout_inputs(quantum, *self.as_tuple()))
 
 
 def build_batch(input_ids: Sequence[np.ndarray], token_type_ids: Sequence[np.ndarray],

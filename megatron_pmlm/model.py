@@ -20,8 +20,10 @@ from torch import nn
 
 from .accelerated import layer_norm
 from .config import ConfigError, ModelConfig
-from .flex_attention import FlexAttentionMask, build_flex_attention_mask, flex_attention_forward
-from .layout import MASKED, PSEUDO, AttentionRule, PMLMBatch, pmlm_attention_allowed, predicted_slots
+from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, default_layout_quantum,
+                             flex_attention_forward, flex_capability_problem)
+from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
+                     predicted_slots)
 from .objectives import Objective, get_objective
 from .parallel_layers import LocalLayers, ParallelLayers
 
@@ -220,6 +222,10 @@ class BertModel(nn.Module):
             config.num_attention_heads // layers.tensor_parallel_size, config.rel_pos_bins,
             config.max_rel_pos) if config.rel_pos else None)
         self.encoder = BertEncoder(config, layers)
+        self.layout_quantum: int | None = None
+        """Pad the layout width to a multiple of this (1: never) before the encoder and cut the
+        outputs back; None: `flex_attention.default_layout_quantum` (16 for flex on CUDA, so its
+        compiled kernel sees few shapes; else 1). Padding slots are PAD: seen by nobody."""
 
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
         """Embeddings and the attention bias every layer shares."""
@@ -228,7 +234,11 @@ class BertModel(nn.Module):
                                         position_ids, roles, steps, hidden.dtype)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
-        return self.encoder(*self.embed(input_ids, position_ids, token_type_ids, roles, steps))
+        width = input_ids.shape[1]
+        quantum = self.layout_quantum or default_layout_quantum(self.config.attention_backend, input_ids.device)
+        inputs = pad_layout_inputs(quantum, input_ids, position_ids, token_type_ids, roles, steps)
+        hidden = self.encoder(*self.embed(*inputs))
+        return hidden if hidden.shape[1] == width else hidden[:, :width]
 
     def forward_incremental(self, input_ids, position_ids, token_type_ids, roles, steps,
                             cache: "KeyValueCache") -> torch.Tensor:
@@ -304,11 +314,16 @@ class KeyValueCache:
         self.positions, self.roles, self.steps = (t.index_select(0, index) for t in (self.positions, self.roles, self.steps))
 
 
-def check_attention_backend(config: ModelConfig) -> None:
-    """Refuse what a backend cannot compute: FlexAttention has no attention dropout."""
+def check_attention_backend(config: ModelConfig, device_type: str | None = None) -> None:
+    """Refuse what a backend cannot compute: FlexAttention has no attention dropout, and does not run
+    on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); pass the
+    `device_type` the model will run on (None: not known yet, only the configuration is checked)."""
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")
+    problem = flex_capability_problem(device_type) if config.attention_backend == "flex" and device_type else None
+    if problem:
+        raise ConfigError(problem)
 
 
 def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,

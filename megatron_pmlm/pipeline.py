@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layout import MASKED, PSEUDO, AttentionRule, pmlm_attention_allowed, predicted_slots
-from .flex_attention import build_flex_attention_mask
+from .layout import MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, predicted_slots
+from .flex_attention import build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
@@ -40,10 +40,14 @@ class WordEmbeddingPipe(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers):
         super().__init__()
         self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
+        self.attention_backend = config.attention_backend
 
     def forward(self, inputs):
-        input_ids = inputs[0]
-        return (self.word_embeddings(input_ids),) + tuple(inputs[1:])
+        """The first stage; it also pads the layout width as `BertModel.forward` does (flex on CUDA:
+        `flex_attention.default_layout_quantum`), labels included, so every stage sees the padded
+        width and the loss ignores the padding slots."""
+        inputs = pad_layout_inputs(default_layout_quantum(self.attention_backend, inputs[0].device), *inputs)
+        return (self.word_embeddings(inputs[0]),) + tuple(inputs[1:])
 
 
 def tied_logits_forward(layers: ParallelLayers):

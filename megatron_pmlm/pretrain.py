@@ -245,9 +245,10 @@ def run(args: argparse.Namespace) -> int:
                           "attention heads")
     if pp > model_config.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
+    from .accelerated import training_device_type
     from .model import check_attention_backend
 
-    check_attention_backend(model_config)
+    check_attention_backend(model_config, training_device_type())
 
     import torch.distributed as dist
 

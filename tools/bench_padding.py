@@ -1,10 +1,16 @@
 """Padding in the training grids: `python tools/bench_padding.py SAMPLES_DIR [--micro-batch-sizes 20,8]
-[--global-batch-sizes 80,160,320] [--objective ae+par]`.
+[--global-batch-sizes 80,160,320] [--objective ae+par] [--quanta 1,16,32,64,128]`.
 
 Iterates one epoch of the training loader (`megatron_pmlm.data.build_pretraining_loaders`) per
 (micro batch, global batch) and reports the padding share of the [micro batch, T] grids, weighted
 by grid size (padding cells / all cells), without length bucketing and with it for each global
-batch size. Figures go to docs/benchmarks.md; nothing here is a test.
+batch size.
+
+With --quanta: what padding the layout width T to a multiple of each quantum costs (the flex
+backend on CUDA does, so its compiled kernels see few shapes): the cells added over the unpadded
+grids, the padding share, and how many distinct widths (= compilations of the flex kernel) one
+epoch shows, per micro batch with bucketing at the first global batch size. Figures go to
+docs/benchmarks.md; nothing here is a test.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from megatron_pmlm.data import build_pretraining_loaders  # noqa: E402
-from megatron_pmlm.layout import PAD  # noqa: E402
+from megatron_pmlm.layout import PAD, padded_width  # noqa: E402
 
 
 def padding_share(samples_dir: str, micro_batch_size: int, global_batch_size: int | None, objective: str) -> tuple[float, int]:
@@ -34,15 +40,51 @@ def padding_share(samples_dir: str, micro_batch_size: int, global_batch_size: in
     return padding / cells, count
 
 
+def epoch_widths(samples_dir: str, micro_batch_size: int, global_batch_size: int | None,
+                 objective: str, epochs: int = 1) -> tuple[list[int], int]:
+    """(layout width T of every micro batch, real tokens) over `epochs` epochs (each its own shuffle)."""
+    loaders = build_pretraining_loaders(samples_dir, micro_batch_size=micro_batch_size, objective=objective,
+                                        global_batch_size=global_batch_size)
+    widths, tokens = [], 0
+    for _ in range(epochs * (loaders.train.sampler.samples_per_epoch // micro_batch_size)):
+        roles = next(loaders.train).roles
+        widths.append(int(roles.shape[1]))
+        tokens += int((roles != PAD).sum())
+    return widths, tokens
+
+
+def quantum_table(samples_dir: str, micros: list[int], global_batch: int | None, objective: str,
+                  quanta: list[int], epochs: int) -> None:
+    print(f"objective {objective}, global batch {global_batch or 'none (no bucketing)'}, {epochs} epoch(s)")
+    print("| micro batch | quantum | distinct widths (compilations) | widths | cells added | padding share |")
+    print("|---|---|---|---|---|---|")
+    for micro in micros:
+        widths, tokens = epoch_widths(samples_dir, micro, global_batch, objective, epochs)
+        unpadded = sum(widths)
+        for quantum in quanta:
+            padded = [padded_width(width, quantum) for width in widths]
+            distinct = sorted(set(padded))
+            shown = ", ".join(map(str, distinct)) if len(distinct) <= 8 else f"{distinct[0]} .. {distinct[-1]}"
+            print(f"| {micro} | {quantum} | {len(distinct)} | {shown} | {sum(padded) / unpadded - 1:+.1%} | "
+                  f"{1 - tokens / (micro * sum(padded)):.1%} |")
+        print(f"| ({len(widths)} micro batches of {micro}) | | | | | |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/bench_padding.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("samples_dir", help="a data_prep.build_samples output directory")
     parser.add_argument("--micro-batch-sizes", default="20,8")
     parser.add_argument("--global-batch-sizes", default="80,160,320")
     parser.add_argument("--objective", default="ae+par")
+    parser.add_argument("--quanta", help="comma-separated layout width quanta: report their cost instead")
+    parser.add_argument("--epochs", type=int, default=1, help="with --quanta: epochs to iterate (each reshuffled)")
     args = parser.parse_args(argv)
     micros = [int(v) for v in args.micro_batch_sizes.split(",")]
     globals_ = [int(v) for v in args.global_batch_sizes.split(",")]
+    if args.quanta:
+        quantum_table(args.samples_dir, micros, globals_[0] if globals_ else None, args.objective,
+                      [int(v) for v in args.quanta.split(",")], args.epochs)
+        return 0
     print("| micro batch | no bucketing | " + " | ".join(f"global batch {g}" for g in globals_) + " |")
     print("|---" * (len(globals_) + 2) + "|")
     for micro in micros:

@@ -34,11 +34,12 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_pmlm import flex_attention  # noqa: E402
 from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
-from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, build_batch  # noqa: E402
+from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, build_batch, padded_width  # noqa: E402
 from megatron_pmlm.masking import mask_example  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
+from megatron_pmlm.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
 from megatron_pmlm.parallel_layers import LocalLayers  # noqa: E402
 from megatron_pmlm.pretrain import flops_per_token  # noqa: E402
 
@@ -133,8 +134,9 @@ def naive_cloze_batches(examples) -> list[PMLMBatch]:
 
 
 def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
-                iterations: int, warmup: int) -> float:
-    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step."""
+                iterations: int, warmup: int, first_step: list[float] | None = None) -> float:
+    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step.
+    `first_step` (if given) receives the seconds of the first warmup iteration: compilation included."""
     batches = [b.to(device) for b in batches]
 
     def iteration():
@@ -149,14 +151,26 @@ def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dty
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    for _ in range(warmup):
+    for number in range(warmup):
+        start = time.perf_counter()
         iteration()
+        if number == 0 and first_step is not None:
+            _synchronize(device)
+            first_step.append(time.perf_counter() - start)
     _synchronize(device)
     start = time.perf_counter()
     for _ in range(iterations):
         iteration()
     _synchronize(device)
     return (time.perf_counter() - start) / iterations
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has compiled in this process so far (each new layout shape is one for the
+    flex kernel; sdpa compiles nothing)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _synchronize(device: torch.device) -> None:
@@ -175,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
                         help="sdpa (dense bias) or flex (block mask + score_mod; compiled on CUDA, torch's unfused "
                              "reference path on a CPU)")
+    parser.add_argument("--layout-quantum", type=int, default=0,
+                        help="pad the layout width to a multiple of this (1: no padding; 0: the model's default, "
+                             f"{flex_attention.LAYOUT_QUANTUM} for flex on CUDA, else 1)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -190,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.layout_quantum < 0:
+        print("error: --layout-quantum must be >= 0 (0: the model's default)", file=sys.stderr)
+        return 2
     if args.json:
         try:
             check_output(args.json, "--json")
@@ -216,10 +236,13 @@ def benchmark(args: argparse.Namespace) -> int:
         config = model_config_from_preset(args.preset, hidden_dropout=0.0, attention_dropout=0.0,
                                           max_position_embeddings=max(args.seq_length, 128),
                                           attention_backend=args.attention_backend)
+        check_attention_backend(config, device.type)  # flex: refused below compute capability 8.0
+        quantum = args.layout_quantum or flex_attention.default_layout_quantum(args.attention_backend, device)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model = PMLMForPreTraining(config, "ae+par", LocalLayers(), init_seed=args.seed).to(device)
+    model.bert.layout_quantum = quantum
     # torch's fused AdamW on CUDA (one kernel for all parameters), as training uses it.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
@@ -228,32 +251,41 @@ def benchmark(args: argparse.Namespace) -> int:
     batch = pmlm_batch(examples)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = timed_steps(model, optimizer, [batch], device, autocast_dtype, scaler, args.iterations, args.warmup)
+    graphs_before, first_step = compiled_graphs(), []
+    seconds = timed_steps(model, optimizer, [batch], device, autocast_dtype, scaler, args.iterations, args.warmup,
+                          first_step)
+    compilations = compiled_graphs() - graphs_before
 
     tokens = batch.num_tokens()
     sequence_tokens = args.micro_batch_size * args.seq_length
     flops = flops_per_token(config, args.seq_length) * tokens
     tflops = flops / seconds / 1e12
     peak, peak_source = (args.peak_tflops, "--peak-tflops") if args.peak_tflops else device_peak_tflops(device, precision)
-    padding = 1.0 - tokens / batch.input_ids.numel()
+    width = padded_width(batch.input_ids.shape[1], quantum)  # what the kernels see
+    padding = 1.0 - tokens / (args.micro_batch_size * width)
     memory = (torch.cuda.max_memory_allocated(device) / 2**30, "CUDA max allocated") if device.type == "cuda" else \
         (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "process peak RSS")
     figures = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, "
                                                                                      f"{torch.get_num_threads()} threads)",
         "preset": args.preset, "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
-        "precision": precision, "attention_backend": args.attention_backend, "layout_width": int(batch.input_ids.shape[1]), "padding_share": padding,
+        "precision": precision, "attention_backend": args.attention_backend, "layout_width": int(batch.input_ids.shape[1]),
+        "layout_quantum": quantum, "padded_width": width, "padding_share": padding,
+        "compilations": compilations, "recompilations": max(0, compilations - 1),
+        "first_step_seconds": first_step[0] if first_step else None,
         "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
         "tokens_per_sec": tokens / seconds, "sequence_tokens_per_sec": sequence_tokens / seconds,
         "model_tflops": tflops, "peak_tflops": peak, "peak_source": peak_source,
         "mfu": tflops / peak if peak else None, "peak_memory_gb": memory[0], "memory_source": memory[1],
     }
-    print(f"{figures['device']} | {args.preset}, seq {args.seq_length} (layout width {figures['layout_width']}, "
-          f"padding {padding:.1%}), micro batch {args.micro_batch_size}, {precision}, attention {args.attention_backend}")
+    print(f"{figures['device']} | {args.preset}, seq {args.seq_length} (layout width {figures['layout_width']}"
+          + (f", padded to {width}" if width != figures["layout_width"] else "")
+          + f", padding {padding:.1%}), micro batch {args.micro_batch_size}, {precision}, attention {args.attention_backend}")
     print(f"  {seconds * 1e3:.1f} ms/step | {figures['samples_per_sec']:.2f} samples/s | "
           f"{figures['tokens_per_sec']:,.0f} tokens/s | {tflops:.3f} model TFLOP/s | "
           + (f"MFU {figures['mfu']:.1%} of {peak:.1f} TFLOP/s ({peak_source})" if peak else f"MFU ? ({peak_source})")
-          + f" | peak memory {memory[0]:.2f} GB ({memory[1]})")
+          + f" | peak memory {memory[0]:.2f} GB ({memory[1]}) | compilations {compilations}"
+          + (f" (first step {first_step[0]:.1f} s)" if first_step else ""))
 
     if args.naive_cloze:
         naive = naive_cloze_batches(examples)

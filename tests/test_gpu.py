@@ -1,0 +1,302 @@
+"""What only a CUDA device can check (marker `gpu`; elsewhere every test here is skipped with the
+reason "needs a CUDA device"). `make gpu-check` runs them, then tools/bench_train.py.
+
+- fp16 training steps with DeepSpeed's dynamic loss scaling, overflowing steps skipped; bf16 steps;
+- a one-GPU NCCL process group under torchrun with DeepSpeed ZeRO-2;
+- torch's fused AdamW (what training uses on CUDA) takes the unfused implementation's steps;
+- the compiled FlexAttention kernel equals sdpa in outputs and every gradient for every objective,
+  and layouts padded to the quantum compile once;
+- cached decoding equals recomputing the prefix on CUDA;
+- apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
+- tools/bench_train.py runs and reports its figures.
+
+The data: the documentation text CPython ships (pydoc_data.topics, as `make demo`), tokenized with a
+WordPiece vocabulary trained on it, so nothing outside the repository is needed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_pmlm import flex_attention
+from megatron_pmlm.config import model_config_from_preset
+from megatron_pmlm.data import build_pretraining_loaders
+from megatron_pmlm.layout import PAD, PMLMBatch, padded_width
+from megatron_pmlm.model import PMLMForPreTraining
+from megatron_pmlm.objectives import OBJECTIVES, get_objective
+from pmlm_testing import REPO_ROOT, run_module, torchrun
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+DEVICE = "cuda"
+CUDA_ENV = {"DS_ACCELERATOR": "cuda", "OMP_NUM_THREADS": "4"}
+
+
+def flex_supported() -> bool:
+    return flex_attention.flex_capability_problem("cuda") is None
+
+
+@pytest.fixture(scope="module")
+def gpu_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """(samples directory, vocab.txt): pydoc's text, a trained 8,000-entry vocabulary, seq-128 samples."""
+    from megatron_pmlm.demo import write_pydoc_corpus
+
+    directory = tmp_path_factory.mktemp("gpu_corpus")
+    write_pydoc_corpus(directory / "corpus.txt")
+    result = run_module("data_prep.preprocess", "--input", str(directory / "corpus.txt"), "--output-prefix",
+                        str(directory / "corpus"), "--train-vocab", "8000", "--workers", "4", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_module("data_prep.build_samples", "--data-path", str(directory / "corpus"), "--output",
+                        str(directory / "samples"), "--seq-length", "128", "--split", "95,5,0", "--mask-epochs", "2",
+                        "--seed", "7", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return directory / "samples", directory / "corpus-vocab" / "vocab.txt"
+
+
+def pretrain_on_one_gpu(samples: Path, tmp_path: Path, *args: str, env: dict | None = None):
+    """`torchrun --nproc-per-node 1 -m megatron_pmlm.pretrain` on this GPU; (result, history records)."""
+    history = tmp_path / "history.json"
+    command = [*torchrun(1), "-m", "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(samples),
+               "--micro-batch-size", "16", "--global-batch-size", "16", "--log-interval", "1", "--eval-iters", "0",
+               "--history-json", str(history), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                            env={**os.environ, **CUDA_ENV, **(env or {})})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [r for r in json.loads(history.read_text()) if "loss" in r]
+    assert records and all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    return result, records
+
+
+def mean_loss(records) -> float:
+    return sum(r["loss"] for r in records) / len(records)
+
+
+def test_fp16_steps_with_dynamic_loss_scaling_skip_the_overflowing_ones(gpu_corpus, tmp_path):
+    samples, _ = gpu_corpus
+    # Start at a loss scale of 2^32: the first backward passes overflow fp16 for certain; each skipped
+    # step halves the scale (hysteresis 1) until gradients fit, then training proceeds.
+    ds_config = tmp_path / "fp16.json"
+    ds_config.write_text(json.dumps({"fp16": {"initial_scale_power": 32, "hysteresis": 1, "loss_scale_window": 1000}}))
+    result, records = pretrain_on_one_gpu(samples, tmp_path, "--fp16", "--deepspeed-config", str(ds_config),
+                                          "--train-iters", "40")
+    assert "fp16" in result.stdout
+    skipped = [r["skipped_iterations"] for r in records]
+    assert 1 <= skipped[-1] < 35, skipped
+    assert skipped[-10:] == [skipped[-1]] * 10, "still overflowing after the scale settled"
+    scales = [r["loss_scale"] for r in records]
+    assert scales[0] <= 2.0**32 and 1.0 <= scales[-1] < 2.0**32 and scales[-1] < scales[0], scales
+    assert mean_loss(records[-5:]) < mean_loss(records[:5])
+
+
+def test_bf16_steps(gpu_corpus, tmp_path):
+    samples, _ = gpu_corpus
+    result, records = pretrain_on_one_gpu(samples, tmp_path, "--bf16", "--train-iters", "25")
+    assert "bf16" in result.stdout
+    assert records[-1]["skipped_iterations"] == 0 and all(r["loss_scale"] == 1.0 for r in records)
+    assert mean_loss(records[-5:]) < mean_loss(records[:5])
+    assert records[-1]["memory_allocated_gb"] > 0
+
+
+def test_zero2_on_a_one_gpu_nccl_process_group(gpu_corpus, tmp_path):
+    samples, _ = gpu_corpus
+    checkpoints = tmp_path / "checkpoints"
+    result, records = pretrain_on_one_gpu(samples, tmp_path, "--bf16", "--zero-stage", "2", "--train-iters", "10",
+                                          "--save", str(checkpoints), env={"NCCL_DEBUG": "INFO"})
+    output = result.stdout + result.stderr
+    assert "ZeRO-2" in output and "NCCL INFO" in output  # NCCL built the communicator (the save's barriers)
+    tag = checkpoints / (checkpoints / "latest").read_text().strip()
+    assert any(tag.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt")), sorted(p.name for p in tag.iterdir())
+    assert records[-1]["iteration"] == 10
+
+
+def _batch(samples: Path, objective: str, micro_batch: int, index: int = 0) -> PMLMBatch:
+    loader = build_pretraining_loaders(samples, micro_batch, objective=objective).train
+    for _ in range(index):
+        next(loader)
+    return next(loader)
+
+
+def _model(vocab_size: int, objective: str, backend: str = "sdpa", **overrides) -> PMLMForPreTraining:
+    config = model_config_from_preset("tiny", vocab_size=vocab_size, hidden_dropout=0.0, attention_dropout=0.0,
+                                      attention_backend=backend,
+                                      type_vocab_size=6 if get_objective(objective).is_unilm else None, **overrides)
+    return PMLMForPreTraining(config, objective, init_seed=5).to(DEVICE).train()
+
+
+def _vocab_size(samples: Path) -> int:
+    return json.loads((samples / "metadata.json").read_text())["vocab_size"]
+
+
+def test_fused_adamw_takes_the_steps_of_the_unfused_one(gpu_corpus):
+    from megatron_pmlm.training import adamw_options, parameter_groups
+
+    samples, _ = gpu_corpus
+    batch = _batch(samples, "ae+par", 8).to(DEVICE)
+    fused_model = _model(_vocab_size(samples), "ae+par")
+    plain_model = copy.deepcopy(fused_model)
+    start = {name: param.detach().clone() for name, param in fused_model.named_parameters()}
+    hyper = dict(lr=1e-3, betas=(0.9, 0.98), eps=1e-6)
+    fused = torch.optim.AdamW(parameter_groups(fused_model, 0.01), **hyper, **adamw_options(DEVICE))
+    plain = torch.optim.AdamW(parameter_groups(plain_model, 0.01), **hyper, foreach=False, fused=False)
+    assert fused.defaults["fused"] is True
+    for _ in range(3):
+        for model, optimizer in ((fused_model, fused), (plain_model, plain)):
+            model.forward_batch(batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, got), (_, want) in zip(fused_model.named_parameters(), plain_model.named_parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    moved = sum(int(not torch.equal(param, start[name])) for name, param in fused_model.named_parameters())
+    assert moved == len(start)
+
+
+def _forward_backward(model: PMLMForPreTraining, batch: PMLMBatch):
+    hidden = model.bert(*batch.as_tuple()[:5])
+    losses = model.forward_batch(batch)
+    losses.loss.backward()
+    return hidden.detach(), losses.loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.skipif(not flex_supported(), reason="flex needs compute capability >= 8.0")
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_compiled_flex_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus, objective, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 kernels on both sides
+    samples, _ = gpu_corpus
+    batch = _batch(samples, objective, 4).to(DEVICE)
+    results = {}
+    for backend in ("sdpa", "flex"):
+        model = _model(_vocab_size(samples), objective, backend)
+        model.bert.layout_quantum = 256  # one width for every objective here: one compilation for the lot
+        results[backend] = _forward_backward(model, batch)
+        if objective == "ae+par":  # the reentrant activation checkpoint, as --checkpoint-activations runs it
+            model.zero_grad(set_to_none=True)
+            model.bert.encoder.checkpoint_activations = True
+            results[backend + " checkpointed"] = _forward_backward(model, batch)
+    heads, head_dim = 4, 16  # the tiny preset's
+    compiled = {(signature[0], signature[2]) for signature in flex_attention.compiled_signatures()}
+    assert ((4, heads, 256, head_dim), torch.float32) in compiled  # the compiled kernel ran, not the reference path
+    real = batch.roles != PAD
+    for name in [n for n in results if n.startswith("flex")]:
+        hidden, loss, grads = results[name]
+        want_hidden, want_loss, want_grads = results[name.replace("flex", "sdpa")]
+        torch.testing.assert_close(hidden[real], want_hidden[real], rtol=1e-4, atol=1e-4, msg=name)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5, msg=name)
+        for parameter, grad in want_grads.items():
+            assert grad is not None and grads[parameter] is not None, parameter
+            torch.testing.assert_close(grads[parameter], grad, rtol=1e-3, atol=1e-5, msg=f"{name}: {parameter}")
+        assert grads["bert.rel_pos_bias.weight"].abs().sum() > 0
+
+
+@pytest.mark.skipif(not flex_supported(), reason="flex needs compute capability >= 8.0")
+def test_layouts_padded_to_the_quantum_compile_once(gpu_corpus):
+    from torch._dynamo.utils import counters
+
+    samples, _ = gpu_corpus
+    quantum = flex_attention.LAYOUT_QUANTUM
+    batch = next(b for b in (_batch(samples, "ae+par", 3, i) for i in range(20)) if b.input_ids.shape[1] % quantum)
+    width = batch.input_ids.shape[1]
+    # The same examples laid out one column wider (a PAD column): another width, the same padded one.
+    wider = PMLMBatch(*(torch.nn.functional.pad(t, (0, 1), value=fill)
+                        for t, fill in zip(batch.as_tuple(), (0, 0, 0, PAD, 0, -100))))
+    assert padded_width(width + 1, quantum) == padded_width(width, quantum)
+    model = _model(_vocab_size(samples), "ae+par", "flex")
+    assert model.bert.layout_quantum is None  # the default: the quantum on CUDA
+
+    def step(inputs):
+        losses = model.forward_batch(inputs.to(DEVICE))
+        losses.loss.backward()
+        return losses.loss.detach()
+
+    shapes, graphs = flex_attention.compilations(), counters["stats"]["unique_graphs"]
+    loss = step(batch)
+    assert flex_attention.compilations() == shapes + 1
+    graphs_after_first = counters["stats"]["unique_graphs"]
+    assert graphs_after_first > graphs
+    torch.testing.assert_close(step(wider), loss, rtol=1e-5, atol=1e-6)
+    assert flex_attention.compilations() == shapes + 1 and counters["stats"]["unique_graphs"] == graphs_after_first
+    model.bert.layout_quantum = 1  # unpadded: a new shape, a new compilation, counted
+    torch.testing.assert_close(step(batch), loss, rtol=1e-5, atol=1e-6)
+    assert flex_attention.compilations() == shapes + 2 and counters["stats"]["unique_graphs"] > graphs_after_first
+
+
+SOURCES = ["the american football conference champion denver broncos defeated the carolina panthers .",
+           "where did super bowl 50 take place ?",
+           "the game was played on february 7 , 2016 , at levi 's stadium in the san francisco bay area .",
+           "beyonce"]
+
+
+@pytest.mark.parametrize("pos_shift", [False, True], ids=["standard", "pos_shift"])
+@pytest.mark.parametrize("beam", [1, 4])
+def test_cached_decoding_equals_recomputing_the_prefix_on_cuda(gpu_corpus, pos_shift, beam):
+    from megatron_pmlm.decoding import DecodingConfig, Seq2SeqDecoder
+    from megatron_pmlm.tokenizer import WordPieceTokenizer
+
+    _, vocab = gpu_corpus
+    tokenizer = WordPieceTokenizer(vocab)
+    model = _model(tokenizer.vocab_size, "ae+par").eval()
+    with torch.no_grad():  # a relative bias that matters, and outputs of different lengths
+        model.bert.rel_pos_bias.weight.normal_(0.0, 1.0, generator=torch.Generator(DEVICE).manual_seed(3))
+        model.cls.predictions.bias[tokenizer.special.sep] += 2.0
+    sources = [ids.tolist() for ids in tokenizer.encode_batch(SOURCES)]
+    config = DecodingConfig(beam_size=beam, max_target_length=12, max_seq_length=128, pos_shift=pos_shift,
+                            min_length=2, length_penalty=1.0, no_repeat_ngram_size=2)
+    cached = Seq2SeqDecoder(model, tokenizer.special, config).decode(sources)
+    full = Seq2SeqDecoder(model, tokenizer.special, config, full_recompute=True).decode(sources)
+    assert cached.token_ids == full.token_ids
+    if beam > 1:
+        assert cached.step_ids.is_cuda and torch.equal(cached.step_ids, full.step_ids)
+        torch.testing.assert_close(cached.step_scores, full.step_scores, rtol=1e-5, atol=1e-4)
+
+
+def test_apex_fused_layer_norm_equals_torchs():
+    normalization = pytest.importorskip("apex.normalization", reason="NVIDIA apex is not installed (optional)")
+    from megatron_pmlm.accelerated import layer_norm
+
+    assert isinstance(layer_norm(64, 1e-12), normalization.FusedLayerNorm)  # what the model builds here
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
+        fused = normalization.FusedLayerNorm(768, eps=1e-12).to(DEVICE, dtype)
+        plain = torch.nn.LayerNorm(768, eps=1e-12).to(DEVICE, dtype)
+        with torch.no_grad():
+            for module in (fused, plain):
+                module.weight.copy_(torch.linspace(0.5, 1.5, 768))
+                module.bias.copy_(torch.linspace(-0.1, 0.1, 768))
+        x = torch.randn(8, 100, 768, device=DEVICE, generator=generator).to(dtype)
+        outputs = []
+        for module in (fused, plain):
+            inputs = x.clone().requires_grad_()
+            out = module(inputs)
+            out.float().pow(2).sum().backward()
+            outputs.append((out, inputs.grad, module.weight.grad, module.bias.grad))
+        for got, want in zip(*outputs):
+            torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_bench_train_runs_on_cuda(backend, tmp_path):
+    if backend == "flex" and not flex_supported():
+        pytest.skip("flex needs compute capability >= 8.0")
+    figures_file = tmp_path / "figures.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_train.py"), "--preset", "tiny",
+                             "--seq-length", "128", "--micro-batch-size", "8", "--bf16", "--attention-backend", backend,
+                             "--iterations", "3", "--warmup", "1", "--json", str(figures_file)],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, **CUDA_ENV})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(figures_file.read_text())
+    assert figures["device"] == torch.cuda.get_device_name()
+    assert figures["tokens_per_sec"] > 0 and figures["model_tflops"] > 0 and figures["peak_memory_gb"] > 0
+    assert figures["memory_source"] == "CUDA max allocated"
+    if backend == "flex":
+        assert figures["compilations"] >= 1 and figures["padded_width"] % flex_attention.LAYOUT_QUANTUM == 0
+    else:
+        assert figures["compilations"] == 0 and figures["padded_width"] == figures["layout_width"]
+    if figures["peak_tflops"]:  # a GPU of the datasheet table (V100, A100, H100, H200)
+        assert 0 < figures["mfu"] < 1
