@@ -457,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "folders, .parquet or .arrow files; globs allowed")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
     parser.add_argument("--vocab-file", help="WordPiece vocab.txt (uncased), e.g. bert-base-uncased's (the "
-                                             "README says where to get it); or --train-vocab")
+                                             "docs/data_prep.md says where to get it); or --train-vocab")
     parser.add_argument("--train-vocab", type=int, metavar="SIZE",
                         help="train a WordPiece vocabulary of SIZE on the inputs (PREFIX-vocab/vocab.txt)")
     parser.add_argument("--json-key", default="text", help="the text field of JSONL lines and datasets")

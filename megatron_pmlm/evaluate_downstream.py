@@ -50,7 +50,7 @@ QG_FINETUNE = ("--max-source-length", "464", "--max-target-length", "48", "--lr"
 QG_EPOCHS, QG_BATCH, QG_WARMUP = 16, 48, 0.1
 QG_DECODE = ("--beam-size", "8", "--length-penalty", "1.3", "--max-target-length", "48", "--min-length", "5",
              "--no-repeat-ngram-size", "3", "--ngram-ignore-tokens", ".")
-"""Table 10's decoding (beam 8, length penalty 1.3) with s2s-ft's QG options (README)."""
+"""Table 10's decoding (beam 8, length penalty 1.3) with s2s-ft's QG options (docs/finetuning_generation.md)."""
 
 
 @dataclass

@@ -262,7 +262,7 @@ def test_real_bert_vocabulary_tokenizes_as_our_data_pipeline(bert_vocab, tmp_pat
 
 
 def test_plain_bert_class_drops_the_bias_and_says_so(tiny):
-    """The pitfall the README warns about: BertForSequenceClassification loads the folder but not the
+    """The pitfall docs/conversion.md warns about: BertForSequenceClassification loads the folder but not the
     bias (a different model from the one pre-trained); only the load report tells."""
     folder, _, config = tiny
     with warnings.catch_warnings():

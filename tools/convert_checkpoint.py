@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Pre-training checkpoint <-> Hugging Face folder (see megatron_pmlm/hf/convert.py, docs/convert.md).
+"""Pre-training checkpoint <-> Hugging Face folder (see megatron_pmlm/hf/convert.py, docs/conversion.md).
 
     python tools/convert_checkpoint.py --load SAVE_DIR [--tag iter_N] --output HF_DIR [--verify]
     python tools/convert_checkpoint.py --from-hf HF_DIR --save SAVE_DIR
