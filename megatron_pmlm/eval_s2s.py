@@ -147,6 +147,8 @@ def format_benchmark_table(results: dict) -> str:
                      + "/".join(f"{results[f'bleu{n}']:.2f}" for n in (1, 2, 3)) + ")")
         if results["meteor"] is None:
             lines.append(f"(METEOR: {results['meteor_unavailable']})")
+        if "note" in results:
+            lines.append(f"(note: {results['note']})")
     else:
         extra = f", duplicate rate {results['duplicate_rate']}" if results["duplicate_rate"] is not None else ""
         lines.append(f"(benchmark {results['benchmark']}: {count} example{'s' * (count != 1)}; F1 with stemming, "

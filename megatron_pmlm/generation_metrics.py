@@ -297,6 +297,10 @@ def score_qg(sources: list[str], predictions: list[str], references: list[str], 
     else:
         results["meteor_unavailable"] = "left out (--no-meteor)"
     results.update(examples=len(predictions), groups=len(gts), qg_reference=reference_style)
+    if reference_style == "du" and any(ref != ref.lower() for refs in gts.values() for ref in refs):
+        # The toolkit does not lower-case these references (Du et al.'s are lower-case already)
+        results["note"] = ("some references have upper-case letters: Du et al.'s are lower-cased, and the "
+                           "benchmark's scoring (like this one) compares them as they are with lower-cased predictions")
     results["metrics"] = {"BLEU-4": results["bleu4"], "METEOR": results["meteor"], "ROUGE-L": results["rougeL"]}
     return results
 

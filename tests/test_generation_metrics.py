@@ -81,6 +81,8 @@ def test_qg_text_of_both_reference_styles():
     assert gm.qg_text(" What ' s in ( it ) ? ", " what 's in -lrb- it -rrb- ? ") == \
         ("what 's in -lrb- it -rrb- ?", "what 's in -lrb- it -rrb- ?")
     assert gm.qg_text("a", "Who ?")[1] == "Who ?"
+    assert "upper-case" in gm.score_qg(["s"], ["who ?"], ["Who ?"], meteor=False)["note"]
+    assert "note" not in gm.score_qg(["s"], ["who ?"], ["Who ?"], "unilm", meteor=False)
     # unilm: the prediction lower-cased only, the reference's wordpieces joined and lower-cased
     assert gm.qg_text(" What ' s in ( it ) ? ", "What ' s the cap ##ital ?", "unilm") == \
         ("what ' s in ( it ) ?", "what ' s the capital ?")
