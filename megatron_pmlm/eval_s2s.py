@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ref", required=True, type=Path, help="references, one per line")
     parser.add_argument("--benchmark", choices=BENCHMARKS, default=None,
                         help="score as this benchmark and the UniLM toolkit do: the papers' numbers "
-                        "(default: our own BLEU-4/ROUGE, not comparable with the papers)")
+                        "(none: our own BLEU-4/ROUGE, not comparable with the papers)")
     parser.add_argument("--src", type=Path, default=None,
                         help="--benchmark qg: the source sentences, one per line (questions are grouped by them)")
     parser.add_argument("--qg-reference", choices=QG_REFERENCES, default="du",
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-meteor", action="store_true",
                         help="--benchmark qg: leave METEOR out (it starts a Java VM: a few seconds)")
     parser.add_argument("--trunc-len", type=int, default=None, metavar="N",
-                        help="--benchmark cnndm|xsum|gigaword: cut each prediction to N words (default: "
+                        help="--benchmark cnndm|xsum|gigaword: cut each prediction to N words (none: "
                         "cnndm 160 as s2s-ft's README; xsum, gigaword: no cut; 0: no cut)")
     parser.add_argument("--duplicate-rate", type=float, default=DEFAULT_DUPLICATE_RATE,
                         help="--benchmark cnndm: drop a sentence whose distinct words are more than this "
@@ -186,9 +186,9 @@ def main(argv=None) -> int:
                         help="also write the scores here (JSON; '-': standard output, the table then goes to "
                         "standard error)")
     parser.add_argument("--tokenize", default="bert",
-                        help=f"normalisation of both sides: {', '.join(TOKENIZERS)} (see the module "
-                        "docstring)")
-    parser.add_argument("--no-lowercase", action="store_true", help="keep case (BLEU; ROUGE ignores case)")
+                        help=f"without --benchmark: normalisation of both sides: {', '.join(TOKENIZERS)} (see "
+                        "the module docstring)")
+    parser.add_argument("--no-lowercase", action="store_true", help="without --benchmark: keep case (BLEU; ROUGE ignores case)")
     args = parser.parse_args(argv)
     try:
         with logs_to_stderr(args.output):

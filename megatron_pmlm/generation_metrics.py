@@ -27,7 +27,6 @@ mirrors ROUGE-1.5.5's), averaged over examples; ROUGE-L is the summary-level LCS
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import string

@@ -152,8 +152,6 @@ def test_qg_scores_equal_the_coco_classes_called_directly():
 
 
 def test_qg_meteor_hand_computed_and_direct(meteor):
-    from pycocoevalcap.meteor.meteor import Meteor  # noqa: F401  (the class MeteorScorer wraps)
-
     same = gm.score_qg(["s"], ["who wrote the book ?"], ["who wrote the book ?"], meteor=meteor)
     assert same["meteor"] == pytest.approx(100.0)
     assert gm.score_qg(["s"], ["xyz"], ["who wrote the book ?"], meteor=meteor)["meteor"] == 0.0
