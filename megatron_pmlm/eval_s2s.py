@@ -23,8 +23,8 @@ them (megatron_pmlm.generation_metrics says exactly how):
 Without --benchmark (the default metrics, for quick comparisons between our own runs; not the
 papers' numbers) the metrics come from maintained packages, not re-implementations:
   ROUGE-1/2/L  F1 from Google's `rouge-score` (use_stemmer=True), averaged over examples, x100;
-  BLEU-4       corpus BLEU from `sacrebleu` (single reference), as the question-generation
-               literature (Du & Cardie 2017, UniLM) reports it: lower-cased, tokenized text.
+  BLEU-4       corpus BLEU from `sacrebleu` (one reference per line, no grouping by sentence),
+               over lower-cased, tokenized text.
 Both sides are normalised the same way before both metrics (--tokenize):
   bert  (default) lower-case and split with transformers' BasicTokenizer, so punctuation is
         separated identically on both sides whatever the tokenizer that produced each (our decoder
