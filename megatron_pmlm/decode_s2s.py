@@ -9,6 +9,8 @@ Input: one source per line, or with a .jsonl file the `src` field of each line (
 list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
 atomically (`-`: standard output, the messages then go to standard error; a FIFO or device is written
 through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
+A summary's sentences are separated by " [X_SEP] " as the UniLM toolkit writes them (see `decoding.detokenize`),
+where `eval_s2s --benchmark cnndm` (and the toolkit's own evaluation) splits them.
 """
 
 from __future__ import annotations

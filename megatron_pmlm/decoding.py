@@ -24,6 +24,7 @@ step at a time: s2s-ft's layout of a PMLM model here, PALM's decoder with its co
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Collection, Protocol, Sequence
 
@@ -607,9 +608,20 @@ def decode_in_batches(decoder: Seq2SeqDecoder | PalmDecoder, sources: Sequence[S
     return outputs
 
 
+# The UniLM toolkit's sentence separator in summaries, as a WordPiece tokenizer without an [X_SEP]
+# token splits it when the fine-tuning targets spell it out ("sentence one . [X_SEP] sentence two .").
+_SPLIT_X_SEP = re.compile(r"(?<!\S)\[ x _ sep \](?!\S)", re.IGNORECASE)
+
+
 def detokenize(tokens: Sequence[str], stop_tokens: Collection[str] = ("[SEP]", "[PAD]")) -> str:
     """B.7: the tokens before the first [SEP] or [PAD]; a '##' piece joins the word before it;
-    words are separated by single spaces (punctuation stays a word of its own)."""
+    words are separated by single spaces (punctuation stays a word of its own).
+
+    Summaries' sentence separator, as the UniLM toolkit writes it: a newline token (RoBERTa-style
+    vocabularies) becomes " [X_SEP] " (s2s-ft's decode_seq2seq.py); an [X_SEP] token stays "[X_SEP]"
+    (UniLM v1's vocabulary maps [unused1] to it); the separator spelt out in the targets and split
+    by the tokenizer ("[ x _ sep ]") is joined back into "[X_SEP]". The toolkit's CNN/DM evaluation
+    (and `eval_s2s --benchmark cnndm`) splits the summary into sentences there."""
     words: list[str] = []
     for token in tokens:
         if token in stop_tokens:
@@ -618,7 +630,7 @@ def detokenize(tokens: Sequence[str], stop_tokens: Collection[str] = ("[SEP]", "
             words[-1] += token[2:]
         else:
             words.append(token)
-    return " [X_SEP] ".join(" ".join(words).split("\n"))
+    return _SPLIT_X_SEP.sub("[X_SEP]", " [X_SEP] ".join(" ".join(words).split("\n")))
 
 
 def generated_length(ids: Sequence[int], stop_ids: Collection[int]) -> int:

@@ -11,8 +11,9 @@ Table 9) unless overridden; `qg` (question generation, SQuAD split of Du & Cardi
 decode_s2s and eval_s2s with UniLMv2 Table 10's QG settings on --qg-data-dir's src-dev.txt /
 tgt-dev.txt, split into the first 9,570 pairs for training and the last 1,000 for evaluation.
 Every task runs once per seed; the table gives per task and metric the mean, standard deviation,
-minimum and maximum over the seeds (GLUE scores x100, QG's BLEU-4 and ROUGE-L as eval_s2s reports
-them). The markdown goes to --output, the same as JSON next to it (results.md -> results.json,
+minimum and maximum over the seeds (GLUE scores x100; QG's BLEU-4, METEOR and ROUGE-L as
+`eval_s2s --benchmark qg` reports them: the QG benchmark's scoring, Du et al.'s references, questions
+grouped by source sentence; METEOR is empty where no Java runtime is found). The markdown goes to --output, the same as JSON next to it (results.md -> results.json,
 with every run's metrics), both written atomically when all runs are done; each run's own files
 stay in --work-dir. `--output -` (or a FIFO, a device) writes the markdown there and the JSON to
 WORK_DIR/results.json (--work-dir is then required); the progress lines go to standard error.
@@ -43,7 +44,7 @@ from .finetune_glue import SHARED_DATA, InputError, get_task
 
 QG = "qg"
 QG_TRAIN, QG_DEV = 9570, 1000
-QG_METRICS = ("bleu4", "rougeL")
+QG_METRICS = ("bleu4", "meteor", "rougeL")  # eval_s2s --benchmark qg, the paper's order
 QG_FINETUNE = ("--max-source-length", "464", "--max-target-length", "48", "--lr", "2e-5", "--global-batch-size", "48",
                "--weight-decay", "0.01", "--label-smoothing", "0.1")
 """UniLMv2 Table 10, QG column (epochs 16 and warmup ratio 0.1 are turned into iterations here)."""
@@ -304,12 +305,14 @@ class Evaluation:
         self.run_logged(self.module_command("megatron_pmlm.decode_s2s", decode + self.qg_decode_extra),
                         run_dir / "decode.log", f"qg seed {seed}: decode_s2s")
         scores = run_dir / "scores.json"
-        self.run_logged(self.module_command("megatron_pmlm.eval_s2s", ["--pred", str(prediction), "--ref",
-                                                                      str(files["dev", "tgt"]), "--output", str(scores)]),
-                        run_dir / "eval.log", f"qg seed {seed}: eval_s2s")
+        self.run_logged(self.module_command("megatron_pmlm.eval_s2s", [
+            "--benchmark", "qg", "--src", str(files["dev", "src"]), "--pred", str(prediction), "--ref",
+            str(files["dev", "tgt"]), "--output", str(scores)]), run_dir / "eval.log", f"qg seed {seed}: eval_s2s")
         metrics = json.loads(scores.read_text())
-        self.log(f"qg seed {seed}: BLEU-4 {metrics['bleu4']:.2f}, ROUGE-L {metrics['rougeL']:.2f} "
-                 f"({train_count} training pairs, {iters} iterations, {metrics['examples']} dev pairs)")
+        meteor = "n/a" if metrics["meteor"] is None else f"{metrics['meteor']:.2f}"
+        self.log(f"qg seed {seed}: BLEU-4 {metrics['bleu4']:.2f}, METEOR {meteor}, ROUGE-L {metrics['rougeL']:.2f} "
+                 f"({train_count} training pairs, {iters} iterations, {metrics['examples']} dev pairs"
+                 f"{'; METEOR: ' + metrics['meteor_unavailable'] if metrics['meteor'] is None else ''})")
         self.record(QG, seed, metrics, QG_METRICS, 1.0)
 
     # -------------------------------------------------------------------------------------------
@@ -369,7 +372,8 @@ class Evaluation:
             f"# Downstream evaluation: {results['model']}", "",
             f"{results['created']}; dev sets; one fine-tuning per task and seed ({len(results['seeds'])} seeds); "
             "std is the sample standard deviation over the seeds. GLUE scores x100 (finetune_glue, UniLMv2 Table 9 "
-            "defaults); qg: BLEU-4 and ROUGE-L F1 (finetune_s2s / decode_s2s / eval_s2s, Table 10).", "",
+            "defaults); qg: BLEU-4, METEOR and ROUGE-L as the QG benchmark scores them (finetune_s2s / decode_s2s / "
+            "eval_s2s --benchmark qg, Table 10 settings; an empty METEOR: no Java runtime).", "",
             self.markdown_table(results), "",
             "Settings: " + ", ".join(f"{k} {v}" for k, v in changed.items()) + f"; {results['total_seconds']:.0f} s "
             "in all.", ""])

@@ -314,6 +314,13 @@ def test_detokenize():
     assert detokenize(["##ing", "word", "##s"]) == "##ing words"
     assert detokenize(["[SEP]", "a"]) == ""
     assert detokenize([]) == ""
+    # summaries' sentence separator, as the UniLM toolkit writes it: a newline token, an [X_SEP]
+    # token, and "[X_SEP]" split into wordpieces by a vocabulary without it
+    assert detokenize(["one", ".", "\n", "two"]) == "one .  [X_SEP]  two"  # s2s-ft's spacing
+    assert detokenize(["one", ".", "[X_SEP]", "two"]) == "one . [X_SEP] two"
+    assert detokenize(["one", ".", "[", "x", "_", "sep", "]", "two", "[", "x", "_", "sep", "]"]) == \
+        "one . [X_SEP] two [X_SEP]"
+    assert detokenize(["a", "[", "x", "_", "sep", "##s", "]"]) == "a [ x _ seps ]"
 
 
 def test_ignore_token_parsing_and_config_validation():

@@ -467,7 +467,11 @@ def test_evaluate_downstream_question_generation(tiny_model, shared_data, tmp_pa
                         "--qg-decode-args", "--max-target-length 8 --beam-size 2", timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = json.loads((tmp_path / "qg.json").read_text())
-    assert [(r["task"], r["metric"], r["seeds"]) for r in table["rows"]] == [("qg", "bleu4", [7]), ("qg", "rougeL", [7])]
+    assert [(r["task"], r["metric"], r["seeds"]) for r in table["rows"]] == \
+        [("qg", "bleu4", [7]), ("qg", "meteor", [7]), ("qg", "rougeL", [7])]
+    scores = json.loads((tmp_path / "qg-runs" / "qg" / "seed-7" / "scores.json").read_text())
+    assert scores["benchmark"] == "qg" and scores["qg_reference"] == "du"  # eval_s2s --benchmark qg
+    assert (scores["meteor"] is None) == ("meteor_unavailable" in scores)
     runs = tmp_path / "qg-runs" / "qg"
     qg = shared_data / "qg"
     sources = qg.joinpath("src-dev.txt").read_text(encoding="utf-8").splitlines()
