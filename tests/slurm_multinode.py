@@ -10,9 +10,12 @@ nothing mocked.
 
 Every address lives inside those namespaces (the host's own network is never used), so the fixed
 SLURM ports and the subnet cannot collide with the host or with another such cluster. The node
-names (pmlm-node1, pmlm-node2) resolve through a hosts file bind-mounted over /etc/hosts in each
-process's private mount namespace; `hostname` there says the node's name. The network interface of
-every node is called `pmlmnet` (what GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME select). Clients
+names (pmlm-node1, pmlm-node2) resolve through the node's hosts file, bind-mounted over /etc/hosts
+in each process's private mount namespace, and `hostname` there says the node's name. As in
+Debian's default /etc/hosts, a node's own name resolves to 127.0.1.1 there and the other node's to
+its address: what makes gloo, left to itself, offer its peers a loopback address, and
+GLOO_SOCKET_IFNAME necessary. The network interface of every node is called `pmlmnet` (what
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME select); `interface_bytes()` reads its counters. Clients
 (`sbatch`, `scontrol`...) run on node 1, as on a login node that is also the first compute node.
 The file system is shared by all nodes (the same machine), as a cluster's shared storage is.
 
@@ -114,7 +117,7 @@ class MultiNodeCluster(SlurmCluster):
         self.bridge_namespace = f"{tag}-br"
         self.namespaces = {node: f"{tag}-{node.split('-')[-1]}" for node in NODES}
         self.addresses = {node: f"{SUBNET}.{i + 1}" for i, node in enumerate(NODES)}
-        self.hosts = root / "hosts"
+        self.hosts = {node: root / f"hosts-{node}" for node in NODES}
         self.created: list[str] = []   # namespaces made by this object, deleted by stop()
         self.stopped = False
 
@@ -157,15 +160,17 @@ class MultiNodeCluster(SlurmCluster):
             _ip("-n", self.bridge_namespace, "link", "set", f"port{i}", "master", "br0", "up")
             _ip("-n", namespace, "addr", "add", f"{self.addresses[node]}/24", "dev", INTERFACE)
             _ip("-n", namespace, "link", "set", INTERFACE, "up")
-        self.hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{self.addresses[n]} {n}\n" for n in self.nodes))
-        self.hosts.chmod(0o644)
+        for node, hosts in self.hosts.items():
+            hosts.write_text("127.0.0.1 localhost\n" + "".join(
+                f"{'127.0.1.1' if n == node else self.addresses[n]} {n}\n" for n in self.nodes))
+            hosts.chmod(0o644)
 
     def on(self, node: str) -> list[str]:
         """The command prefix that runs a program on `node`: its network namespace, its hostname,
         its /etc/hosts."""
         # nsenter rather than `ip netns exec`, which remounts /sys (slurmd wants /sys/fs/cgroup).
         return [_find("nsenter"), f"--net=/run/netns/{self.namespaces[node]}", _find("unshare"), "--uts", "--mount",
-                "--propagation", "private", "sh", "-c", _ENTER, "sh", str(self.hosts), node]
+                "--propagation", "private", "sh", "-c", _ENTER, "sh", str(self.hosts[node]), node]
 
     def _start_munge(self) -> None:
         directory = self.root / "munge"
@@ -280,6 +285,13 @@ class MultiNodeCluster(SlurmCluster):
     @property
     def node_address(self) -> str:
         return self.nodes[0]
+
+    def interface_bytes(self, node: str, interface: str = INTERFACE) -> tuple[int, int]:
+        """(received, sent) bytes so far on `node`'s interface."""
+        import json
+
+        stats = json.loads(_ip("-n", self.namespaces[node], "-s", "-j", "link", "show", interface).stdout)[0]["stats64"]
+        return stats["rx"]["bytes"], stats["tx"]["bytes"]
 
     # ------------------------------------------------------------------ clients (on node 1)
     def run(self, command: list[str], check: bool = True, timeout: float = 60, node: str | None = None,

@@ -137,14 +137,16 @@ def _history(save_dir: Path, job: int, restart: int) -> list[dict]:
 
 def _train_env(cluster, samples: Path, save_dir: Path, tasks_per_node: int, extra: str = "", **more: str) -> dict:
     """The documented CPU-only multi-node settings: the network block's GLOO_SOCKET_IFNAME names the
-    interface between the nodes; dropout 0 so that runs of other layouts give the same losses."""
+    interface between the nodes (None: left to the script); dropout 0 so that runs of other layouts
+    give the same losses."""
     settings = dict(
         PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE=str(tasks_per_node), MICRO_BATCH="4",
         GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS=str(TRAIN_ITERS), LOG_INTERVAL="1", SAVE_INTERVAL="0",
         EVAL_ITERS="0", DATA_PATH=str(samples), SAVE_DIR=str(save_dir), TB_DIR=str(save_dir / "tensorboard"),
         PYTHON=sys.executable, PYTHONPATH=str(REPO), GLOO_SOCKET_IFNAME=INTERFACE, OMP_NUM_THREADS="1",
         EXTRA_ARGS=f"--lr 2e-3 --lr-warmup-iters 2 --hidden-dropout 0 --attention-dropout 0 {extra}".strip())
-    return cluster.env(**{**settings, **more})
+    settings.update(more)
+    return cluster.env(**{name: value for name, value in settings.items() if value is not None})
 
 
 def _submit(cluster, nodes: int, env: dict, log_path: Path) -> int:
@@ -186,11 +188,18 @@ def test_pretrain_on_two_nodes_trains_one_data_parallel_group(cluster, samples, 
     ranks come from SLURM, gloo runs over the veth interface named by GLOO_SOCKET_IFNAME; the two
     nodes train as one data-parallel group: the losses equal the 2-process single-node run's."""
     save_dir, log_path = tmp_path / "checkpoints", tmp_path / "two-nodes.out"
+    before = {node: cluster.interface_bytes(node) for node in cluster.nodes}
     job = _submit(cluster, 2, _train_env(cluster, samples, save_dir, 1), log_path)
     info, log, context = _finished(cluster, job, log_path)
+    after = {node: cluster.interface_bytes(node) for node in cluster.nodes}
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", context
     start = START.search(log)
     assert start and start.group(3, 4, 5, 6) == ("2", "1", "pmlm-node1 pmlm-node2 ", "pmlm-node1"), context
+    assert "GLOO_SOCKET_IFNAME unset" not in log, context  # the user's choice stands
+    # The gradients crossed the veth link: each node sent at least half of the fp32 gradients
+    # (~2.1 M parameters, 8.4 MB) per iteration through it (ZeRO-2's reduce-scatter alone).
+    sent = {node: after[node][1] - before[node][1] for node in cluster.nodes}
+    assert all(count > TRAIN_ITERS * 4_000_000 for count in sent.values()), sent
     assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()
     assert "parallelism: world 2 = data 2 x tensor 1 x pipeline 1" in log, context
     state = json.loads((save_dir / f"iter_{TRAIN_ITERS:07d}" / "run_state.json").read_text())
@@ -238,7 +247,8 @@ def killed_run(cluster, samples, reference, tmp_path_factory):
     (SIGKILL: what an Xid, the OOM killer or a dying node does to it) after iteration 5."""
     work = tmp_path_factory.mktemp("slurm2n_killed")
     save_dir, log_path = work / "checkpoints", work / "killed.out"
-    env = _train_env(cluster, samples, save_dir, 1, extra=f"--exit-interval {KILLED_RUN_EXIT}", SAVE_INTERVAL="3")
+    env = _train_env(cluster, samples, save_dir, 1, extra=f"--exit-interval {KILLED_RUN_EXIT}", SAVE_INTERVAL="3",
+                     GLOO_SOCKET_IFNAME=None)  # the script's choice
     job = _submit(cluster, 2, env, log_path)
     _wait_for_iteration(cluster, job, log_path, at_least=5, timeout=240)
     victims = _training_pids(str(save_dir), cluster.nodes[1])
@@ -255,6 +265,10 @@ def test_pretrain_on_two_nodes_survives_a_killed_process(cluster, killed_run, re
     job, save_dir, info, log, context = killed_run
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context
     first, second = _attempts(log)
+    # GLOO_SOCKET_IFNAME unset: the script chose the interface to node 2 (each node's own name
+    # resolves to 127.0.1.1 there, which gloo would otherwise offer the other node).
+    for attempt in (first, second):
+        assert "GLOO_SOCKET_IFNAME unset: using pmlmnet, this node's interface to pmlm-node2 (10.77.0.2)" in attempt
     crashed_at = int(re.search(r"training failed with status 137 \(checkpoint at iteration (\d+)", first)[1])
     assert crashed_at >= 3 and crashed_at % 3 == 0 and f"requeueing job {job}" in first, context
     assert re.search(r"training crashed mid-run .*: signal 9 \(SIGKILL\) of task 1 on host pmlm-node2\n", first), context
