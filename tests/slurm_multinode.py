@@ -4,9 +4,9 @@ there), the nodes joined by veth pairs to a bridge that lives in a third test-cr
 Real munged, slurmctld and one slurmd per node (Debian's packages, as tests/slurm_cluster.py),
 nothing mocked.
 
-    bridge namespace  pmlm<PID>-br:     br0 <- port1, port2
-    node namespace    pmlm<PID>-node1:  lo, pmlmnet 10.77.0.1/24   munged, slurmctld, slurmd, clients
-    node namespace    pmlm<PID>-node2:  lo, pmlmnet 10.77.0.2/24   slurmd
+    bridge namespace  pmlm<PID>-<K>-br:     br0 <- port1, port2
+    node namespace    pmlm<PID>-<K>-node1:  lo, pmlmnet 10.77.0.1/24   munged, slurmctld, slurmd, clients
+    node namespace    pmlm<PID>-<K>-node2:  lo, pmlmnet 10.77.0.2/24   slurmd
 
 Every address lives inside those namespaces (the host's own network is never used), so the fixed
 SLURM ports and the subnet cannot collide with the host or with another such cluster. The node
@@ -26,13 +26,15 @@ The file system is shared by all nodes (the same machine), as a cluster's shared
 
 Teardown: `stop()` cancels the jobs, ends the daemons (by pid) and every process left from the
 cluster's jobs, deletes the namespaces (which removes the veth pairs and the bridge) and the
-directory; it is registered with atexit too, and namespaces of an earlier test process that was
-killed before its teardown are removed at the next start.
+directory; it is registered with atexit too. The daemons get SIGTERM when the test process dies
+(PR_SET_PDEATHSIG); the namespaces, directory and job processes of a test process that was killed
+before its teardown are removed at the next start (`remove_stale`).
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import re
 import shutil
@@ -45,12 +47,13 @@ from pathlib import Path
 from slurm_cluster import SlurmCluster, SlurmUnavailable, _detected_cpus, _find, _terminate_with_parent, _wait, \
     ensure_installed
 
-PREFIX = "pmlm"                       # namespaces: pmlm<PID>-br, pmlm<PID>-node<N>
+PREFIX = "pmlm"                       # namespaces: pmlm<PID>-<K>-br, pmlm<PID>-<K>-node<N>
 DIRECTORY_PREFIX = "pmlm-slurm2n-"    # the cluster's directory under /tmp
 INTERFACE = "pmlmnet"                 # each node's interface to the bridge
 SUBNET = "10.77.0"                    # node N: 10.77.0.N/24, inside the namespaces only
 NODES = ("pmlm-node1", "pmlm-node2")
-NAMESPACE_NAME = re.compile(rf"^{PREFIX}(\d+)-(br|node\d+)$")
+NAMESPACE_NAME = re.compile(rf"^{PREFIX}(\d+)-\d+-(br|node\d+)$")
+_CLUSTERS = itertools.count(1)      # K: clusters started by this process
 
 # In the node's network namespace: a private mount and UTS namespace where /etc/hosts names the
 # nodes and `hostname` is the node's, then the command itself (exec: its pid is the Popen's).
@@ -79,13 +82,21 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _kill_processes_of(conf: Path) -> None:
+    """Processes whose environment names this slurm.conf (daemons and job steps of that cluster)."""
+    marker = f"SLURM_CONF={conf}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in (entry / "environ").read_bytes().split(b"\0"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except OSError:
+                pass
+
+
 def remove_stale() -> None:
-    """Namespaces and directories of earlier test processes that were killed before their teardown
-    (the owning test process, named in the namespace, is gone)."""
-    for name in _namespaces():
-        match = NAMESPACE_NAME.match(name)
-        if match and not _pid_alive(int(match[1])):
-            _ip("netns", "delete", name, check=False)
+    """Namespaces, directories and left-over processes of earlier test processes that were killed
+    before their teardown (the owning test process, named in the namespace, is gone)."""
     for directory in Path("/tmp").glob(f"{DIRECTORY_PREFIX}*"):
         owner = (directory / "owner.pid")
         try:
@@ -95,7 +106,12 @@ def remove_stale() -> None:
                 shutil.rmtree(directory, ignore_errors=True)
             continue
         if not _pid_alive(pid):
+            _kill_processes_of(directory / "slurm.conf")
             shutil.rmtree(directory, ignore_errors=True)
+    for name in _namespaces():
+        match = NAMESPACE_NAME.match(name)
+        if match and not _pid_alive(int(match[1])):
+            _ip("netns", "delete", name, check=False)
 
 
 def check_possible() -> None:
@@ -113,7 +129,7 @@ class MultiNodeCluster(SlurmCluster):
     def __init__(self, root: Path, cpus: int):
         super().__init__(root, NODES[0], cpus)
         self.nodes = NODES
-        tag = f"{PREFIX}{os.getpid()}"
+        tag = f"{PREFIX}{os.getpid()}-{next(_CLUSTERS)}"
         self.bridge_namespace = f"{tag}-br"
         self.namespaces = {node: f"{tag}-{node.split('-')[-1]}" for node in NODES}
         self.addresses = {node: f"{SUBNET}.{i + 1}" for i, node in enumerate(NODES)}

@@ -305,3 +305,99 @@ def test_pretrain_resumes_on_one_node_with_universal_checkpoint(cluster, samples
         [(i, i * GLOBAL_BATCH) for i in range(KILLED_RUN_EXIT + 1, TRAIN_ITERS + 1)], context
     assert _losses(history) == pytest.approx(_losses(reference[KILLED_RUN_EXIT:]), abs=1e-4), context
     assert "training complete" in log, context
+
+
+# ---------------------------------------------------------------------------- the harness itself
+def test_without_root_or_ip_or_namespaces_the_two_node_tests_skip_saying_why(monkeypatch):
+    import slurm_multinode
+
+    monkeypatch.setattr(slurm_multinode, "ensure_installed", lambda: None)
+    monkeypatch.setattr(slurm_multinode.os, "geteuid", lambda: 1000)
+    with pytest.raises(SlurmUnavailable, match=r"needs root \(network namespaces"):
+        MultiNodeCluster.start()
+    monkeypatch.setattr(slurm_multinode.os, "geteuid", lambda: 0)
+    real_find = slurm_multinode._find
+    monkeypatch.setattr(slurm_multinode, "_find", lambda name: None if name == "ip" else real_find(name))
+    with pytest.raises(SlurmUnavailable, match=r"needs `ip` \(iproute2"):
+        MultiNodeCluster.start()
+    monkeypatch.setattr(slurm_multinode, "_find", real_find)
+    real_ip, made = slurm_multinode._ip, []
+
+    def no_namespaces(*arguments, check=True):
+        if arguments[:2] == ("netns", "add"):
+            made.append(arguments[2])
+            raise RuntimeError("ip netns add failed (1): mount --make-shared /run/netns failed: Operation not permitted")
+        return real_ip(*arguments, check=check)
+
+    monkeypatch.setattr(slurm_multinode, "_ip", no_namespaces)
+    before = set(Path("/tmp").glob(f"{slurm_multinode.DIRECTORY_PREFIX}*"))
+    with pytest.raises(SlurmUnavailable, match="cannot create a network namespace here: ip netns add failed"):
+        MultiNodeCluster.start()
+    assert made and not set(Path("/tmp").glob(f"{slurm_multinode.DIRECTORY_PREFIX}*")) - before
+
+
+def test_stop_removes_namespaces_links_daemons_and_running_jobs(tmp_path):
+    """A cluster stopped while a 2-node job runs (what a failing test's teardown meets): no daemon,
+    no job process, no namespace (with it no veth pair or bridge), no directory is left."""
+    import subprocess
+
+    from slurm_multinode import _namespaces
+
+    try:
+        second = MultiNodeCluster.start(kill_wait=5)
+    except SlurmUnavailable as reason:
+        pytest.skip(str(reason))
+    try:
+        job = second.sbatch(["--nodes=2", "--ntasks-per-node=1", f"--output={tmp_path}/sleep.out", "--wrap",
+                             "srun sleep 300"], cwd=tmp_path)
+        deadline = time.monotonic() + 60
+        while len([p for p in second.leftover_pids() if Path(f"/proc/{p}/comm").read_text().strip() == "sleep"]) < 2:
+            assert time.monotonic() < deadline, _log(tmp_path / "sleep.out") + second.daemon_logs()
+            time.sleep(0.3)
+        daemons = [process.pid for process in second.processes.values()]
+        assert len(daemons) == 4 and set(second.created) <= set(_namespaces())
+    finally:
+        second.stop()
+    assert job and not second.leftover_pids()
+    assert all(not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[-1][:1]
+               for pid in daemons)
+    assert not set(second.created) & set(_namespaces()) and not second.root.exists()
+    host_links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "pmlmnet" not in host_links and "port1" not in host_links
+
+
+def test_a_killed_test_process_leaves_nothing_after_the_next_start():
+    """kill -9 of the process that owns a cluster (no teardown runs): its daemons end with it, and
+    the next start removes its namespaces and directory."""
+    import signal
+    import subprocess
+
+    from slurm_multinode import _namespaces, remove_stale
+
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); from slurm_multinode import MultiNodeCluster\n"
+        "c = MultiNodeCluster.start(); print(c.root, *c.created, flush=True); time.sleep(600)"),
+        str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = owner.stdout.readline().split()
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=30)
+    if not line:
+        pytest.skip("the cluster could not start in a child process")
+    root, namespaces = Path(line[0]), line[1:]
+    assert len(namespaces) == 3 and set(namespaces) <= set(_namespaces()) and root.exists()
+    remove_stale()
+    assert not set(namespaces) & set(_namespaces()) and not root.exists()
+    marker = f"SLURM_CONF={root}/slurm.conf".encode()
+    time.sleep(0.5)
+    alive = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _environ_has(p, marker)]
+    assert alive == []
+
+
+def _environ_has(proc: Path, marker: bytes) -> bool:
+    try:
+        return marker in (proc / "environ").read_bytes().split(b"\0") and \
+            (proc / "stat").read_text().split(") ")[-1][:1] != "Z"
+    except OSError:
+        return False
