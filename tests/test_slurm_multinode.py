@@ -68,7 +68,8 @@ def _step_nodes(cluster, job: int, step: int) -> set[str]:
 # ---------------------------------------------------------------------------- 1. data preparation
 @pytest.fixture(scope="module")
 def prepared(cluster, tmp_path_factory, wikitext, bert_vocab):
-    """slurm/prepare_data.sh on 2 nodes (one task each) and on 1 node (one task), same corpus."""
+    """slurm/prepare_data.sh on 2 nodes (one task each: as its header shows, and with the node count
+    alone) and on 1 node (one task), same corpus."""
     work = tmp_path_factory.mktemp("slurm2n_data")
     lines = wikitext.read_text(encoding="utf-8")[:150_000].splitlines(keepends=True)
     last_blank = max(i for i, line in enumerate(lines) if not line.strip())  # whole documents only
@@ -77,7 +78,8 @@ def prepared(cluster, tmp_path_factory, wikitext, bert_vocab):
     env = cluster.env(VOCAB=str(bert_vocab), PYTHON=sys.executable, SEQ_LENGTH="64", MASK_EPOCHS="2",
                       SPLIT="95,5,0", SEED="7", SHARD_SIZE_MB="0.05", PYTHONPATH=str(REPO))
     runs = {}
-    for name, layout in (("two", ["--nodes=2", "--ntasks-per-node=1"]), ("one", ["--nodes=1", "--ntasks=1"])):
+    for name, layout in (("two", ["--nodes=2", "--ntasks-per-node=1"]), ("nodes", ["--nodes=2"]),
+                         ("one", ["--nodes=1", "--ntasks=1"])):
         (work / name).mkdir()
         job = cluster.sbatch([*layout, "--cpus-per-task=1", f"--output={work}/{name}-%j.out", str(PREPARE),
                               str(work / name / "wiki"), str(corpus)], env=env, cwd=REPO)
@@ -98,12 +100,17 @@ def _tree(directory: Path) -> dict[str, bytes]:
 def test_prepare_data_on_two_nodes_equals_one_node(cluster, prepared):
     """Each node tokenizes its shards (one task per node), one task merges them once, then
     build_samples: the indexed dataset and the samples are byte for byte those of a 1-node run."""
-    job, prefix, log = prepared["two"]
-    assert "tokenizing on 2 task(s)" in log and "rank 0/2" in log and "rank 1/2" in log, log
-    assert log.count("merging the shards into") == 1, log
-    assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()  # tokenizing: both nodes
     _, single, single_log = prepared["one"]
     assert "tokenizing on 1 task(s)" in single_log and "merging" not in single_log, single_log
+    for name in ("two", "nodes"):
+        job, prefix, log = prepared[name]
+        assert "tokenizing on 2 task(s)" in log and "rank 0/2" in log and "rank 1/2" in log, (name, log)
+        assert log.count("merging the shards into") == 1, (name, log)
+        assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()  # tokenizing: both nodes
+        _same_output(prefix, single)
+
+
+def _same_output(prefix: Path, single: Path) -> None:
     for extension in (".bin", ".idx"):
         assert Path(f"{prefix}{extension}").read_bytes() == Path(f"{single}{extension}").read_bytes(), extension
     two, one = _tree(Path(f"{prefix}-samples")), _tree(Path(f"{single}-samples"))
