@@ -9,6 +9,9 @@
 #   PRESET=tiny DEVICE=cpu GPUS_PER_NODE=2 MICRO_BATCH=4 GLOBAL_BATCH=16 TRAIN_ITERS=100 \
 #   DATA_PATH=data/tiny-samples sbatch --nodes=1 --gres=none --time=30 slurm/pretrain_base.sh
 #
+# The same on two CPU-only nodes, one task each (tests/test_slurm_multinode.py, in network
+# namespaces): GPUS_PER_NODE=1 and sbatch --nodes=2; the global batch stays 16.
+#
 # ---------------------------------------------------------------- task layout
 # srun starts ONE TASK PER GPU (GPUS_PER_NODE tasks on each of NNODES nodes), each running
 # `python -m megatron_pmlm.pretrain` directly: the ranks come from SLURM_PROCID / SLURM_NTASKS /

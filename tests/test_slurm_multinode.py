@@ -208,7 +208,8 @@ def test_pretrain_on_two_nodes_trains_one_data_parallel_group(cluster, samples, 
     sent = {node: after[node][1] - before[node][1] for node in cluster.nodes}
     assert all(count > TRAIN_ITERS * 4_000_000 for count in sent.values()), sent
     assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()
-    assert "parallelism: world 2 = data 2 x tensor 1 x pipeline 1" in log, context
+    assert "parallelism: world 2 = data 2 x tensor 1 x pipeline 1; ZeRO-2, fp32, micro batch 4, global batch 16 " \
+           "(2 accumulation steps)" in log, context
     state = json.loads((save_dir / f"iter_{TRAIN_ITERS:07d}" / "run_state.json").read_text())
     assert state["data_parallel_size"] == 2, state
     history = _history(save_dir, job, 0)
@@ -304,6 +305,8 @@ def test_pretrain_resumes_on_one_node_with_universal_checkpoint(cluster, samples
     info, log, context = _finished(cluster, one, log_path)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", context
     assert START.search(log).group(3, 4) == ("1", "1"), context
+    assert "parallelism: world 1 = data 1 x tensor 1 x pipeline 1; ZeRO-2, fp32, micro batch 4, global batch 16 " \
+           "(4 accumulation steps)" in log, context
     assert f"resumed from {resumed}/iter_{KILLED_RUN_EXIT:07d}: iteration {KILLED_RUN_EXIT}, consumed samples " \
            f"{KILLED_RUN_EXIT * GLOBAL_BATCH} (through {resumed}/iter_{KILLED_RUN_EXIT:07d}_universal, " \
            f"data-parallel size 2 -> 1)" in log, context
