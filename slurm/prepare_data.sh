@@ -4,6 +4,9 @@
 #   sbatch --nodes=4 --ntasks-per-node=1 --cpus-per-task=64 slurm/prepare_data.sh \
 #       /data/out/pretrain "/data/raw/wiki/*.jsonl /data/raw/books/*.txt /data/raw/cc_news"
 #
+#   (or just `sbatch --nodes=4 --cpus-per-task=64 ...`: without --ntasks/--ntasks-per-node the
+#   script runs one task per node; --ntasks=N runs N tasks however SLURM places them)
+#
 # Step 1: srun starts one task per node; each reads SLURM_PROCID/SLURM_NTASKS and tokenizes
 #         shards r, r+W, ... of the (deterministic) shard list with --workers processes.
 #         A crashed or preempted job resumes: rerun it and finished shards are skipped.
@@ -28,7 +31,13 @@ cd "${SLURM_SUBMIT_DIR:-$(dirname "$0")/..}"
 . slurm/task_status.sh  # TASK_STATUS_WRAPPER, task_root_cause
 PYTHON=${PYTHON:-.venv/bin/python}
 WORKERS=${SLURM_CPUS_PER_TASK:-$(nproc)}
-NTASKS=${SLURM_NTASKS:-1}
+# sbatch sets SLURM_NTASKS only when tasks were asked for: otherwise one task per node (not one
+# task in all, which would leave every other node of the allocation idle).
+if [ -n "${SLURM_NTASKS:-}" ]; then
+  NTASKS=$SLURM_NTASKS LAYOUT=()
+else
+  NTASKS=${SLURM_JOB_NUM_NODES:-1} LAYOUT=(--ntasks-per-node=1)
+fi
 # Globs are expanded by preprocess itself (sorted), identically on every rank.
 read -r -a INPUT_ARGS <<< "$INPUTS"
 
@@ -49,7 +58,7 @@ echo "[$(date -u +%FT%TZ)] tokenizing on $NTASKS task(s) x $WORKERS worker(s)"
 STATUS_DIR=$PREFIX.task-status
 rm -rf "$STATUS_DIR" && mkdir -p "$STATUS_DIR"
 RC=0
-srun --ntasks="$NTASKS" --kill-on-bad-exit=1 bash -c "$TASK_STATUS_WRAPPER" pmlm-task "$STATUS_DIR" \
+srun --ntasks="$NTASKS" ${LAYOUT[@]+"${LAYOUT[@]}"} --kill-on-bad-exit=1 bash -c "$TASK_STATUS_WRAPPER" pmlm-task "$STATUS_DIR" \
     "$PYTHON" -m data_prep.preprocess "${COMMON[@]}" --workers "$WORKERS" || RC=$?
 if (( RC != 0 )); then
   task_root_cause "$STATUS_DIR" "$RC"

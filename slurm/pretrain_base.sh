@@ -9,6 +9,9 @@
 #   PRESET=tiny DEVICE=cpu GPUS_PER_NODE=2 MICRO_BATCH=4 GLOBAL_BATCH=16 TRAIN_ITERS=100 \
 #   DATA_PATH=data/tiny-samples sbatch --nodes=1 --gres=none --time=30 slurm/pretrain_base.sh
 #
+# The same on two CPU-only nodes, one task each (tests/test_slurm_multinode.py, in network
+# namespaces): GPUS_PER_NODE=1 and sbatch --nodes=2; the global batch stays 16.
+#
 # ---------------------------------------------------------------- task layout
 # srun starts ONE TASK PER GPU (GPUS_PER_NODE tasks on each of NNODES nodes), each running
 # `python -m megatron_pmlm.pretrain` directly: the ranks come from SLURM_PROCID / SLURM_NTASKS /
@@ -103,7 +106,13 @@
 # ---------------------------------------------------------------- network (exported when set)
 # NCCL_SOCKET_IFNAME   unset (NCCL picks)   the interface for NCCL's bootstrap and socket transport,
 #                                           e.g. ib0, or ^docker,lo to exclude some
-# GLOO_SOCKET_IFNAME   unset                the same for gloo (the CPU path and DeepSpeed's barriers)
+# GLOO_SOCKET_IFNAME   2+ nodes: the interface this node routes to the second node through
+#                      (`ip route get`), else unset. The same for gloo (the CPU path, and
+#                      megatron-core's gloo groups on GPUs too). Left to itself gloo binds to the
+#                      address of the node's own hostname: a loopback address where /etc/hosts
+#                      says so (Debian's default 127.0.1.1), and the other nodes cannot connect
+#                      ("Gloo connectFullMesh failed ... remote=[127.0.1.1]"). Set it where the
+#                      interface names differ between nodes, or to use another network.
 # NCCL_IB_HCA          unset                which InfiniBand adapters, e.g. mlx5_0,mlx5_1 (or ^mlx5_2)
 # TORCH_NCCL_ASYNC_ERROR_HANDLING 1         a failed or timed-out collective aborts the process
 #                                           (so the job ends and requeues) rather than hanging
@@ -176,6 +185,20 @@ export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 for variable in NCCL_SOCKET_IFNAME GLOO_SOCKET_IFNAME NCCL_IB_HCA; do
   [ -z "${!variable:-}" ] || export "${variable?}"
 done
+GLOO_CHOICE=""
+if [ -z "${GLOO_SOCKET_IFNAME:-}" ] && (( NNODES > 1 )) && command -v ip > /dev/null; then
+  # The interface that carries this node's traffic to the second node (the same name on every node).
+  PEER=$(sed -n 2p <<< "$NODES")
+  PEER_ADDRESS=$(getent ahostsv4 "$PEER" 2>/dev/null | awk 'NR == 1 { print $1 }' || true)
+  GLOO_INTERFACE=$( { [ -z "$PEER_ADDRESS" ] || ip -o route get "$PEER_ADDRESS" 2>/dev/null; } \
+               | sed -n 's/.* dev \([^ ]*\).*/\1/p' | head -n 1 || true)
+  if [ -n "$GLOO_INTERFACE" ] && [ "$GLOO_INTERFACE" != lo ]; then
+    export GLOO_SOCKET_IFNAME=$GLOO_INTERFACE
+    GLOO_CHOICE="GLOO_SOCKET_IFNAME unset: using $GLOO_INTERFACE, this node's interface to $PEER ($PEER_ADDRESS)"
+  else
+    GLOO_CHOICE="GLOO_SOCKET_IFNAME unset and no interface to $PEER found: gloo binds to the address of this node's hostname"
+  fi
+fi
 CPUS_PER_TASK=$(( ${SLURM_CPUS_ON_NODE:-$GPUS_PER_NODE} / GPUS_PER_NODE ))
 (( CPUS_PER_TASK >= 1 )) || CPUS_PER_TASK=1
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$CPUS_PER_TASK}
@@ -206,6 +229,7 @@ ARGS=(--preset "$PRESET" --data-path "$DATA_PATH" --deepspeed-config "$DS_CONFIG
 
 log "$NNODES node(s) x $GPUS_PER_NODE task(s) on $(tr '\n' ' ' <<< "$NODES")| master $MASTER_ADDR:$MASTER_PORT |" \
     "$DEVICE $PRECISION | $SAVE_DIR at iteration $START_ITER"
+[ -z "$GLOO_CHOICE" ] || log "$GLOO_CHOICE"
 log "$PYTHON -m megatron_pmlm.pretrain ${ARGS[*]}"
 
 # srun runs in the background so that this shell can act on signals while it waits: bash runs a
