@@ -9,6 +9,10 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# Test files run on TEST_WORKERS processes (pytest-xdist; a file's tests stay on one worker, so a
+# module's fixtures are built once). Many tests run one single-threaded training process and leave a
+# core idle; 2 workers use it. TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test gpu-check env mpi clean-env
 
@@ -33,7 +37,7 @@ demo: $(STAMP)
 		$(if $(DEMO_INPUT),--input $(DEMO_INPUT)) $(if $(VOCAB),--vocab-file $(VOCAB)) $(DEMO_ARGS)
 
 test: $(STAMP)
-	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
 # GPU_CHECK_ARGS="--skip-tests" etc. are optional; results go to outputs/gpu-check/<time>/ (printed).
 gpu-check: $(STAMP)
