@@ -73,7 +73,7 @@ def main(argv=None) -> int:
 
 def build_palm_decoding_model(loaded, device: str = "cpu"):
     """The model of a `convert_palm.LoadedPalm`, without dropout, in eval mode (stage 2)."""
-    from .palm import PalmForPreTraining
+    from .models.palm import PalmForPreTraining
 
     config = replace(loaded.config, padded_vocab_size=0, hidden_dropout=0.0, attention_dropout=0.0)
     model = PalmForPreTraining(config, stage=2)
@@ -85,7 +85,7 @@ def build_palm_decoding_model(loaded, device: str = "cpu"):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.decoding import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     if args.max_context_length < 3:
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .decoding import PalmDecoder, decode_in_batches, detokenize, generated_length
+    from .generation.decoding import PalmDecoder, decode_in_batches, detokenize, generated_length
     from .hf.convert import ConversionError
     from .hf.convert_palm import load_palm
     from .tokenizer import WordPieceTokenizer

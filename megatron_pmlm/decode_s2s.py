@@ -8,7 +8,7 @@
 Input: one source per line, or with a .jsonl file the `src` field of each line (a string, or a
 list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
 atomically (`-`: standard output, the messages then go to standard error; a FIFO or device is written
-through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
+through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.generation.decoding` implements them.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.decoding import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     target_length, seq_length = lengths_from_model(args, {})
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches, detokenize, generated_length
+    from .generation.decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches, detokenize, generated_length
     from .pretrained import load_model
     from .tokenizer import WordPieceTokenizer
 

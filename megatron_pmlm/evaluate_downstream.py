@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from . import finetune_glue
-from .distributed import ends_process_groups
+from .parallel.distributed import ends_process_groups
 from .files import (OutputError, check_output, logs_to_stderr, write_json_atomically, write_text_atomically,
                     written_through)
 from .finetune_glue import SHARED_DATA, InputError, get_task

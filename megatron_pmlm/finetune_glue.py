@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .distributed import ends_process_groups
+from .parallel.distributed import ends_process_groups
 from .files import write_json_atomically
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -301,7 +301,7 @@ def glue_metrics(task: str | GlueTask, predictions: np.ndarray, labels: np.ndarr
 def check_model_path(path: str | os.PathLike) -> str:
     """'hf' (a Hugging Face folder: config.json, weights, vocab.txt) or 'checkpoint' (a directory with
     `latest`), else InputError. Nothing is read beyond file names."""
-    from .training import LATEST_FILE
+    from .training.trainer import LATEST_FILE
 
     path = Path(path)
     if not path.exists():
@@ -326,7 +326,7 @@ def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str]
     from .config import ConfigError
     from .hf.convert import ConversionError, export_to_hf
     from .pretrained import HF_EXPORT_DIR
-    from .training import LATEST_FILE
+    from .training.trainer import LATEST_FILE
 
     path = Path(path)
     if check_model_path(path) == "hf":

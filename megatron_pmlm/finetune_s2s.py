@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import ConfigError
-from .distributed import ends_process_groups
-from .preflight import check_run_paths
-from .seq2seq import MODES, Seq2SeqConfig
-from .training import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
+from .parallel.distributed import ends_process_groups
+from .training.preflight import check_run_paths
+from .models.seq2seq import MODES, Seq2SeqConfig
+from .training.trainer import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
 
 TRAINING_DEFAULTS = dict(
     # s2s-ft: code defaults (run_seq2seq.py) and the paper's Appendix A where the code has none.
@@ -107,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from .pretrained import load_model, resize_position_embeddings
-    from .seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
+    from .models.seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
     from .tokenizer import WordPieceTokenizer
 
     # Everything that can be refused is checked before processes start talking to each other;
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                          max_position_embeddings=max(loaded.config.max_position_embeddings, s2s.max_length), **dropout)
     except ConfigError as error:
         raise ConfigError(f"model config: {error}") from None
-    from .training import read_deepspeed_config
+    from .training.trainer import read_deepspeed_config
 
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
@@ -154,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .distributed import MegatronMPU, initialize_model_parallel
+    from .parallel.distributed import MegatronMPU, initialize_model_parallel
     from .pretrain import flops_per_token
-    from .training import Trainer, seed_everything
+    from .training.trainer import Trainer, seed_everything
 
     layout = initialize_model_parallel(1, 1)
     rank = dist.get_rank()
@@ -221,7 +221,7 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     from .files import write_json_atomically
     from .hf.convert import export_to_hf
     from .pretrained import HF_EXPORT_DIR
-    from .training import LATEST_FILE
+    from .training.trainer import LATEST_FILE
 
     save_dir = Path(save_dir)
     output = save_dir / HF_EXPORT_DIR

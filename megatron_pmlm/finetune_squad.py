@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .distributed import ends_process_groups
+from .parallel.distributed import ends_process_groups
 from .files import write_json_atomically
 from .finetune_glue import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
                             load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,

@@ -17,11 +17,11 @@ from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
                      add_dataclass_arguments, dataclass_overrides, model_config_from_preset)
-from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
-from .preflight import check_run_paths
-from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
-from .distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
-from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
+from .training.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
+from .training.preflight import check_run_paths
+from .models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
+from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
+from .training.trainer import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
                        check_precision_supported, check_zero_with_pipeline)
 
 
@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
     add_dataclass_arguments(parser, UniLMMaskingConfig, prefix="unilm-")  # --objective unilm*: masking and NSP
-    from .palm_pretrain import add_palm_arguments  # --model palm and its options
+    from .training.palm_recipe import add_palm_arguments  # --model palm and its options
 
     add_palm_arguments(parser)
     return parser
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.objective}")
     unilm_masking = UniLMMaskingConfig(**unilm_overrides)
     if args.model == "palm":
-        from .palm_pretrain import run_palm
+        from .training.palm_recipe import run_palm
 
         return run_palm(args)
     # Everything that can be refused is checked before processes start talking to each other.
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"the samples are {seq_length} tokens long, more than the model's maximum sequence "
                           f"length {model_config.max_position_embeddings} (preset {args.preset!r}); rebuild with "
                           f"a shorter --seq-length or raise --max-position-embeddings")
-    from .training import read_deepspeed_config
+    from .training.trainer import read_deepspeed_config
 
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     if args.finetune and not args.load:
@@ -245,15 +245,15 @@ def run(args: argparse.Namespace) -> int:
                           "attention heads")
     if pp > model_config.num_layers:
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
-    from .accelerated import training_device_type
-    from .model import check_attention_backend
+    from .models.accelerated import training_device_type
+    from .models.model import check_attention_backend
 
     check_attention_backend(model_config, training_device_type())
 
     import torch.distributed as dist
 
-    from .distributed import MegatronMPU, initialize_model_parallel
-    from .training import Trainer, seed_everything
+    from .parallel.distributed import MegatronMPU, initialize_model_parallel
+    from .training.trainer import Trainer, seed_everything
 
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
@@ -302,7 +302,7 @@ def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_p
     arguments across restarts: once the run saves at its new size, checkpoints load as they are."""
     if not args.universal_checkpoint or args.finetune:
         return False
-    from .checkpoint_files import newest_run_state
+    from .training.checkpoint_files import newest_run_state
 
     saved = newest_run_state(Path(args.load))
     if saved is None:
@@ -321,14 +321,14 @@ def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_p
 
 def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):
     """One model definition for every layout: plain, tensor-parallel, pipelined, or both."""
-    from .model import PMLMForPreTraining
-    from .parallel_layers import LocalLayers, MegatronCoreLayers
+    from .models.model import PMLMForPreTraining
+    from .parallel.layers import LocalLayers, MegatronCoreLayers
 
     layers = MegatronCoreLayers(config.init_std) if layout.tensor_parallel_size > 1 else LocalLayers()
     if layout.pipeline_parallel_size > 1:
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
-        from .pipeline import build_pipeline_model
+        from .models.pipeline import build_pipeline_model
 
         topology = PipeModelDataParallelTopology(num_pp=layout.pipeline_parallel_size,
                                                  num_mp=layout.tensor_parallel_size,

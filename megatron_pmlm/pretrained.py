@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, ModelConfig
-from .training import LATEST_FILE
+from .training.trainer import LATEST_FILE
 
 HF_EXPORT_DIR = "hf"
 """A fine-tuning `--save` directory keeps its Hugging Face export here."""

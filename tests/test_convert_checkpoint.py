@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from megatron_pmlm.config import ModelConfig  # noqa: E402
 from megatron_pmlm.hf import convert  # noqa: E402
 from megatron_pmlm.hf.convert import main  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
 
 # lr 1e-4 and one step: Adam moves every weight by at most ~lr, so every layout's converted
 # weights must agree with ZeRO-0's within 2 x lr, while a wrongly merged or renumbered tensor

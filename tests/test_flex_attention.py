@@ -14,13 +14,13 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_pmlm.accelerated import adamw_options, layer_norm
+from megatron_pmlm.models.accelerated import adamw_options, layer_norm
 from megatron_pmlm.config import ConfigError, MaskingConfig, model_config_from_preset
-from megatron_pmlm.flex_attention import FlexAttentionMask
-from megatron_pmlm.layout import PAD, build_batch
-from megatron_pmlm.masking import mask_example
-from megatron_pmlm.model import KeyValueCache, PMLMForPreTraining
-from megatron_pmlm.objectives import PMLM_OBJECTIVES, get_objective
+from megatron_pmlm.models.flex_attention import FlexAttentionMask
+from megatron_pmlm.models.layout import PAD, build_batch
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.models.model import KeyValueCache, PMLMForPreTraining
+from megatron_pmlm.training.objectives import PMLM_OBJECTIVES, get_objective
 from pmlm_testing import torchrun
 
 VOCAB = 200

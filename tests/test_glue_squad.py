@@ -24,7 +24,7 @@ from megatron_pmlm.finetune_squad import (compute_exact, compute_f1, normalize_a
                                           postprocess_qa_predictions, prepare_train_features,
                                           prepare_validation_features, read_squad, squad_evaluate)
 from megatron_pmlm.hf import convert  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining  # noqa: E402
 
 
 @pytest.fixture(scope="module")

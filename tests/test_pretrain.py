@@ -13,7 +13,7 @@ import pytest
 
 from pmlm_testing import REPO_ROOT, run_module
 from megatron_pmlm.config import ConfigError
-from megatron_pmlm.training import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
+from megatron_pmlm.training.trainer import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
 TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/par_acc", "train/lr",
               "train/grad_norm",

@@ -17,11 +17,11 @@ import torch
 from megatron_pmlm.config import UniLMMaskingConfig, model_config_from_preset
 from megatron_pmlm.data import PretrainingSamples, build_pretraining_loaders
 from megatron_pmlm.data.samples import A_LEN, A_START, B_LEN, DOCUMENT
-from megatron_pmlm.layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.objectives import get_objective
+from megatron_pmlm.models.layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.training.objectives import get_objective
 from megatron_pmlm.tokenizer import SpecialTokenIds
-from megatron_pmlm.unilm import (BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE,
+from megatron_pmlm.models.unilm import (BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE,
                                  UniLMBatchBuilder, sample_keys, build_unilm_batch, draw_lm_types,
                                  expected_visibility, ngram_masks)
 from pmlm_testing import run_module, torchrun

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..checkpoint_files import checkpoint_listing, file_checksums, manifest
+from ..training.checkpoint_files import checkpoint_listing, file_checksums, manifest
 from ..config import ConfigError, HelpFormatter, ModelConfig
 from ..files import replacing_folder
 
@@ -211,7 +211,7 @@ _LAYER_FILE = re.compile(r"layer_(\d+)-model_(\d+)-model_states\.pt")
 
 def _read_pipeline_states(tag_dir: Path, tp: int, config: ModelConfig) -> list[dict[str, torch.Tensor]]:
     """DeepSpeed pipeline layout: layer_XX-model_YY-model_states.pt, names relative to layer XX."""
-    from ..pipeline import TIED_KEY, canonical_parameter_name
+    from ..models.pipeline import TIED_KEY, canonical_parameter_name
 
     num_layers = config.num_layers
     tied_indices = (0, num_layers + 3)
@@ -297,7 +297,7 @@ def expected_shapes(config: ModelConfig, nsp_head: bool = False) -> dict[str, tu
 
 def trained_with_nsp_head(run_state: dict[str, Any]) -> bool:
     """Whether the run's objective (UniLM v1 with the bidirectional LM) has the next-sentence head."""
-    from ..objectives import OBJECTIVES
+    from ..training.objectives import OBJECTIVES
 
     objective = OBJECTIVES.get(run_state.get("args", {}).get("objective") or "ae+par")
     return bool(objective is not None and objective.next_sentence_prediction)
@@ -329,7 +329,7 @@ def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source
 
 def load_pretraining_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PretrainingCheckpoint:
     """The full fp32 state dict of any checkpoint our pre-training writes."""
-    from ..parallel_layers import merge_state_dicts
+    from ..parallel.layers import merge_state_dicts
 
     directory, tag = resolve_tag(load_dir, tag)
     tag_dir = directory / tag
@@ -727,9 +727,9 @@ def verify(hf_folder: Path, state: dict[str, torch.Tensor], config: ModelConfig,
     import torch.nn.functional as F
 
     from ..data.loader import PMLMBatchBuilder
-    from ..layout import IGNORE_INDEX, MASKED, PAD
-    from ..model import PMLMForPreTraining
-    from ..objectives import get_objective
+    from ..models.layout import IGNORE_INDEX, MASKED, PAD
+    from ..models.model import PMLMForPreTraining
+    from ..training.objectives import get_objective
 
     samples, metadata = held_out_samples(data_path)
     if samples.vocab_size != config.vocab_size:
@@ -815,7 +815,7 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
                    make_vocab_size_divisible_by: int = 128, add_rel_pos: bool = False, objective: str = "ae+par",
                    overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
     """A checkpoint `pretrain --load SAVE_DIR --finetune` starts from (weights only, iteration 0)."""
-    from ..parallel_layers import shard_state_dict
+    from ..parallel.layers import shard_state_dict
     from ..pretrain import padded_vocab_size
 
     hf_dir = Path(hf_dir)
@@ -837,11 +837,11 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
     if config.num_attention_heads % tensor_parallel_size:
         raise ConversionError(f"--tensor-model-parallel-size {tensor_parallel_size} does not divide the "
                               f"{config.num_attention_heads} attention heads")
-    from ..objectives import get_objective
+    from ..training.objectives import get_objective
 
     unilm = get_objective(objective)
     if unilm.is_unilm:
-        from ..unilm import TYPE_VOCAB_SIZE
+        from ..models.unilm import TYPE_VOCAB_SIZE
 
         config = dataclasses.replace(config, type_vocab_size=TYPE_VOCAB_SIZE)
     state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos,

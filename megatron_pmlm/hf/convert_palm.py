@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ConfigError
-from ..palm import PalmConfig, PalmForPreTraining
+from ..models.palm import PalmConfig, PalmForPreTraining
 from .convert import (LATEST_FILE, RUN_STATE_FILE, VERIFY_TOLERANCE, ConversionError, VerificationFailed,
                       _read_module_states, _read_zero_states, read_vocab, resolve_tag, staged_output,
                       write_hf_tokenizer)
@@ -79,7 +79,7 @@ class PalmCheckpoint:
 
 def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PalmCheckpoint:
     """The full fp32 state dict of a PALM pre-training checkpoint (ZeRO 0-3, any tensor-parallel size)."""
-    from ..parallel_layers import merge_state_dicts
+    from ..parallel.layers import merge_state_dicts
 
     directory, tag, run_state = run_state_of(load_dir, tag)
     tag_dir = directory / tag
@@ -208,9 +208,9 @@ def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig
     """Our model (TP=1, eval) and the Hugging Face model of `folder` on held-out pairs."""
     import numpy as np
 
-    from ..layout import IGNORE_INDEX, PAD
-    from ..palm import continuation_losses, final_distribution
-    from ..palm_data import PalmBatchBuilder
+    from ..models.layout import IGNORE_INDEX, PAD
+    from ..models.palm import continuation_losses, final_distribution
+    from ..data.palm_data import PalmBatchBuilder
 
     samples = held_out_pairs(data_path)
     if samples.vocab_size != config.vocab_size:

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .data.loader import PMLMBatchLoader, PretrainingLoaders, PretrainingSampler, validation_batches
-from .data.samples import A_LEN, A_START, B_LEN, B_START, PretrainingSamples, SamplesError, assemble_tokens, \
+from ..config import ConfigError
+from .loader import PMLMBatchLoader, PretrainingLoaders, PretrainingSampler, validation_batches
+from .samples import A_LEN, A_START, B_LEN, B_START, PretrainingSamples, SamplesError, assemble_tokens, \
     open_corpora, read_metadata
-from .layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
-from .palm import PalmBatch
+from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
+from ..models.palm import PalmBatch
 
 PALM_LAYOUT = "palm"
 """metadata.json's `layout` of a PALM samples directory (PMLM directories have none)."""

@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .masking import ExampleMasks
+from ..config import ConfigError
+from ..data.masking import ExampleMasks
 
 # Token roles. CONTEXT: unmasked tokens (specials included); MASKED: the [M] slots of the corrupted
 # sequence; ORIGINAL: appended copies of masked tokens; PSEUDO: appended [P]; PAD: padding.

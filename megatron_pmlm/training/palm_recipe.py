@@ -15,9 +15,9 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-from .config import ConfigError
+from ..config import ConfigError
 from .objectives import DEFAULT_OBJECTIVE
-from .palm import PALM_PRESETS, PALM_STAGES, PalmConfig, PalmForPreTraining, metrics_for_stage, \
+from ..models.palm import PALM_PRESETS, PALM_STAGES, PalmConfig, PalmForPreTraining, metrics_for_stage, \
     palm_config_from_preset
 
 PALM_TRAINING_DEFAULTS = {
@@ -100,10 +100,10 @@ def check_stage_of_checkpoint(args: argparse.Namespace) -> None:
 
 def run_palm(args: argparse.Namespace) -> int:
     """pretrain's `run` for --model palm (the same arguments)."""
-    from .data.samples import read_metadata
-    from .palm_data import check_palm_metadata
-    from .pretrain import needs_universal_checkpoint, padded_vocab_size, training_config_from_args
-    from .training import check_precision_supported, read_deepspeed_config
+    from ..data.samples import read_metadata
+    from ..data.palm_data import check_palm_metadata
+    from ..pretrain import needs_universal_checkpoint, padded_vocab_size, training_config_from_args
+    from .trainer import check_precision_supported, read_deepspeed_config
 
     stage = args.palm_stage
     if len(args.data_path) != 1:
@@ -152,10 +152,10 @@ def run_palm(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .distributed import MegatronMPU, initialize_model_parallel
-    from .palm_data import build_palm_loaders
-    from .parallel_layers import LocalLayers, MegatronCoreLayers
-    from .training import Trainer, seed_everything
+    from ..parallel.distributed import MegatronMPU, initialize_model_parallel
+    from ..data.palm_data import build_palm_loaders
+    from ..parallel.layers import LocalLayers, MegatronCoreLayers
+    from .trainer import Trainer, seed_everything
 
     layout = initialize_model_parallel(tp, 1, args.distributed_timeout_minutes)
     rank = dist.get_rank()

@@ -25,9 +25,9 @@ from torch import nn
 
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, checkpoint_dirs, checkpoint_listing,
                                checksum_note, checksum_share, file_checksums, manifest, newest_complete_checkpoint)
-from .config import ConfigError
-from .files import write_text_atomically
-from .layout import PMLMBatch
+from ..config import ConfigError
+from ..files import write_text_atomically
+from ..models.layout import PMLMBatch
 from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
 from .preflight import check_resumed_settings
 

@@ -31,9 +31,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
-from .layout import CONTEXT, ORIGINAL, PAD, PSEUDO
-from .model import KeyValueCache, PMLMForPreTraining
+from ..config import ConfigError
+from ..models.layout import CONTEXT, ORIGINAL, PAD, PSEUDO
+from ..models.model import KeyValueCache, PMLMForPreTraining
 
 BANNED_SCORE = -10000.0
 """s2s-ft's penalty for a banned word, a forced-short [SEP] and every step after a [SEP]: a large
@@ -528,7 +528,7 @@ class _PalmScorer:
         self.model, self.state, self.bos_id = model, state, bos_id
 
     def scores(self, step: int, previous: torch.Tensor | None) -> torch.Tensor:
-        from .palm import next_log_probs
+        from ..models.palm import next_log_probs
 
         if previous is None:
             previous = torch.full((self.state.encoder_hidden.shape[0],), self.bos_id, dtype=torch.long,
@@ -576,7 +576,7 @@ class PalmDecoder:
 
     @torch.inference_mode()
     def decode(self, contexts: Sequence[Sequence[int]]) -> DecodeOutput:
-        from .palm import start_decoding
+        from ..models.palm import start_decoding
 
         encoder_ids, roles = self.build_batch(contexts)
         state = start_decoding(self.model, encoder_ids, roles, encoder_ids)
@@ -632,7 +632,7 @@ def build_decoding_model(loaded, max_seq_length: int, dtype: torch.dtype = torch
     """The model of a `pretrained.LoadedModel` ready to decode: no dropout, a position table of at
     least max_seq_length rows (s2s-ft's reuse_position_embedding), eval mode. LayerNorm uses
     s2s-ft's decoder eps (1e-5) so the tokens match it; None keeps the trained value."""
-    from .pretrained import resize_position_embeddings
+    from ..pretrained import resize_position_embeddings
 
     overrides = dict(max_position_embeddings=max(loaded.config.max_position_embeddings, max_seq_length),
                      padded_vocab_size=0, hidden_dropout=0.0, attention_dropout=0.0)

@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from .config import ConfigError, UniLMMaskingConfig
-from .data.samples import A_LEN, A_START, B_LEN, B_START, CORPUS, DOCUMENT, PretrainingSamples, assemble_tokens
+from ..config import ConfigError, UniLMMaskingConfig
+from ..data.samples import A_LEN, A_START, B_LEN, B_START, CORPUS, DOCUMENT, PretrainingSamples, assemble_tokens
 from .layout import CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PMLMBatch
-from .metrics import UNILM_LM_TYPES
-from .masking import non_special_ids, splitmix64 as _splitmix64
+from ..training.metrics import UNILM_LM_TYPES
+from ..data.masking import non_special_ids, splitmix64 as _splitmix64
 
 LM_TYPES = UNILM_LM_TYPES
 BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ = range(4)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .checkpoint_files import LATEST_FILE, newest_complete_checkpoint
-from .config import ConfigError
+from ..config import ConfigError
 
 
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -202,7 +202,7 @@ def resumed_setting_changes(saved: dict[str, Any], run_args: dict[str, Any], tra
 def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[str, Any],
                            training_config: dict[str, Any], finetune: bool, log: Callable[[str], None]) -> None:
     """Refuse (CheckpointError, naming the fields) or list the changed settings in one line."""
-    from .training import CheckpointError
+    from .trainer import CheckpointError
 
     layout, meaning, changed = resumed_setting_changes(saved, run_args, training_config, finetune)
     if layout:
