@@ -23,8 +23,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from .config import ConfigError
-from .decode_s2s import InputError, check_batch_and_output, encode_sources, read_sources
-from .files import logs_to_stderr, write_text_atomically
+from .files import InputError, logs_to_stderr, write_text_atomically
+from .generation.sources import check_batch_and_output, encode_sources, read_sources
 
 DEFAULT_MAX_TARGET_LENGTH = 100
 """PALM's continuations: at most 100 tokens (§3.1)."""

@@ -27,15 +27,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import OutputError, check_output, logs_to_stderr, write_json_atomically
+from .files import InputError, OutputError, check_output, logs_to_stderr, write_json_atomically
 
 TOKENIZERS = ("bert", "13a", "none")
 NO_METEOR = ("METEOR is not reported: nltk's meteor_score needs the WordNet corpus downloaded at "
              "run time, and nothing here may download data while it runs.")
-
-
-class InputError(ValueError):
-    """Bad input files or options; the command line prints it as one `error:` line and exits 2."""
 
 
 def normalise(texts: list[str], tokenize: str = "bert", lowercase: bool = True) -> list[str]:

@@ -10,14 +10,10 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from ..files import write_json_atomically
+from ..files import InputError, write_json_atomically
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
-
-
-class InputError(ValueError):
-    """Bad input (options, data, model); the command line prints it as one `error:` line and exits 2."""
 
 
 # ------------------------------------------------------------------------------------------------
