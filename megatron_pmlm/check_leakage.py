@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset
-from .models.layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
-                     build_batch, pmlm_attention_allowed)
+from .data.batches import build_batch
 from .data.masking import mask_example
+from .models.layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
+                            pmlm_attention_allowed)
 from .models.model import PMLMForPreTraining
-from .training.objectives import OBJECTIVES, get_objective
+from .models.objectives import OBJECTIVES, get_objective
 from .models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 
 # Unmoved outputs are bit-identical up to batched-matmul reassociation (~1e-15 in float64);
@@ -230,7 +231,9 @@ def check_unilm_example(model: PMLMForPreTraining, ids: np.ndarray, segments: np
     moved with SPEC §8's table (unilm.expected_visibility, written without roles or steps). Exact
     both ways: no output reacts to a token it may not see, every output reacts to every token it may."""
     from .tokenizer import SpecialTokenIds
-    from .models.unilm import LM_TYPES, UniLMMaskingConfig, build_unilm_batch, expected_visibility
+    from .config import UniLMMaskingConfig
+    from .data.unilm_batches import build_unilm_batch, expected_visibility
+    from .models.unilm import LM_TYPES
 
     special = SpecialTokenIds(pad=PAD_ID, unk=PAD_ID, cls=CLS_ID, sep=SEP_ID, mask=MASK_ID, pseudo=PSEUDO_ID)
     length = len(ids)

@@ -20,9 +20,12 @@ from typing import Sequence
 
 from .config import ConfigError
 from .parallel.distributed import ends_process_groups
+from .training.checkpoint_files import LATEST_FILE
 from .training.preflight import check_run_paths
 from .models.seq2seq import MODES, Seq2SeqConfig
-from .training.trainer import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
+from .training.trainer import ExitSignal
+from .training.checkpoint_files import CheckpointError
+from .training.training_config import TrainingConfig, check_precision_supported
 
 TRAINING_DEFAULTS = dict(
     # s2s-ft: code defaults (run_seq2seq.py) and the paper's Appendix A where the code has none.
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                          max_position_embeddings=max(loaded.config.max_position_embeddings, s2s.max_length), **dropout)
     except ConfigError as error:
         raise ConfigError(f"model config: {error}") from None
-    from .training.trainer import read_deepspeed_config
+    from .training.training_config import read_deepspeed_config
 
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
@@ -155,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .parallel.distributed import MegatronMPU, initialize_model_parallel
-    from .pretrain import flops_per_token
+    from .training.recipe import flops_per_token
     from .training.trainer import Trainer, seed_everything
 
     layout = initialize_model_parallel(1, 1)
@@ -208,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
-    if args.save and rank == 0 and (Path(args.save) / "latest").is_file():  # none: stopped before a first save
+    if args.save and rank == 0 and (Path(args.save) / LATEST_FILE).is_file():  # none: stopped before a first save
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
     return trainer.exit_status
@@ -221,7 +224,6 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     from .files import write_json_atomically
     from .hf.convert import export_to_hf
     from .pretrained import HF_EXPORT_DIR
-    from .training.trainer import LATEST_FILE
 
     save_dir = Path(save_dir)
     output = save_dir / HF_EXPORT_DIR

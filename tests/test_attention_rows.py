@@ -20,7 +20,7 @@ from megatron_pmlm.data import build_pretraining_loaders
 from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM
 from megatron_pmlm.models.layout import PAD, PMLMBatch, pmlm_attention_allowed
 from megatron_pmlm.models.model import attention_bias
-from megatron_pmlm.training.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
+from megatron_pmlm.models.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
 from pmlm_testing import run_module
 
 MICRO_BATCH = 16

@@ -15,7 +15,7 @@ from pmlm_testing import run_module
 from megatron_pmlm.models.layout import pmlm_attention_allowed
 from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.models.seq2seq import (Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng,
-                                   label_smoothed_loss)
+                                          label_smoothed_loss)
 
 SPECIAL = SpecialIds(cls=101, sep=102, mask=103, pad=0)  # bert-base-uncased ids
 

@@ -31,7 +31,7 @@ from megatron_pmlm.config import model_config_from_preset
 from megatron_pmlm.data import build_pretraining_loaders
 from megatron_pmlm.models.layout import PAD, PMLMBatch, padded_width
 from megatron_pmlm.models.model import PMLMForPreTraining
-from megatron_pmlm.training.objectives import OBJECTIVES, get_objective
+from megatron_pmlm.models.objectives import OBJECTIVES, get_objective
 from pmlm_testing import REPO_ROOT, run_module, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -136,7 +136,7 @@ def _vocab_size(samples: Path) -> int:
 
 
 def test_fused_adamw_takes_the_steps_of_the_unfused_one(gpu_corpus):
-    from megatron_pmlm.training.trainer import adamw_options, parameter_groups
+    from megatron_pmlm.training.training_config import adamw_options, parameter_groups
 
     samples, _ = gpu_corpus
     batch = _batch(samples, "ae+par", 8).to(DEVICE)

@@ -16,9 +16,10 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..config import ConfigError
-from ..models.layout import PMLMBatch, build_batch
+from ..models.layout import PMLMBatch
+from .batches import build_batch
 from .masking import ExampleMasks, splitmix64 as _splitmix64
-from ..training.objectives import Objective, get_objective
+from ..models.objectives import Objective, get_objective
 from .samples import PretrainingSamples, SamplesError, open_corpora, read_metadata
 
 
@@ -76,7 +77,7 @@ def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, 
     `unilm_masking`, a config.UniLMMaskingConfig; None: the paper's values)."""
     if objective.is_unilm:
         from ..config import UniLMMaskingConfig
-        from ..models.unilm import UniLMBatchBuilder
+        from .unilm_batches import UniLMBatchBuilder
 
         return UniLMBatchBuilder(samples, objective, seed, max_length, unilm_masking or UniLMMaskingConfig())
     return PMLMBatchBuilder(samples, objective, seed, max_length)

@@ -4,10 +4,10 @@ the checkpoint's run was `pretrain --model palm`).
     python tools/convert_checkpoint.py --load SAVE_DIR [--tag iter_N] --output HF_DIR [--verify]
 
 The full fp32 state dict is rebuilt from any layout PALM trains with (ZeRO 0-3, tensor parallel)
-by convert.py's readers, the vocabulary padding is cut off, and the folder is written: config.json
-(BertConfig fields + num_decoder_layers, copy_attention_size, auto_map), pytorch_model.bin or
-model.safetensors in our names, the tokenizer files, and the remote code `configuration_palm.py` /
-`modeling_palm.py`. `--verify` runs our model and the Hugging Face one on held-out pairs and fails
+by training/checkpoint_reader.py's readers, the vocabulary padding is cut off, and the folder is
+written: config.json (BertConfig fields + num_decoder_layers, copy_attention_size, auto_map),
+pytorch_model.bin or model.safetensors in our names, the tokenizer files, and the remote code
+`configuration_palm.py` / `modeling_palm.py`. `--verify` runs our model and the Hugging Face one on held-out pairs and fails
 above a difference of 1e-4 in the decoder's vocabulary logits, the final distribution P, the
 encoder's MLM logits or the continuation NLL. Importing a PALM folder back is not supported.
 """
@@ -27,26 +27,15 @@ import torch
 
 from ..config import ConfigError
 from ..models.palm import PalmConfig, PalmForPreTraining
-from .convert import (LATEST_FILE, RUN_STATE_FILE, VERIFY_TOLERANCE, ConversionError, VerificationFailed,
-                      _read_module_states, _read_zero_states, read_vocab, resolve_tag, staged_output,
-                      write_hf_tokenizer)
+from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
+from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
+from .convert import VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
 from . import convert
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
 PALM_AUTO_MAP = {"AutoConfig": "configuration_palm.PalmConfig",
                  "AutoModel": "modeling_palm.PalmForConditionalGeneration"}
 PALM_PADDED_VOCAB_KEYS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
-
-
-def run_state_of(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str, dict[str, Any]]:
-    directory, tag = resolve_tag(load_dir, tag)
-    path = directory / tag / RUN_STATE_FILE
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: {directory / tag} is not a megatron-pmlm checkpoint")
-    try:
-        return directory, tag, json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON ({error})") from None
 
 
 def is_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
@@ -88,9 +77,9 @@ def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) ->
     training = run_state.get("training_config", {})
     zero_stage, precision = int(training.get("zero_stage") or 0), training.get("precision", "fp32")
     if zero_stage == 3 or (zero_stage > 0 and precision != "fp32"):
-        shards, source = _read_zero_states(tag_dir, tp), "ZeRO fp32 partitions (DeepSpeed zero_to_fp32)"
+        shards, source = read_zero_states(tag_dir, tp), "ZeRO fp32 partitions (DeepSpeed zero_to_fp32)"
     else:
-        shards, source = _read_module_states(tag_dir, tp), "mp_rank model states"
+        shards, source = read_module_states(tag_dir, tp), "mp_rank model states"
     try:
         state = merge_state_dicts(shards)
     except RuntimeError as error:

@@ -24,7 +24,7 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
                              flex_attention_forward, flex_capability_problem)
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
                      predicted_slots)
-from ..training.objectives import Objective, get_objective
+from .objectives import Objective, get_objective
 from ..parallel.layers import LocalLayers, ParallelLayers
 
 if TYPE_CHECKING:

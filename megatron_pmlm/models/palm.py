@@ -28,10 +28,10 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
-from ..training.metrics import MetricSpec
+from .metrics import MetricSpec
 from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfAttention, BertSelfOutput,
                     LayerKeyValues, PMLMLosses, initialize_weights, padding_logit_bias, pmlm_losses)
-from ..training.objectives import get_objective
+from .objectives import get_objective
 from ..parallel.layers import LocalLayers, ParallelLayers
 
 PALM_STAGES = (1, 2)

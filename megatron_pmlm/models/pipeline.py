@@ -30,7 +30,7 @@ from .layout import MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_atten
 from .flex_attention import build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
-from ..training.objectives import Objective
+from .objectives import Objective
 from ..parallel.layers import ParallelLayers
 
 TIED_KEY = "word_embeddings"

@@ -23,7 +23,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 def check_model_path(path: str | os.PathLike) -> str:
     """'hf' (a Hugging Face folder: config.json, weights, vocab.txt) or 'checkpoint' (a directory with
     `latest`), else InputError. Nothing is read beyond file names."""
-    from ..training.trainer import LATEST_FILE
+    from ..training.checkpoint_files import LATEST_FILE
 
     path = Path(path)
     if not path.exists():
@@ -48,7 +48,7 @@ def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str]
     from ..config import ConfigError
     from ..hf.convert import ConversionError, export_to_hf
     from ..pretrained import HF_EXPORT_DIR
-    from ..training.trainer import LATEST_FILE
+    from ..training.checkpoint_files import LATEST_FILE
 
     path = Path(path)
     if check_model_path(path) == "hf":

@@ -38,8 +38,8 @@ import numpy as np
 
 from ..files import write_json_atomically
 from .hf_trainer import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
-                            load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
-                            resolve_model, save_fine_tuned, training_arguments)
+                         load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
+                         resolve_model, save_fine_tuned, training_arguments)
 
 SQUAD_DEFAULTS = dict(learning_rate=2e-5, per_device_train_batch_size=32, num_train_epochs=4.0, warmup_ratio=0.1,
                       weight_decay=0.01)

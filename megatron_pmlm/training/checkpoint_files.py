@@ -30,6 +30,10 @@ sha256's speed, so hashing a checkpoint costs a fraction of writing it (docs/ben
 _CHUNK_BYTES = 8 << 20
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint to load is missing, incomplete or incompatible; the message says how to proceed."""
+
+
 def _hasher(algorithm: str):
     if algorithm in ("xxh3_128", "xxh3_64", "xxh64"):
         import xxhash

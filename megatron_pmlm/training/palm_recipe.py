@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..config import ConfigError
-from .objectives import DEFAULT_OBJECTIVE
+from ..models.objectives import DEFAULT_OBJECTIVE
 from ..models.palm import PALM_PRESETS, PALM_STAGES, PalmConfig, PalmForPreTraining, metrics_for_stage, \
     palm_config_from_preset
 
@@ -102,8 +102,8 @@ def run_palm(args: argparse.Namespace) -> int:
     """pretrain's `run` for --model palm (the same arguments)."""
     from ..data.samples import read_metadata
     from ..data.palm_data import check_palm_metadata
-    from ..pretrain import needs_universal_checkpoint, padded_vocab_size, training_config_from_args
-    from .trainer import check_precision_supported, read_deepspeed_config
+    from .recipe import needs_universal_checkpoint, padded_vocab_size, training_config_from_args
+    from .training_config import check_precision_supported, read_deepspeed_config
 
     stage = args.palm_stage
     if len(args.data_path) != 1:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.parallel.distributed import ends_process_groups, initialize_model_parallel
-from megatron_pmlm.models.layout import build_batch
+from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.parallel.layers import MegatronCoreLayers, shard_state_dict, merge_state_dicts
