@@ -157,20 +157,17 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .parallel.distributed import MegatronMPU, initialize_model_parallel
-    from .training.recipe import flops_per_token
+    from .parallel.distributed import MegatronMPU
+    from .training.recipe import flops_per_token, start_processes
     from .training.trainer import Trainer, seed_everything
 
-    layout = initialize_model_parallel(1, 1)
-    rank = dist.get_rank()
-    _, dp_rank, _ = layout.coordinates(rank)
+    processes = start_processes(training, 1, 1)
+    layout, rank, dp_rank, log = processes.layout, processes.rank, processes.data_parallel_rank, processes.log
     data_parallel_size = layout.data_parallel_size
-    training.gradient_accumulation_steps(data_parallel_size)
     if valid_examples is not None and not args.eval_iters:
         training = replace(training, eval_iters=max(1, math.ceil(len(valid_examples) / (
             training.micro_batch_size * data_parallel_size))))
     seed_everything(training.seed)
-    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
     model = PMLMForSeq2Seq(config, s2s, pad_token_id=special.pad, init_seed=training.seed)
     state = resize_position_embeddings(loaded.state_dict, config.max_position_embeddings)
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import asdict, replace
+from dataclasses import replace
 from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
@@ -20,7 +20,8 @@ from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_obj
 from .training.preflight import check_run_paths
 from .models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
-from .training.recipe import flops_per_token, needs_universal_checkpoint, padded_vocab_size, training_config_from_args
+from .training.recipe import (PretrainingRun, flops_per_token, padded_vocab_size, run_pretraining,
+                              training_config_from_args)
 from .training.trainer import ExitSignal
 from .training.checkpoint_files import CheckpointError
 from .training.training_config import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig,
@@ -206,50 +207,32 @@ def run(args: argparse.Namespace) -> int:
 
     check_attention_backend(model_config, training_device_type())
 
-    import torch.distributed as dist
-
-    from .parallel.distributed import MegatronMPU, initialize_model_parallel
-    from .training.trainer import Trainer, seed_everything
-
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
 
-    layout = initialize_model_parallel(tp, pp, args.distributed_timeout_minutes)
-    rank = dist.get_rank()
-    tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
-    training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
-    # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
-    seed_everything(training.seed + 100 * pp_rank)
-    model = build_model(model_config, objective, layout, args.checkpoint_activations, training.seed)
-    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
-    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
-    log(f"model: preset {args.preset} ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
-        f"{model_config.num_attention_heads} heads, vocabulary {vocab_size} padded to {model_config.embedding_rows}), "
-        f"objective {objective.name}, relative position bias {'on' if model_config.rel_pos else 'off'}")
-    log(f"parallelism: world {layout.world_size} = data {layout.data_parallel_size} x tensor {tp} x pipeline {pp}; "
-        f"ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}, "
-        f"global batch {training.global_batch_size} ({training.gradient_accumulation_steps(layout.data_parallel_size)} "
-        "accumulation steps)")
-    trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
-                      pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
-                      tensorboard_dir=args.tensorboard_dir, log=print, metrics=objective_metrics(objective),
-                      universal_checkpoint=universal,
-                      history_path=args.history_json,
-                      run_args={**vars(args), "model_config": asdict(model_config)})
-    if args.load:
-        trainer.load_checkpoint(args.load, expected_model_config=asdict(model_config), finetune=args.finetune)
-    loaders = build_pretraining_loaders(
-        args.data_path, training.micro_batch_size, dp_rank, layout.data_parallel_size,
-        consumed_samples=trainer.consumed_samples, objective=objective, seed=training.seed,
-        max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
-        global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
-        unilm_masking=unilm_masking)
-    log(f"data: {len(loaders.train_samples):,} training samples"
-        + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
-        + f" from {args.data_path}")
-    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
-    dist.barrier()
-    return trainer.exit_status
+    def build_loaders(processes, consumed_samples):
+        return build_pretraining_loaders(
+            args.data_path, training.micro_batch_size, processes.data_parallel_rank,
+            processes.layout.data_parallel_size, consumed_samples=consumed_samples, objective=objective,
+            seed=training.seed, max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
+            global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
+            unilm_masking=unilm_masking)
+
+    return run_pretraining(args, PretrainingRun(
+        model_config=model_config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        build_model=lambda layout: build_model(model_config, objective, layout, args.checkpoint_activations,
+                                               training.seed),
+        describe_model=f"model: preset {args.preset} ({model_config.num_layers} layers, hidden "
+                       f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocabulary {vocab_size} "
+                       f"padded to {model_config.embedding_rows}), objective {objective.name}, relative position bias "
+                       f"{'on' if model_config.rel_pos else 'off'}",
+        flops_per_token=flops_per_token(model_config, seq_length), metrics=objective_metrics(objective),
+        build_loaders=build_loaders,
+        describe_data=lambda loaders: (
+            f"data: {len(loaders.train_samples):,} training samples"
+            + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
+            + f" from {args.data_path}")))
 
 
 def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):

@@ -1,12 +1,14 @@
 """What every training command shares: the padded vocabulary, the TrainingConfig from the
-command line and the DeepSpeed file, the model FLOPs per token, and whether a resume needs
-DeepSpeed's universal checkpoint."""
+command line and the DeepSpeed file, the model FLOPs per token, whether a resume needs DeepSpeed's
+universal checkpoint, and the run itself (`start_processes`; `run_pretraining` for PMLM, UniLM and
+PALM pre-training, which hand it a `PretrainingRun`)."""
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
 from .training_config import PRESET_TRAINING_DEFAULTS, TrainingConfig
@@ -79,3 +81,100 @@ def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_p
         raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use --zero-stage 1, 2 "
                           "or 3")
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# The run: processes, model, Trainer, checkpoint, data, iterations
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Processes:
+    """This process's place in the run, once the process groups exist."""
+
+    layout: Any
+    """parallel.distributed.ParallelLayout"""
+    rank: int
+    data_parallel_rank: int
+    pipeline_rank: int
+    log: Callable[[str], None]
+    """print on the last rank (the one that logs the loss), silent elsewhere."""
+
+
+def start_processes(training: TrainingConfig, tensor_parallel_size: int, pipeline_parallel_size: int,
+                    timeout_minutes: float | None = None) -> Processes:
+    """Process groups (megatron-core's), this rank's coordinates, the batch checked on every rank."""
+    import torch.distributed as dist
+
+    from ..parallel.distributed import initialize_model_parallel
+
+    timeout = {} if timeout_minutes is None else {"timeout_minutes": timeout_minutes}
+    layout = initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, **timeout)
+    rank = dist.get_rank()
+    _, dp_rank, pp_rank = layout.coordinates(rank)
+    training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
+    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
+    return Processes(layout, rank, dp_rank, pp_rank, log)
+
+
+def parallelism_line(training: TrainingConfig, layout, pipeline: bool = True) -> str:
+    """The 'parallelism: ...' log line."""
+    tp, pp = layout.tensor_parallel_size, layout.pipeline_parallel_size
+    sizes = f"data {layout.data_parallel_size} x tensor {tp}" + (f" x pipeline {pp}" if pipeline else "")
+    return (f"parallelism: world {layout.world_size} = {sizes}; "
+            f"ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}, "
+            f"global batch {training.global_batch_size} "
+            f"({training.gradient_accumulation_steps(layout.data_parallel_size)} accumulation steps)")
+
+
+@dataclass
+class PretrainingRun:
+    """What a model family (PMLM/UniLM, PALM) hands the one pre-training recipe, `run_pretraining`."""
+
+    model_config: Any
+    """The model's config dataclass (saved with every checkpoint, checked at resume)."""
+    training: TrainingConfig
+    ds_config: dict | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    build_model: Callable[[Any], Any]
+    """layout -> the model (seeded already)."""
+    describe_model: str
+    flops_per_token: float
+    metrics: Any
+    build_loaders: Callable[[Processes, int], Any]
+    """(processes, consumed samples) -> data.PretrainingLoaders."""
+    describe_data: Callable[[Any], str]
+    show_pipeline: bool = True
+    """Whether the parallelism line names the pipeline size (PALM has none)."""
+
+
+def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
+    """The recipe every pre-training shares, once the arguments are checked: process groups, seed,
+    model, the universal-checkpoint decision, Trainer, resume, data, iterations. The exit status."""
+    import torch.distributed as dist
+
+    from ..parallel.distributed import MegatronMPU
+    from .trainer import Trainer, seed_everything
+
+    training = plan.training
+    processes = start_processes(training, plan.tensor_parallel_size, plan.pipeline_parallel_size,
+                                args.distributed_timeout_minutes)
+    layout, log = processes.layout, processes.log
+    # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
+    seed_everything(training.seed + 100 * processes.pipeline_rank)
+    model = plan.build_model(layout)
+    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
+    log(plan.describe_model)
+    log(parallelism_line(training, layout, plan.show_pipeline))
+    trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=MegatronMPU(),
+                      pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
+                      tensorboard_dir=args.tensorboard_dir, log=print, metrics=plan.metrics,
+                      universal_checkpoint=universal, history_path=args.history_json,
+                      run_args={**vars(args), "model_config": asdict(plan.model_config)})
+    if args.load:
+        trainer.load_checkpoint(args.load, expected_model_config=asdict(plan.model_config), finetune=args.finetune)
+    loaders = plan.build_loaders(processes, trainer.consumed_samples)
+    log(plan.describe_data(loaders))
+    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
+    dist.barrier()
+    return trainer.exit_status
