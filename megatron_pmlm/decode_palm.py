@@ -9,8 +9,8 @@
 The model is a PALM pre-training checkpoint directory (`pretrain --model palm --save`) or its
 converted Hugging Face folder. Input: one context per line, or the `src` field of each .jsonl line.
 The encoder reads `[CLS] context [SEP]`; the decoder starts from [CLS] and generates under the copy
-distribution P = λ P^v + (1 - λ) P^c until [SEP] (greedy, or the beam search of decoding.py with its
-n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically
+distribution P = λ P^v + (1 - λ) P^c until [SEP] (greedy, or the beam search of generation/search.py
+with its n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically
 (`-`: standard output, the messages then go to standard error; a FIFO or device is written through).
 """
 
@@ -85,7 +85,7 @@ def build_palm_decoding_model(loaded, device: str = "cpu"):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .generation.decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.search import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     if args.max_context_length < 3:
@@ -99,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .generation.decoding import PalmDecoder, decode_in_batches, detokenize, generated_length
+    from .generation.decoding import PalmDecoder, decode_in_batches
+    from .generation.search import detokenize, generated_length
     from .hf.convert import ConversionError
     from .hf.convert_palm import load_palm
     from .tokenizer import WordPieceTokenizer

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .generation.decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.search import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     target_length, seq_length = lengths_from_model(args, {})
@@ -114,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .generation.decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches, detokenize, generated_length
+    from .generation.decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches
+    from .generation.search import detokenize, generated_length
     from .pretrained import load_model
     from .tokenizer import WordPieceTokenizer
 

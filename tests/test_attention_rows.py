@@ -127,7 +127,8 @@ class RowCheckingRule:
 @pytest.mark.parametrize("pos_shift", [False, True], ids=["standard", "pos_shift"])
 def test_decoding_steps_cached_and_recomputed(qg_examples, tokenizer, pos_shift):
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.generation.decoding import DecodingConfig, Seq2SeqDecoder
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig
     from megatron_pmlm.models.model import PMLMForPreTraining
 
     config = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, hidden_dropout=0.0,

@@ -16,9 +16,9 @@ import torch
 
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.decode_s2s import main
-from megatron_pmlm.generation.decoding import (
-    DecodingConfig, NGramBlocker, Seq2SeqDecoder, build_decoder_batch, choose_hypotheses, detokenize,
-    parse_ignore_tokens)
+from megatron_pmlm.generation.decoding import Seq2SeqDecoder, build_decoder_batch
+from megatron_pmlm.generation.search import (DecodingConfig, NGramBlocker, choose_hypotheses, detokenize,
+                                             parse_ignore_tokens)
 from megatron_pmlm.models.layout import PSEUDO, pmlm_attention_allowed
 from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.tokenizer import WordPieceTokenizer

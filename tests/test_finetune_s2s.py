@@ -326,7 +326,7 @@ def test_two_data_parallel_processes_with_zero2_reproduce_one(tiny_hf_model, qg_
 def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_model, shared_data, tmp_path):
     """Training and decoding agree on the layout: what the [P] slots learned, the cached decoder
     generates (greedy and beam), for every pair (targets as the tokenizer splits and cuts them)."""
-    from megatron_pmlm.generation.decoding import detokenize
+    from megatron_pmlm.generation.search import detokenize
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
     pairs, seen = [], set()

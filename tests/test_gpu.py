@@ -236,7 +236,8 @@ SOURCES = ["the american football conference champion denver broncos defeated th
 @pytest.mark.parametrize("pos_shift", [False, True], ids=["standard", "pos_shift"])
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cached_decoding_equals_recomputing_the_prefix_on_cuda(gpu_corpus, pos_shift, beam):
-    from megatron_pmlm.generation.decoding import DecodingConfig, Seq2SeqDecoder
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
     _, vocab = gpu_corpus

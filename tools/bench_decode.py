@@ -97,7 +97,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
 
-    from megatron_pmlm.generation.decoding import DecodingConfig, Seq2SeqDecoder, generated_length
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig, generated_length
 
     model, tokenizer, special, (source_type, target_type), description = build(args)
     sources, source_description = load_sources(tokenizer, args.sources, model.config.vocab_size, args.seed)
