@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
 
     from .generation.decoding import PalmDecoder, decode_in_batches
     from .generation.search import detokenize, generated_length
-    from .hf.convert import ConversionError
+    from .training.checkpoint_reader import ConversionError
     from .hf.convert_palm import load_palm
     from .tokenizer import WordPieceTokenizer
 

@@ -83,7 +83,8 @@ def _check_vocab(vocab_file: Path, config: ModelConfig, source: str) -> None:
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
-    from .hf.convert import ConversionError, from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from .hf.pmlm_adapter import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from .training.checkpoint_reader import ConversionError
 
     config_file = folder / "config.json"
     try:
@@ -106,7 +107,8 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
 
 def load_checkpoint_dir(directory: Path) -> LoadedModel:
-    from .hf.convert import find_vocab_file, to_hf_state_dict
+    from .hf.convert import find_vocab_file
+    from .hf.pmlm_adapter import to_hf_state_dict
     from .training.checkpoint_reader import load_pretraining_checkpoint
 
     checkpoint = load_pretraining_checkpoint(directory)

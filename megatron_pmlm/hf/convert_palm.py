@@ -30,6 +30,7 @@ from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
 from .convert import VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
+from .pmlm_adapter import read_hf_weights
 from . import convert
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
@@ -300,7 +301,7 @@ def load_palm(path: str | os.PathLike) -> LoadedPalm:
         if hf.get("model_type") != "palm":
             raise ConversionError(f"{path} holds a {hf.get('model_type')!r} model, not PALM")
         config = palm_config_from_hf(hf, str(path / "config.json"))
-        state = convert.read_hf_weights(path)
+        state = read_hf_weights(path)
         tokenizer_config = path / "tokenizer_config.json"
         lower = json.loads(tokenizer_config.read_text()).get("do_lower_case", True) if tokenizer_config.is_file() else True
         return LoadedPalm(config, state, path / "vocab.txt", bool(lower), f"Hugging Face folder {path}")

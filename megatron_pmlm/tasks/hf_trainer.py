@@ -46,7 +46,8 @@ def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str]
     is of the latest checkpoint, else `convert_to` (converted now with export_to_hf, or reused when
     it already holds this checkpoint)."""
     from ..config import ConfigError
-    from ..hf.convert import ConversionError, export_to_hf
+    from ..hf.convert import export_to_hf
+    from ..training.checkpoint_reader import ConversionError
     from ..pretrained import HF_EXPORT_DIR
     from ..training.checkpoint_files import LATEST_FILE
 
