@@ -14,18 +14,12 @@ from typing import Sequence
 
 from .parallel.distributed import ends_process_groups
 from .tasks.glue import build_parser, run
-from .tasks.hf_trainer import InputError
+from .tasks.hf_trainer import run_command
 
 
 @ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        run(args)
-    except InputError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(build_parser, run, argv)
 
 
 if __name__ == "__main__":

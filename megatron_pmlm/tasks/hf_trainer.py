@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -212,3 +213,15 @@ def remove_if_created_empty(folder: Path, existed: bool) -> None:
     """Leave nothing behind for bad input: a folder this run created and left empty goes."""
     if not existed and folder.is_dir() and not any(folder.iterdir()):
         folder.rmdir()
+
+
+def run_command(build_parser: Callable[[], argparse.ArgumentParser], run: Callable[[argparse.Namespace], Any],
+                argv=None) -> int:
+    """A fine-tuning command's main: parse, run; bad input is one `error:` line and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        run(args)
+    except InputError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
