@@ -433,6 +433,11 @@ class PMLMForPreTraining(nn.Module):
         initialize_weights(self, config, init_seed, getattr(self.layers, "tensor_parallel_rank", 0),
                            self.layers.tensor_parallel_size)
 
+    def zero3_external_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs ZeRO-3 must be told of, a module reading a parameter another
+        module owns: the tied softmax reads the embedding's weight."""
+        return [(self.cls.predictions, self.bert.embeddings.word_embeddings.weight)]
+
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
 

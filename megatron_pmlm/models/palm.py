@@ -397,6 +397,13 @@ class PalmForPreTraining(nn.Module):
     def word_embeddings(self) -> nn.Module:
         return self.bert.embeddings.word_embeddings
 
+    def zero3_external_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs ZeRO-3 must be told of, a module reading a parameter another
+        module owns: the tied MLM softmax, the decoder's input and W^e of the vocabulary
+        distribution read the word embedding's weight."""
+        weight = self.word_embeddings.weight
+        return [(self.cls.predictions, weight), (self.decoder.embeddings, weight), (self.pointer_generator, weight)]
+
     def encode(self, encoder_ids, encoder_roles) -> torch.Tensor:
         """Final encoder states [B, S]; context and [M] slots see each other, padding is unseen."""
         positions = torch.arange(encoder_ids.shape[1], device=encoder_ids.device)[None].expand_as(encoder_ids)

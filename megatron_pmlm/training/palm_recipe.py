@@ -156,14 +156,7 @@ def run_palm(args: argparse.Namespace) -> int:
         layers = MegatronCoreLayers(config.init_std) if tp > 1 else LocalLayers()
         model = PalmForPreTraining(config, layers, stage=stage, init_seed=training.seed)
         model.bert.encoder.checkpoint_activations = model.decoder.checkpoint_activations = args.checkpoint_activations
-        if training.zero_stage == 3:
-            import deepspeed
-
-            # The decoder's input and W^e of the vocabulary distribution read the word embedding's
-            # weight outside its module.
-            for module in (model.decoder.embeddings, model.pointer_generator):
-                deepspeed.zero.register_external_parameter(module, model.word_embeddings.weight)
-        return model
+        return model  # its ZeRO-3 external parameters: PalmForPreTraining.zero3_external_parameters
 
     def build_loaders(processes, consumed_samples):
         return build_palm_loaders(args.data_path, training.micro_batch_size, stage, processes.data_parallel_rank,

@@ -150,10 +150,10 @@ class Trainer:
             # the hidden state is the sole tensor needing a gradient; ours also sends the attention
             # bias (it carries the relative-position table's gradient), so send both whole.
             self.ds_config.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-        if config.zero_stage == 3 and hasattr(model, "cls"):
-            # The tied softmax reads the embedding's weight outside the embedding module.
-            deepspeed.zero.register_external_parameter(model.cls.predictions,
-                                                       model.bert.embeddings.word_embeddings.weight)
+        if config.zero_stage == 3:
+            # Modules reading a parameter another module owns (tied weights), as the model lists them.
+            for module, parameter in getattr(model, "zero3_external_parameters", list)():
+                deepspeed.zero.register_external_parameter(module, parameter)
         # DeepSpeed reports the gradient norm from its ZeRO, fp16 and bf16 optimizers (which
         # accept only the stock AdamW); in plain fp32 our AdamW measures it.
         tracks_norm = config.zero_stage == 0 and config.precision == "fp32"
