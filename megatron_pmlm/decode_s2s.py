@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
-from .config import ConfigError
-from .files import InputError, logs_to_stderr, write_text_atomically
-from .generation.sources import check_batch_and_output, encode_sources, read_sources
+from .files import InputError
+from .generation.commands import (check_batch_and_output, decode_and_write, encode_sources, read_sources,
+                                  run_decode_command)
 
 
 def half_matmul_works(device: str) -> bool:
@@ -90,13 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with logs_to_stderr(args.output):
-            return run(args)
-    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_decode_command(build_parser, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,8 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .generation.decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches
-    from .generation.search import detokenize, generated_length
+    from .generation.decoding import Seq2SeqDecoder, build_decoding_model
     from .pretrained import load_model
     from .tokenizer import WordPieceTokenizer
 
@@ -140,18 +132,7 @@ def run(args: argparse.Namespace) -> int:
           f"{'greedy' if config.beam_size == 1 else f'beam {config.beam_size}'}, {len(encoded)} sources "
           f"(cut to {config.max_source_tokens} wordpieces)", file=sys.stderr)
 
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
-    seconds = time.perf_counter() - started
-    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
-    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
-    stop_ids = {tokenizer.special.sep, tokenizer.special.pad}
-    tokens = sum(generated_length(ids, stop_ids) for ids in outputs)
-    print(f"decoded {len(lines)} examples in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{tokens} tokens); wrote {args.output}")
+    decode_and_write(decoder, encoded, tokenizer, args, "examples")
     return 0
 
 

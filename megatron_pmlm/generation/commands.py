@@ -1,13 +1,31 @@
-"""The inputs of the decode commands (decode_s2s, decode_palm): sources read from text or .jsonl,
-their wordpiece ids, and the checks made before any model is loaded."""
+"""What the decode commands (decode_s2s, decode_palm) share: their main (one `error:` line and exit
+status 2 for bad input), the sources read from text or .jsonl and their wordpiece ids, the checks
+made before any model is loaded, and decoding in batches with a progress bar into the output."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from pathlib import Path
+from typing import Callable
 
-from ..files import InputError, check_output
+from ..config import ConfigError
+from ..files import InputError, check_output, logs_to_stderr, write_text_atomically
+
+
+def run_decode_command(build_parser: Callable[[], argparse.ArgumentParser],
+                       run: Callable[[argparse.Namespace], int], argv=None) -> int:
+    """A decode command's main: parse and run, messages to standard error when the output is `-`;
+    bad input is one `error:` line and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        with logs_to_stderr(args.output):
+            return run(args)
+    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 def read_sources(path: Path) -> list[str | list[str]]:
@@ -68,3 +86,22 @@ def check_batch_and_output(args: argparse.Namespace) -> None:
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
     check_output(args.output)  # an OutputError is a ValueError: one line, exit 2
+
+
+def decode_and_write(decoder, encoded: list[list[int]], tokenizer, args: argparse.Namespace, noun: str) -> None:
+    """Decode `encoded` (--batch-size at a time, a progress bar unless --no-progress), write one
+    detokenized line per input to --output, and report the speed."""
+    from tqdm import tqdm
+
+    from .decoding import decode_in_batches
+    from .search import detokenize, generated_length
+
+    started = time.perf_counter()
+    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
+    seconds = time.perf_counter() - started
+    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
+    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
+    tokens = sum(generated_length(ids, {tokenizer.special.sep, tokenizer.special.pad}) for ids in outputs)
+    print(f"decoded {len(lines)} {noun} in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, {tokens} "
+          f"tokens); wrote {args.output}")
