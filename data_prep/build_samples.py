@@ -37,8 +37,8 @@ from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReade
                                         token_dtype_for_vocab)
 from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
                                         assemble_tokens)
-from megatron_pmlm.masking import mask_example
-from megatron_pmlm.text_data import pack_sentences
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.data.text_data import pack_sentences
 from megatron_pmlm.tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 

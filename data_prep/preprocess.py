@@ -34,7 +34,7 @@ from megatron_pmlm.config import HelpFormatter
 from megatron_pmlm.data.indexed import (IndexedDatasetWriter, bin_path, idx_path,
                                         merge_indexed_datasets, token_dtype_for_vocab)
 from megatron_pmlm.files import write_json_atomically
-from megatron_pmlm.text_data import split_sentences
+from megatron_pmlm.data.text_data import split_sentences
 from megatron_pmlm.tokenizer import WordPieceTokenizer, train_wordpiece
 
 FORMAT_VERSION = 1

@@ -21,12 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from megatron_pmlm.files import InputError
+
 TEXT, JSONL, HF_DISK, ARROW, PARQUET = "text", "jsonl", "hf_disk", "arrow", "parquet"
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
-
-
-class InputError(ValueError):
-    """Bad input: the message names the file (and line) at fault."""
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,13 @@ import numpy as np
 import torch
 
 from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset
-from .layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
-                     build_batch, pmlm_attention_allowed)
-from .masking import mask_example
-from .model import PMLMForPreTraining
-from .objectives import OBJECTIVES, get_objective
-from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
+from .data.batches import build_batch
+from .data.masking import mask_example
+from .models.layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
+                            pmlm_attention_allowed)
+from .models.model import PMLMForPreTraining
+from .models.objectives import OBJECTIVES, get_objective
+from .models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 
 # Unmoved outputs are bit-identical up to batched-matmul reassociation (~1e-15 in float64);
 # moved ones differ by far more than this.
@@ -230,7 +231,9 @@ def check_unilm_example(model: PMLMForPreTraining, ids: np.ndarray, segments: np
     moved with SPEC §8's table (unilm.expected_visibility, written without roles or steps). Exact
     both ways: no output reacts to a token it may not see, every output reacts to every token it may."""
     from .tokenizer import SpecialTokenIds
-    from .unilm import LM_TYPES, UniLMMaskingConfig, build_unilm_batch, expected_visibility
+    from .config import UniLMMaskingConfig
+    from .data.unilm_batches import build_unilm_batch, expected_visibility
+    from .models.unilm import LM_TYPES
 
     special = SpecialTokenIds(pad=PAD_ID, unk=PAD_ID, cls=CLS_ID, sep=SEP_ID, mask=MASK_ID, pseudo=PSEUDO_ID)
     length = len(ids)
@@ -259,7 +262,7 @@ def run_seq2seq_check(preset: str = "tiny", mode: str = "pseudo-masked", example
     """Perturbation check of a fine-tuning mode's batches (SPEC §7.1): the source never reacts to
     the target; a target token reacts to the source and to targets up to itself, never to a later
     one; a [P] reacts to the source, earlier targets and itself only. Exact (float64)."""
-    from .seq2seq import Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng
+    from .models.seq2seq import Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng
 
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
                                       attention_dropout=0.0, rel_pos=rel_pos, attention_backend=attention_backend)

@@ -9,8 +9,8 @@
 The model is a PALM pre-training checkpoint directory (`pretrain --model palm --save`) or its
 converted Hugging Face folder. Input: one context per line, or the `src` field of each .jsonl line.
 The encoder reads `[CLS] context [SEP]`; the decoder starts from [CLS] and generates under the copy
-distribution P = λ P^v + (1 - λ) P^c until [SEP] (greedy, or the beam search of decoding.py with its
-n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically
+distribution P = λ P^v + (1 - λ) P^c until [SEP] (greedy, or the beam search of generation/search.py
+with its n-gram blocking, minimum length and length penalty). Output: one line per input, written atomically
 (`-`: standard output, the messages then go to standard error; a FIFO or device is written through).
 """
 
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 from .config import ConfigError
-from .decode_s2s import InputError, check_batch_and_output, encode_sources, read_sources
-from .files import logs_to_stderr, write_text_atomically
+from .files import InputError
+from .generation.commands import (check_batch_and_output, decode_and_write, encode_sources, read_sources,
+                                  run_decode_command)
 
 DEFAULT_MAX_TARGET_LENGTH = 100
 """PALM's continuations: at most 100 tokens (§3.1)."""
@@ -62,18 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with logs_to_stderr(args.output):
-            return run(args)
-    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_decode_command(build_parser, run, argv)
 
 
 def build_palm_decoding_model(loaded, device: str = "cpu"):
     """The model of a `convert_palm.LoadedPalm`, without dropout, in eval mode (stage 2)."""
-    from .palm import PalmForPreTraining
+    from .models.palm import PalmForPreTraining
 
     config = replace(loaded.config, padded_vocab_size=0, hidden_dropout=0.0, attention_dropout=0.0)
     model = PalmForPreTraining(config, stage=2)
@@ -85,7 +79,7 @@ def build_palm_decoding_model(loaded, device: str = "cpu"):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.search import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     if args.max_context_length < 3:
@@ -99,8 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .decoding import PalmDecoder, decode_in_batches, detokenize, generated_length
-    from .hf.convert import ConversionError
+    from .generation.decoding import PalmDecoder
+    from .training.checkpoint_reader import ConversionError
     from .hf.convert_palm import load_palm
     from .tokenizer import WordPieceTokenizer
 
@@ -119,17 +113,7 @@ def run(args: argparse.Namespace) -> int:
           f"{model.config.hidden_size}, on {device}); {'greedy' if config.beam_size == 1 else f'beam {config.beam_size}'}, "
           f"{len(encoded)} contexts (cut to {decoder.max_source_tokens} wordpieces)", file=sys.stderr)
 
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
-    seconds = time.perf_counter() - started
-    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
-    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
-    tokens = sum(generated_length(ids, {tokenizer.special.sep, tokenizer.special.pad}) for ids in outputs)
-    print(f"decoded {len(lines)} contexts in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, {tokens} "
-          f"tokens); wrote {args.output}")
+    decode_and_write(decoder, encoded, tokenizer, args, "contexts")
     return 0
 
 

@@ -8,79 +8,20 @@
 Input: one source per line, or with a .jsonl file the `src` field of each line (a string, or a
 list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
 atomically (`-`: standard output, the messages then go to standard error; a FIFO or device is written
-through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.decoding` implements them.
-A summary's sentences are separated by " [X_SEP] " as the UniLM toolkit writes them (see `decoding.detokenize`),
-where `eval_s2s --benchmark cnndm` (and the toolkit's own evaluation) splits them.
+through: `megatron_pmlm.files`). SPEC §7.2 gives the exact rules; `megatron_pmlm.generation.decoding` implements them.
+A summary's sentences are separated by " [X_SEP] " as the UniLM toolkit writes them (see
+`generation.search.detokenize`), where `eval_s2s --benchmark cnndm` (and the toolkit's own evaluation) splits them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
-from .config import ConfigError
-
-from .files import check_output, logs_to_stderr, write_text_atomically
-
-
-class InputError(ValueError):
-    """Bad input files or options; printed as one `error:` line, exit status 2."""
-
-
-def read_sources(path: Path) -> list[str | list[str]]:
-    """Sources from a text file (one per line) or a .jsonl file (`src` per line); a final newline is
-    optional, empty sources are refused with their line number."""
-    if not path.exists():
-        raise InputError(f"input file {path} does not exist")
-    if not path.is_file():
-        raise InputError(f"input {path} is not a file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise InputError(f"input file {path} is not UTF-8 text (byte {error.start})") from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()
-    if not lines:
-        raise InputError(f"input file {path} is empty")
-    is_jsonl = path.suffix.lower() == ".jsonl"
-    sources: list[str | list[str]] = []
-    for number, line in enumerate(lines, 1):
-        line = line.rstrip("\r")
-        if not line.strip():
-            raise InputError(f"{path} line {number}: empty source")
-        if not is_jsonl:
-            sources.append(line)
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise InputError(f"{path} line {number}: not JSON ({error.msg})") from None
-        if not isinstance(record, dict) or "src" not in record:
-            raise InputError(f"{path} line {number}: no `src` field")
-        source = record["src"]
-        is_tokens = isinstance(source, list) and all(isinstance(t, str) for t in source)
-        if not (isinstance(source, str) or is_tokens):
-            raise InputError(f"{path} line {number}: `src` must be a string or a list of wordpieces")
-        if not source or (isinstance(source, str) and not source.strip()):
-            raise InputError(f"{path} line {number}: empty source")
-        sources.append(source)
-    return sources
-
-
-def encode_sources(sources: list[str | list[str]], tokenizer) -> list[list[int]]:
-    """Wordpiece ids (no specials); pre-tokenized sources map unknown pieces to [UNK], as s2s-ft."""
-    texts = [(i, s) for i, s in enumerate(sources) if isinstance(s, str)]
-    encoded: list[list[int]] = [[] for _ in sources]
-    for (index, _), ids in zip(texts, tokenizer.encode_batch([s for _, s in texts])):
-        encoded[index] = ids.tolist()
-    for index, source in enumerate(sources):
-        if isinstance(source, list):
-            encoded[index] = [tokenizer.special.unk if (i := tokenizer.token_to_id(t)) is None else i for t in source]
-    return encoded
+from .files import InputError
+from .generation.commands import (check_batch_and_output, decode_and_write, encode_sources, read_sources,
+                                  run_decode_command)
 
 
 def half_matmul_works(device: str) -> bool:
@@ -95,13 +36,6 @@ def half_matmul_works(device: str) -> bool:
 
 DEFAULT_MAX_TARGET_LENGTH = 128
 DEFAULT_MAX_SEQ_LENGTH = 512
-
-
-def check_batch_and_output(args: argparse.Namespace) -> None:
-    """--batch-size and --output, refused before any model is loaded (decode_s2s and decode_palm)."""
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
-    check_output(args.output)  # an OutputError is a ValueError: one line, exit 2
 
 
 def lengths_from_model(args: argparse.Namespace, settings: dict) -> tuple[int, int]:
@@ -157,17 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with logs_to_stderr(args.output):
-            return run(args)
-    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_decode_command(build_parser, run, argv)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .decoding import DecodingConfig, parse_ignore_tokens
+    from .generation.search import DecodingConfig, parse_ignore_tokens
 
     # Everything a user can get wrong is refused before the model is loaded.
     target_length, seq_length = lengths_from_model(args, {})
@@ -181,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .decoding import Seq2SeqDecoder, build_decoding_model, decode_in_batches, detokenize, generated_length
+    from .generation.decoding import Seq2SeqDecoder, build_decoding_model
     from .pretrained import load_model
     from .tokenizer import WordPieceTokenizer
 
@@ -206,18 +134,7 @@ def run(args: argparse.Namespace) -> int:
           f"{'greedy' if config.beam_size == 1 else f'beam {config.beam_size}'}, {len(encoded)} sources "
           f"(cut to {config.max_source_tokens} wordpieces)", file=sys.stderr)
 
-    from tqdm import tqdm
-
-    started = time.perf_counter()
-    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
-        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
-    seconds = time.perf_counter() - started
-    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
-    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
-    stop_ids = {tokenizer.special.sep, tokenizer.special.pad}
-    tokens = sum(generated_length(ids, stop_ids) for ids in outputs)
-    print(f"decoded {len(lines)} examples in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, "
-          f"{tokens} tokens); wrote {args.output}")
+    decode_and_write(decoder, encoded, tokenizer, args, "examples")
     return 0
 
 

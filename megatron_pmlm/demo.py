@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .files import write_text_atomically
-from .objectives import OBJECTIVES, get_objective
+from .models.objectives import OBJECTIVES, get_objective
 
 
 def write_pydoc_corpus(path: Path) -> int:

@@ -8,7 +8,7 @@ P and R (and S, the source sentences) hold one example per line (the decoder's o
 B.7, and the references), in the same order.
 
 --benchmark: the numbers of the papers' tables, scored as the benchmark and the UniLM toolkit score
-them (megatron_pmlm.generation_metrics says exactly how):
+them (megatron_pmlm.generation.benchmark_scoring says exactly how):
   qg        BLEU-4, METEOR, ROUGE-L (COCO caption code, pycocoevalcap; METEOR needs `java`), with
             the questions grouped by source sentence as nqg/UniLM's qg/eval.py does: comparable
             with UniLM's and UniLMv2's SQuAD question generation tables. --qg-reference du (the
@@ -43,7 +43,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import OutputError, check_output, logs_to_stderr, write_json_atomically
+from .files import InputError, OutputError, check_output, logs_to_stderr, write_json_atomically
 
 TOKENIZERS = ("bert", "13a", "none")
 COMPARABLE = ("Which numbers compare with what: without --benchmark, corpus BLEU-4 (sacrebleu) and "
@@ -52,10 +52,6 @@ COMPARABLE = ("Which numbers compare with what: without --benchmark, corpus BLEU
               "SQuAD question generation tables (--qg-reference du: Du et al.'s references, UniLM "
               "README's note; unilm: its main table). --benchmark cnndm|xsum|gigaword: ROUGE-1/2/L F1 "
               "as the summarization tables (ROUGE-1.5.5 -m -n 2, ROUGE-L summary-level).")
-
-
-class InputError(ValueError):
-    """Bad input files or options; the command line prints it as one `error:` line and exits 2."""
 
 
 def normalise(texts: list[str], tokenize: str = "bert", lowercase: bool = True) -> list[str]:
@@ -158,7 +154,7 @@ def format_benchmark_table(results: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from .generation_metrics import BENCHMARKS, DEFAULT_DUPLICATE_RATE, QG_REFERENCES
+    from .generation.benchmark_scoring import BENCHMARKS, DEFAULT_DUPLICATE_RATE, QG_REFERENCES
 
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.eval_s2s",
                                      description=__doc__.split("\n\n")[0], epilog=COMPARABLE,
@@ -220,7 +216,7 @@ def _check_benchmark_options(args: argparse.Namespace) -> None:
 
 
 def _score_benchmark(args: argparse.Namespace, predictions: list[str], references: list[str]) -> dict:
-    from .generation_metrics import MeteorError, score_benchmark
+    from .generation.benchmark_scoring import MeteorError, score_benchmark
 
     if args.benchmark == "qg":
         sources = read_lines(args.src, "source")

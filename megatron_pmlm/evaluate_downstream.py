@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from . import finetune_glue
-from .distributed import ends_process_groups
+from .parallel.distributed import ends_process_groups
 from .files import (OutputError, check_output, logs_to_stderr, write_json_atomically, write_text_atomically,
                     written_through)
-from .finetune_glue import SHARED_DATA, InputError, get_task
+from .tasks import glue as glue_tasks, hf_trainer
+from .tasks.glue import SHARED_DATA, get_task
+from .tasks.hf_trainer import InputError
 
 QG = "qg"
 QG_TRAIN, QG_DEV = 9570, 1000
@@ -80,7 +81,7 @@ def parse_tasks(text: str) -> list[str]:
             try:
                 key = get_task(name).name
             except InputError:
-                raise InputError(f"unknown task {name!r} (choose from {', '.join(finetune_glue.TASKS)}, {QG})") from None
+                raise InputError(f"unknown task {name!r} (choose from {', '.join(glue_tasks.TASKS)}, {QG})") from None
         if key not in tasks:
             tasks.append(key)
     if not tasks:
@@ -146,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="a Hugging Face folder or a checkpoint directory of ours")
     parser.add_argument("--tasks", default="mrpc,rte",
-                        help=f"comma-separated: {', '.join(finetune_glue.TASKS)}, {QG}")
+                        help=f"comma-separated: {', '.join(glue_tasks.TASKS)}, {QG}")
     parser.add_argument("--output", required=True, type=Path,
                         help="the markdown table (the JSON goes next to it, with the suffix .json; '-': standard "
                         "output, the JSON then goes to WORK_DIR/results.json)")
@@ -214,7 +215,7 @@ class Evaluation:
         # Everything a run reads is checked now, before the first run starts.
         for task in self.tasks:
             if task != QG:
-                finetune_glue.read_glue_folder(args.data_dir, get_task(task))
+                glue_tasks.read_glue_folder(args.data_dir, get_task(task))
         if any(t != QG for t in self.tasks):
             check_passthrough("megatron_pmlm.finetune_glue", "--glue-args", self.glue_extra, self.glue_argv("mrpc", 1))
         self.qg = None
@@ -224,7 +225,7 @@ class Evaluation:
                               ["--model", "M"])
             check_passthrough("megatron_pmlm.decode_s2s", "--qg-decode-args", self.qg_decode_extra,
                               ["--model", "M", "--input", "I", "--output", "O"])
-        finetune_glue.check_model_path(args.model)
+        hf_trainer.check_model_path(args.model)
         self.rows: dict[tuple[str, str], Row] = {}
         self.runs: dict[str, dict[str, dict]] = {}
 
@@ -274,7 +275,7 @@ class Evaluation:
                             output_dir.parent / f"seed-{seed}.log", f"{task.name} seed {seed}")
             metrics = json.loads((output_dir / "all_results.json").read_text())
         else:
-            metrics = finetune_glue.run(finetune_glue.build_parser().parse_args(argv), log=self.log)
+            metrics = glue_tasks.run(glue_tasks.build_parser().parse_args(argv), log=self.log)
         names = [f"eval_{m}" for m in task.metrics]
         if "eval_accuracy_mm" in metrics:
             names.append("eval_accuracy_mm")
@@ -321,10 +322,10 @@ class Evaluation:
         new_folders = [p for p in (self.work_dir, *self.work_dir.parents) if not p.exists()]
         self.work_dir.mkdir(parents=True, exist_ok=True)
         try:
-            model = finetune_glue.resolve_model(self.args.model, self.work_dir / "model", log=self.log)
+            model = hf_trainer.resolve_model(self.args.model, self.work_dir / "model", log=self.log)
         except InputError:  # a checkpoint directory that does not convert: leave nothing behind
             for folder in new_folders:
-                finetune_glue.remove_if_created_empty(folder, existed=False)
+                hf_trainer.remove_if_created_empty(folder, existed=False)
             raise
         timings = {}
         for task in self.tasks:

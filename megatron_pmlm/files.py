@@ -40,6 +40,11 @@ class OutputError(ValueError):
     """An output path that cannot be written (a folder, a missing or read-only folder): one line."""
 
 
+class InputError(ValueError):
+    """Bad input (files, options, data, a model); the message names what is at fault (the file and
+    line where there is one), and a command line prints it as one `error:` line and exits 2."""
+
+
 def _stdout() -> IO:
     return _data_stdouts[-1] if _data_stdouts else sys.stdout
 

@@ -19,10 +19,13 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import ConfigError
-from .distributed import ends_process_groups
-from .preflight import check_run_paths
-from .seq2seq import MODES, Seq2SeqConfig
-from .training import CheckpointError, ExitSignal, TrainingConfig, check_precision_supported
+from .parallel.distributed import ends_process_groups
+from .training.checkpoint_files import LATEST_FILE
+from .training.preflight import check_run_paths
+from .models.seq2seq import MODES, Seq2SeqConfig
+from .training.trainer import ExitSignal
+from .training.checkpoint_files import CheckpointError
+from .training.training_config import TrainingConfig, check_precision_supported
 
 TRAINING_DEFAULTS = dict(
     # s2s-ft: code defaults (run_seq2seq.py) and the paper's Appendix A where the code has none.
@@ -107,7 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from .pretrained import load_model, resize_position_embeddings
-    from .seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
+    from .models.seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
     from .tokenizer import WordPieceTokenizer
 
     # Everything that can be refused is checked before processes start talking to each other;
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                          max_position_embeddings=max(loaded.config.max_position_embeddings, s2s.max_length), **dropout)
     except ConfigError as error:
         raise ConfigError(f"model config: {error}") from None
-    from .training import read_deepspeed_config
+    from .training.training_config import read_deepspeed_config
 
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     precision = "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
@@ -154,20 +157,17 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .distributed import MegatronMPU, initialize_model_parallel
-    from .pretrain import flops_per_token
-    from .training import Trainer, seed_everything
+    from .parallel.distributed import MegatronMPU
+    from .training.recipe import flops_per_token, start_processes
+    from .training.trainer import Trainer, seed_everything
 
-    layout = initialize_model_parallel(1, 1)
-    rank = dist.get_rank()
-    _, dp_rank, _ = layout.coordinates(rank)
+    processes = start_processes(training, 1, 1)
+    layout, rank, dp_rank, log = processes.layout, processes.rank, processes.data_parallel_rank, processes.log
     data_parallel_size = layout.data_parallel_size
-    training.gradient_accumulation_steps(data_parallel_size)
     if valid_examples is not None and not args.eval_iters:
         training = replace(training, eval_iters=max(1, math.ceil(len(valid_examples) / (
             training.micro_batch_size * data_parallel_size))))
     seed_everything(training.seed)
-    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
     model = PMLMForSeq2Seq(config, s2s, pad_token_id=special.pad, init_seed=training.seed)
     state = resize_position_embeddings(loaded.state_dict, config.max_position_embeddings)
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
 
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
-    if args.save and rank == 0 and (Path(args.save) / "latest").is_file():  # none: stopped before a first save
+    if args.save and rank == 0 and (Path(args.save) / LATEST_FILE).is_file():  # none: stopped before a first save
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
     return trainer.exit_status
@@ -221,7 +221,6 @@ def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=pr
     from .files import write_json_atomically
     from .hf.convert import export_to_hf
     from .pretrained import HF_EXPORT_DIR
-    from .training import LATEST_FILE
 
     save_dir = Path(save_dir)
     output = save_dir / HF_EXPORT_DIR

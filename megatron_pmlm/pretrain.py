@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 import sys
-from dataclasses import asdict, fields, replace
 from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
-                     add_dataclass_arguments, dataclass_overrides, model_config_from_preset)
-from .objectives import DEFAULT_OBJECTIVE, OBJECTIVES, Objective, get_objective, objective_metrics
-from .preflight import check_run_paths
-from .unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
-from .distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
-from .training import (LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, CheckpointError, ExitSignal, TrainingConfig,
-                       check_precision_supported, check_zero_with_pipeline)
+                     add_dataclass_arguments, dataclass_overrides)
+from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
+from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
+from .training.checkpoint_files import CheckpointError
+from .training.preflight import check_run_paths
+from .training.trainer import ExitSignal
+from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,67 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
     add_dataclass_arguments(parser, UniLMMaskingConfig, prefix="unilm-")  # --objective unilm*: masking and NSP
-    from .palm_pretrain import add_palm_arguments  # --model palm and its options
+    from .training.palm_recipe import add_palm_arguments  # --model palm and its options
 
     add_palm_arguments(parser)
     return parser
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    multiple = max(1, divisible_by) * tensor_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
-def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    return model_config_from_preset(
-        args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
-        max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
-        attention_backend=args.attention_backend,
-        # UniLM v1's segment ids 0-5 also tell the LM type (unilm.py).
-        type_vocab_size=UNILM_TYPE_VOCAB_SIZE if get_objective(args.objective).is_unilm else None)
-
-
-def training_config_from_args(args: argparse.Namespace, seq_length: int,
-                              ds_config: dict | None = None) -> TrainingConfig:
-    """Command-line values win; precision, ZeRO stage and clipping fall back to the DeepSpeed file."""
-    ds_config = ds_config or {}
-    values = {f.name: getattr(args, f.name) for f in fields(TrainingConfig)
-              if f.name not in ("seq_length", "precision", "zero_stage", "clip_grad", "micro_batch_size",
-                                "global_batch_size") and getattr(args, f.name, None) is not None}
-    for name, value in PRESET_TRAINING_DEFAULTS.get(getattr(args, "preset", ""), {}).items():
-        values.setdefault(name, value)
-    defaults = TrainingConfig()
-    micro_batch_size = args.micro_batch_size or ds_config.get("train_micro_batch_size_per_gpu") or \
-        defaults.micro_batch_size
-    global_batch_size = args.global_batch_size or ds_config.get("train_batch_size") or defaults.global_batch_size
-    if args.fp16 or args.bf16:
-        precision = "fp16" if args.fp16 else "bf16"
-    else:
-        precision = ("fp16" if ds_config.get("fp16", {}).get("enabled") else
-                     "bf16" if ds_config.get("bf16", {}).get("enabled") else "fp32")
-    zero_stage = args.zero_stage if args.zero_stage is not None else \
-        int(ds_config.get("zero_optimization", {}).get("stage", 0))
-    clip_grad = args.clip_grad if args.clip_grad is not None else float(ds_config.get("gradient_clipping", 0.0))
-    return TrainingConfig(seq_length=seq_length, precision=precision, zero_stage=zero_stage,
-                          clip_grad=clip_grad, micro_batch_size=int(micro_batch_size),
-                          global_batch_size=int(global_batch_size), **values)
-
-
-def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.15) -> float:
-    """Model FLOPs per processed token of the pseudo-masked layout (forward + backward, 3 x forward).
-
-    Per token: 6 x the layers' matmul parameters, plus attention (QK^T and AV over the whole
-    layout, ~(1 + 2 x mask_prob) x seq_length keys: 12 x layers x hidden x keys); the MLM head
-    (transform + tied softmax) runs only at the predicted slots, the [M] and [P] tokens, which are
-    2p / (1 + 2p) of the layout (with mask_prob 0, no appended tokens: at every token)."""
-    h, layers = config.hidden_size, config.num_layers
-    layout = 1 + 2 * mask_prob
-    predicted_share = 2 * mask_prob / layout if mask_prob > 0 else 1.0
-    layer_parameters = layers * (12 * h * h + 13 * h)
-    head_parameters = h * h + config.embedding_rows * h
-    return 6.0 * (layer_parameters + predicted_share * head_parameters) + 12.0 * layers * h * seq_length * layout
 
 
 @ends_process_groups
@@ -202,149 +143,12 @@ def run(args: argparse.Namespace) -> int:
                           f"{args.objective}")
     unilm_masking = UniLMMaskingConfig(**unilm_overrides)
     if args.model == "palm":
-        from .palm_pretrain import run_palm
+        from .training.palm_recipe import run_palm
 
         return run_palm(args)
-    # Everything that can be refused is checked before processes start talking to each other.
-    objective = get_objective(args.objective)
-    if len(args.data_path) != 1:
-        raise ConfigError(
-            f"--data-path takes one samples directory, got {' '.join(args.data_path)}; blend corpora "
-            "when building the samples: python -m data_prep.build_samples --data-path W1 PREFIX1 W2 PREFIX2 "
-            "... --output DIR, then --data-path DIR")
-    args.data_path = args.data_path[0]
-    from .data import build_pretraining_loaders, read_metadata
+    from .training.pmlm_recipe import run_pmlm
 
-    metadata = read_metadata(args.data_path)
-    if metadata.get("layout") not in (None, "pmlm"):
-        raise ConfigError(f"{args.data_path} holds {metadata['layout']} samples (build_samples --layout "
-                          f"{metadata['layout']}); train them with --model {metadata['layout']}, or build PMLM samples")
-    seq_length = int(metadata["seq_length"])
-    if args.seq_length is not None and args.seq_length != seq_length:
-        raise ConfigError(f"--seq-length {args.seq_length} differs from the samples in {args.data_path} "
-                          f"(built with --seq-length {seq_length}); rebuild them or drop --seq-length")
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    vocab_size = int(metadata["vocab_size"])
-    model_config = model_config_from_args(args, vocab_size)
-    model_config = replace(model_config, padded_vocab_size=padded_vocab_size(
-        vocab_size, args.make_vocab_size_divisible_by, tp))
-    if seq_length > model_config.max_position_embeddings:
-        raise ConfigError(f"the samples are {seq_length} tokens long, more than the model's maximum sequence "
-                          f"length {model_config.max_position_embeddings} (preset {args.preset!r}); rebuild with "
-                          f"a shorter --seq-length or raise --max-position-embeddings")
-    from .training import read_deepspeed_config
-
-    ds_config_base = read_deepspeed_config(args.deepspeed_config)
-    if args.finetune and not args.load:
-        raise ConfigError("--finetune needs --load (the checkpoint whose weights to start from)")
-    training = training_config_from_args(args, seq_length, ds_config_base)
-    check_zero_with_pipeline(training.zero_stage, pp > 1)
-    check_precision_supported(training.precision)
-    if model_config.num_attention_heads % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {model_config.num_attention_heads} "
-                          "attention heads")
-    if pp > model_config.num_layers:
-        raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
-    from .accelerated import training_device_type
-    from .model import check_attention_backend
-
-    check_attention_backend(model_config, training_device_type())
-
-    import torch.distributed as dist
-
-    from .distributed import MegatronMPU, initialize_model_parallel
-    from .training import Trainer, seed_everything
-
-    if args.universal_checkpoint and not args.load:
-        raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
-
-    layout = initialize_model_parallel(tp, pp, args.distributed_timeout_minutes)
-    rank = dist.get_rank()
-    tp_rank, dp_rank, pp_rank = layout.coordinates(rank)
-    training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
-    # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
-    seed_everything(training.seed + 100 * pp_rank)
-    model = build_model(model_config, objective, layout, args.checkpoint_activations, training.seed)
-    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
-    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
-    log(f"model: preset {args.preset} ({model_config.num_layers} layers, hidden {model_config.hidden_size}, "
-        f"{model_config.num_attention_heads} heads, vocabulary {vocab_size} padded to {model_config.embedding_rows}), "
-        f"objective {objective.name}, relative position bias {'on' if model_config.rel_pos else 'off'}")
-    log(f"parallelism: world {layout.world_size} = data {layout.data_parallel_size} x tensor {tp} x pipeline {pp}; "
-        f"ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}, "
-        f"global batch {training.global_batch_size} ({training.gradient_accumulation_steps(layout.data_parallel_size)} "
-        "accumulation steps)")
-    trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
-                      pipeline=pp > 1, flops_per_token=flops_per_token(model_config, seq_length),
-                      tensorboard_dir=args.tensorboard_dir, log=print, metrics=objective_metrics(objective),
-                      universal_checkpoint=universal,
-                      history_path=args.history_json,
-                      run_args={**vars(args), "model_config": asdict(model_config)})
-    if args.load:
-        trainer.load_checkpoint(args.load, expected_model_config=asdict(model_config), finetune=args.finetune)
-    loaders = build_pretraining_loaders(
-        args.data_path, training.micro_batch_size, dp_rank, layout.data_parallel_size,
-        consumed_samples=trainer.consumed_samples, objective=objective, seed=training.seed,
-        max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
-        global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
-        unilm_masking=unilm_masking)
-    log(f"data: {len(loaders.train_samples):,} training samples"
-        + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
-        + f" from {args.data_path}")
-    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
-    dist.barrier()
-    return trainer.exit_status
-
-
-def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log) -> bool:
-    """Whether --universal-checkpoint has work to do: the newest complete checkpoint's ZeRO
-    partitions were written for another data-parallel size. The flag can then stay in a job's
-    arguments across restarts: once the run saves at its new size, checkpoints load as they are."""
-    if not args.universal_checkpoint or args.finetune:
-        return False
-    from .checkpoint_files import newest_run_state
-
-    saved = newest_run_state(Path(args.load))
-    if saved is None:
-        return False
-    saved_size = saved.get("data_parallel_size")
-    saved_stage = int(saved.get("training_config", {}).get("zero_stage", 0))
-    if saved_size == data_parallel_size or saved_stage == 0:
-        log(f"--universal-checkpoint: the newest checkpoint in {args.load} (ZeRO-{saved_stage}, data-parallel size "
-            f"{saved_size}) loads as it is on data-parallel size {data_parallel_size}")
-        return False
-    if zero_stage == 0:
-        raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use --zero-stage 1, 2 "
-                          "or 3")
-    return True
-
-
-def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):
-    """One model definition for every layout: plain, tensor-parallel, pipelined, or both."""
-    from .model import PMLMForPreTraining
-    from .parallel_layers import LocalLayers, MegatronCoreLayers
-
-    layers = MegatronCoreLayers(config.init_std) if layout.tensor_parallel_size > 1 else LocalLayers()
-    if layout.pipeline_parallel_size > 1:
-        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
-
-        from .pipeline import build_pipeline_model
-
-        topology = PipeModelDataParallelTopology(num_pp=layout.pipeline_parallel_size,
-                                                 num_mp=layout.tensor_parallel_size,
-                                                 num_dp=layout.data_parallel_size)
-        import torch.distributed as dist
-
-        rank = dist.get_rank()
-        coordinates = topology.get_coord(rank)
-        if (coordinates.model, coordinates.data, coordinates.pipe) != layout.coordinates(rank):
-            raise RuntimeError(f"DeepSpeed's topology places rank {rank} at {coordinates}, megatron-core at "
-                               f"{layout.coordinates(rank)} (tp, dp, pp)")
-        return build_pipeline_model(config, objective, layers, layout.pipeline_parallel_size, topology,
-                                    checkpoint_activations, init_seed=seed)
-    model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
-    model.bert.encoder.checkpoint_activations = checkpoint_activations
-    return model
+    return run_pmlm(args, unilm_masking)
 
 
 if __name__ == "__main__":

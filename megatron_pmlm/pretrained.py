@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, ModelConfig
-from .training import LATEST_FILE
+from .training.checkpoint_files import LATEST_FILE
 
 HF_EXPORT_DIR = "hf"
 """A fine-tuning `--save` directory keeps its Hugging Face export here."""
@@ -49,7 +49,7 @@ class LoadedModel:
 
 def load_model(path: str | os.PathLike) -> LoadedModel:
     """A Hugging Face folder, or a checkpoint directory (its export when it is up to date)."""
-    from .hf.convert import ConversionError
+    from .training.checkpoint_reader import ConversionError
 
     path = Path(path)
     if not path.exists():
@@ -83,7 +83,8 @@ def _check_vocab(vocab_file: Path, config: ModelConfig, source: str) -> None:
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
-    from .hf.convert import ConversionError, from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from .hf.pmlm_adapter import from_hf_state_dict, model_config_from_hf, read_hf_weights
+    from .training.checkpoint_reader import ConversionError
 
     config_file = folder / "config.json"
     try:
@@ -106,7 +107,9 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
 
 def load_checkpoint_dir(directory: Path) -> LoadedModel:
-    from .hf.convert import find_vocab_file, load_pretraining_checkpoint, to_hf_state_dict
+    from .hf.convert import find_vocab_file
+    from .hf.pmlm_adapter import to_hf_state_dict
+    from .training.checkpoint_reader import load_pretraining_checkpoint
 
     checkpoint = load_pretraining_checkpoint(directory)
     args = checkpoint.run_state.get("args", {})

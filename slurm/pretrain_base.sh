@@ -209,7 +209,7 @@ log() { echo "[$(date -u +%FT%TZ)] job $JOB_ID restart $RESTART: $*"; }
 # "ITERATION TRAIN_ITERS EXIT_INTERVAL" of the newest complete checkpoint ("0 0 0" if none yet,
 # or if it cannot be read: said in the log, and the training start says more).
 checkpoint_state() {
-  "$PYTHON" -m megatron_pmlm.checkpoint_files state "$SAVE_DIR" \
+  "$PYTHON" -m megatron_pmlm.training.checkpoint_files state "$SAVE_DIR" \
     || { log "could not read the checkpoint state of $SAVE_DIR (above); taking it as 0" >&2; echo 0 0 0; }
 }
 FAILURES_FILE=$SAVE_DIR/.failed_restarts

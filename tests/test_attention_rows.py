@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from megatron_pmlm.data import build_pretraining_loaders
-from megatron_pmlm.flex_attention import LAYOUT_QUANTUM
-from megatron_pmlm.layout import PAD, PMLMBatch, pmlm_attention_allowed
-from megatron_pmlm.model import attention_bias
-from megatron_pmlm.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
+from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM
+from megatron_pmlm.models.layout import PAD, PMLMBatch, pmlm_attention_allowed
+from megatron_pmlm.models.model import attention_bias
+from megatron_pmlm.models.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
 from pmlm_testing import run_module
 
 MICRO_BATCH = 16
@@ -70,7 +70,7 @@ def test_pretraining_batches_of_every_objective(pretraining_samples, objective):
     assert any(bool((b.roles == PAD).any()) for b in batches)
     if OBJECTIVES[objective].is_unilm:
         # Every LM type of the objective occurred (UniLM v1 tells it by the [SOS]'s segment id).
-        from megatron_pmlm.unilm import LM_SEGMENT_IDS
+        from megatron_pmlm.models.unilm import LM_SEGMENT_IDS
 
         wanted = {dict(l2r=2, r2l=3, s2s=4, bi=0)[name] for name, _ in OBJECTIVES[objective].lm_mixture}
         seen = {int(s) for b in batches for s in b.token_type_ids[:, 0]}
@@ -93,7 +93,7 @@ def qg_examples(qg_pairs, tokenizer):
 
 @pytest.mark.parametrize("mode", ["pseudo-masked", "masked", "causal"])
 def test_seq2seq_fine_tuning_batches_of_every_mode(qg_examples, tokenizer, mode):
-    from megatron_pmlm.seq2seq import Seq2SeqConfig, SpecialIds, build_examples, seq2seq_batches
+    from megatron_pmlm.models.seq2seq import Seq2SeqConfig, SpecialIds, build_examples, seq2seq_batches
 
     special = SpecialIds(cls=tokenizer.special.cls, sep=tokenizer.special.sep, mask=tokenizer.special.mask,
                          pad=tokenizer.special.pad)
@@ -127,8 +127,9 @@ class RowCheckingRule:
 @pytest.mark.parametrize("pos_shift", [False, True], ids=["standard", "pos_shift"])
 def test_decoding_steps_cached_and_recomputed(qg_examples, tokenizer, pos_shift):
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.decoding import DecodingConfig, Seq2SeqDecoder
-    from megatron_pmlm.model import PMLMForPreTraining
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig
+    from megatron_pmlm.models.model import PMLMForPreTraining
 
     config = model_config_from_preset("tiny", vocab_size=tokenizer.vocab_size, hidden_dropout=0.0,
                                       attention_dropout=0.0)
@@ -157,8 +158,8 @@ def palm_samples(pretraining_samples, tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_palm_encoder_decoder_and_cross_attention(palm_samples, stage):
-    from megatron_pmlm.palm import causal_bias, key_padding_bias
-    from megatron_pmlm.palm_data import build_palm_loaders
+    from megatron_pmlm.models.palm import causal_bias, key_padding_bias
+    from megatron_pmlm.data.palm_data import build_palm_loaders
 
     loaders = build_palm_loaders(palm_samples, MICRO_BATCH, stage)
     count = loaders.train.sampler.samples_per_epoch // MICRO_BATCH

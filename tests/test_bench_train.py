@@ -13,7 +13,7 @@ from pmlm_testing import REPO_ROOT, run_module
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import bench_train  # noqa: E402
 
-from megatron_pmlm.layout import IGNORE_INDEX, MASKED, PSEUDO  # noqa: E402
+from megatron_pmlm.models.layout import IGNORE_INDEX, MASKED, PSEUDO  # noqa: E402
 
 
 def test_naive_cloze_passes_predict_what_the_pseudo_masked_layout_predicts():

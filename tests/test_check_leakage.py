@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_pmlm.check_leakage import FAULTS, run_check
-from megatron_pmlm.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
+from megatron_pmlm.models.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
 
 
 @pytest.mark.parametrize("objective", PMLM_OBJECTIVES)

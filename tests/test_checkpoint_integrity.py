@@ -142,7 +142,7 @@ def test_a_checkpoint_from_before_checksums_resumes_checked_by_size(ckpt, uninte
 
 
 def test_every_file_is_hashed_once_and_the_largest_are_spread():
-    from megatron_pmlm.checkpoint_files import checksum_share
+    from megatron_pmlm.training.checkpoint_files import checksum_share
 
     sizes = {"model": 1400, "optim_0": 500, "optim_1": 500, "optim_2": 500, "rng_0": 1, "rng_1": 1, "rng_2": 1}
     shares = [checksum_share(sizes, rank, 3) for rank in range(3)]

@@ -1,6 +1,6 @@
 """Every multi-process run ends cleanly, every time, on a busy machine: exit status 0 and no abort at
 interpreter teardown ("terminate called without an active exception", SIGABRT), which once failed
-finished runs because nothing ended the process groups (megatron_pmlm.distributed.end_distributed).
+finished runs because nothing ended the process groups (megatron_pmlm.parallel.distributed.end_distributed).
 
 Each job runs REPEATS times (PMLM_CLEAN_EXIT_REPEATS overrides it) while a CPU-burning process
 competes for the cores, which is what made the abort appear."""

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 from megatron_pmlm.config import ModelConfig  # noqa: E402
 from megatron_pmlm.hf import convert  # noqa: E402
 from megatron_pmlm.hf.convert import main  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
+from megatron_pmlm.training.checkpoint_reader import load_pretraining_checkpoint  # noqa: E402
 
 # lr 1e-4 and one step: Adam moves every weight by at most ~lr, so every layout's converted
 # weights must agree with ZeRO-0's within 2 x lr, while a wrongly merged or renumbered tensor
@@ -128,7 +129,7 @@ def test_every_layout_converts_to_a_verified_hugging_face_folder(layout, convert
 
 def test_the_remote_code_model_computes_our_logits_and_needs_its_bias(converted, trained, pretraining_samples):
     out, _ = converted("zero0")
-    checkpoint = convert.load_pretraining_checkpoint(trained("zero0"))
+    checkpoint = load_pretraining_checkpoint(trained("zero0"))
     ours = PMLMForPreTraining(checkpoint.model_config, "ae").eval()
     ours.load_state_dict(torch.load(trained("zero0") / "iter_0000001" / "mp_rank_00_model_states.pt",
                                     weights_only=False)["module"])
@@ -231,7 +232,7 @@ def test_a_plain_bert_checkpoint_imports_with_a_zero_relative_position_bias(work
     save = workdir / "plain-bert-imported"
     lines = Lines()
     assert main(["--from-hf", str(folder), "--save", str(save), "--add-rel-pos"], log=lines) == 0, lines
-    checkpoint = convert.load_pretraining_checkpoint(save)
+    checkpoint = load_pretraining_checkpoint(save)
     assert checkpoint.model_config.rel_pos and checkpoint.model_config.padded_vocab_size == 30592
     ours = PMLMForPreTraining(checkpoint.model_config).eval()
     ours.load_state_dict(checkpoint.state_dict)

@@ -16,11 +16,11 @@ import torch
 
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.decode_s2s import main
-from megatron_pmlm.decoding import (
-    DecodingConfig, NGramBlocker, Seq2SeqDecoder, build_decoder_batch, choose_hypotheses, detokenize,
-    parse_ignore_tokens)
-from megatron_pmlm.layout import PSEUDO, pmlm_attention_allowed
-from megatron_pmlm.model import PMLMForPreTraining
+from megatron_pmlm.generation.decoding import Seq2SeqDecoder, build_decoder_batch
+from megatron_pmlm.generation.search import (DecodingConfig, NGramBlocker, choose_hypotheses, detokenize,
+                                             parse_ignore_tokens)
+from megatron_pmlm.models.layout import PSEUDO, pmlm_attention_allowed
+from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.tokenizer import WordPieceTokenizer
 from pmlm_testing import run_module
 
@@ -339,7 +339,8 @@ def test_ignore_token_parsing_and_config_validation():
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, tokenizer, bert_vocab) -> Path:
-    from megatron_pmlm.hf.convert import to_hf_state_dict, write_hf_folder
+    from megatron_pmlm.hf.convert import write_hf_folder
+    from megatron_pmlm.hf.pmlm_adapter import to_hf_state_dict
 
     model = tiny_model(tokenizer)
     folder = tmp_path_factory.mktemp("decode") / "model"

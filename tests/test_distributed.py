@@ -147,7 +147,7 @@ def _start_until_iteration(command: list[str], iteration: int, **popen) -> tuple
 
 def _saved_on_ctrl_c(text: str, ckpt: Path, seen: int) -> int:
     """The one line, and a complete checkpoint at the iteration it names (no earlier than `seen`)."""
-    from megatron_pmlm.checkpoint_files import checkpoint_problem
+    from megatron_pmlm.training.checkpoint_files import checkpoint_problem
 
     lines = [line for line in text.splitlines() if "received signal" in line]
     assert len(lines) == 1, text[-4000:]
@@ -268,7 +268,7 @@ def test_tensor_parallel_gradients_equal_tensor_parallel_size_1():
 
 def test_each_task_takes_the_gpu_its_local_rank_maps_to():
     """Every GPU visible (index = local rank) or one bound per task (index 0): local rank modulo."""
-    from megatron_pmlm.distributed import local_device_index
+    from megatron_pmlm.parallel.distributed import local_device_index
 
     assert [local_device_index(rank, 8) for rank in range(8)] == list(range(8))
     assert [local_device_index(rank, 1) for rank in range(8)] == [0] * 8

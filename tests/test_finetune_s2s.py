@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from pmlm_testing import run_module
-from megatron_pmlm.layout import pmlm_attention_allowed
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.seq2seq import (Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng,
-                                   label_smoothed_loss)
+from megatron_pmlm.models.layout import pmlm_attention_allowed
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.models.seq2seq import (Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng,
+                                          label_smoothed_loss)
 
 SPECIAL = SpecialIds(cls=101, sep=102, mask=103, pad=0)  # bert-base-uncased ids
 
@@ -326,7 +326,7 @@ def test_two_data_parallel_processes_with_zero2_reproduce_one(tiny_hf_model, qg_
 def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_model, shared_data, tmp_path):
     """Training and decoding agree on the layout: what the [P] slots learned, the cached decoder
     generates (greedy and beam), for every pair (targets as the tokenizer splits and cuts them)."""
-    from megatron_pmlm.decoding import detokenize
+    from megatron_pmlm.generation.search import detokenize
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
     pairs, seen = [], set()
@@ -406,7 +406,7 @@ def test_ctrl_c_saves_exports_and_exits_130(tiny_hf_model, qg_pairs, tmp_path):
     import subprocess
     import sys
 
-    from megatron_pmlm.checkpoint_files import checkpoint_problem
+    from megatron_pmlm.training.checkpoint_files import checkpoint_problem
 
     ckpt = tmp_path / "c"
     process = subprocess.Popen(

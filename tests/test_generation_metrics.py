@@ -1,4 +1,4 @@
-"""`megatron_pmlm.generation_metrics` and `eval_s2s --benchmark`: the QG benchmark's BLEU-4/METEOR/
+"""`megatron_pmlm.generation.benchmark_scoring` and `eval_s2s --benchmark`: the QG benchmark's BLEU-4/METEOR/
 ROUGE-L and the summarization benchmarks' ROUGE equal hand-computed values and the libraries called
 directly on the same text; the toolkit's text handling (fix_tokenization, grouping by sentence,
 [X_SEP] sentences, truncation) is reproduced rule by rule. METEOR shares one Java VM per module and
@@ -17,7 +17,7 @@ from pycocoevalcap.bleu.bleu import Bleu
 from pycocoevalcap.rouge.rouge import Rouge
 from rouge_score import rouge_scorer
 
-from megatron_pmlm import generation_metrics as gm
+from megatron_pmlm.generation import benchmark_scoring as gm
 from megatron_pmlm.eval_s2s import main
 from pmlm_testing import SHARED_DATA, run_module
 

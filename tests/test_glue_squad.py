@@ -19,12 +19,14 @@ pytest.importorskip("accelerate")
 from pmlm_testing import run_module  # noqa: E402
 from megatron_pmlm import evaluate_downstream, finetune_glue, finetune_squad  # noqa: E402
 from megatron_pmlm.config import model_config_from_preset  # noqa: E402
-from megatron_pmlm.finetune_glue import TASKS, InputError, glue_metrics, read_glue_folder  # noqa: E402
-from megatron_pmlm.finetune_squad import (compute_exact, compute_f1, normalize_answer,  # noqa: E402
-                                          postprocess_qa_predictions, prepare_train_features,
-                                          prepare_validation_features, read_squad, squad_evaluate)
+from megatron_pmlm.tasks import glue  # noqa: E402
+from megatron_pmlm.tasks.glue import TASKS, glue_metrics, read_glue_folder  # noqa: E402
+from megatron_pmlm.tasks.hf_trainer import InputError, load_tokenizer  # noqa: E402
+from megatron_pmlm.tasks.squad import (compute_exact, compute_f1, normalize_answer,  # noqa: E402
+                                       postprocess_qa_predictions, prepare_train_features,
+                                       prepare_validation_features, read_squad, squad_evaluate)
 from megatron_pmlm.hf import convert  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +58,7 @@ def glue_dir(shared_data) -> Path:
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model):
-    return finetune_glue.load_tokenizer(tiny_model)
+    return load_tokenizer(tiny_model)
 
 
 def results(folder: Path, name: str = "all_results.json") -> dict:
@@ -640,8 +642,8 @@ def test_evaluate_downstream_bad_input_before_any_run(tiny_model, tmp_path, caps
 def test_input_error_is_a_value_error():
     assert issubclass(InputError, ValueError)
     with pytest.raises(InputError, match="unknown task 'foo'"):
-        finetune_glue.get_task("foo")
-    assert finetune_glue.get_task("SST-2").name == "sst2" and finetune_glue.get_task("STS-B").name == "stsb"
+        glue.get_task("foo")
+    assert glue.get_task("SST-2").name == "sst2" and glue.get_task("STS-B").name == "stsb"
 
 
 def test_help_names_table9(capsys):

@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_pmlm import flex_attention
+from megatron_pmlm.models import flex_attention
 from megatron_pmlm.config import model_config_from_preset
 from megatron_pmlm.data import build_pretraining_loaders
-from megatron_pmlm.layout import PAD, PMLMBatch, padded_width
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.objectives import OBJECTIVES, get_objective
+from megatron_pmlm.models.layout import PAD, PMLMBatch, padded_width
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.models.objectives import OBJECTIVES, get_objective
 from pmlm_testing import REPO_ROOT, run_module, torchrun
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -136,7 +136,7 @@ def _vocab_size(samples: Path) -> int:
 
 
 def test_fused_adamw_takes_the_steps_of_the_unfused_one(gpu_corpus):
-    from megatron_pmlm.training import adamw_options, parameter_groups
+    from megatron_pmlm.training.training_config import adamw_options, parameter_groups
 
     samples, _ = gpu_corpus
     batch = _batch(samples, "ae+par", 8).to(DEVICE)
@@ -236,7 +236,8 @@ SOURCES = ["the american football conference champion denver broncos defeated th
 @pytest.mark.parametrize("pos_shift", [False, True], ids=["standard", "pos_shift"])
 @pytest.mark.parametrize("beam", [1, 4])
 def test_cached_decoding_equals_recomputing_the_prefix_on_cuda(gpu_corpus, pos_shift, beam):
-    from megatron_pmlm.decoding import DecodingConfig, Seq2SeqDecoder
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
     _, vocab = gpu_corpus
@@ -258,7 +259,7 @@ def test_cached_decoding_equals_recomputing_the_prefix_on_cuda(gpu_corpus, pos_s
 
 def test_apex_fused_layer_norm_equals_torchs():
     normalization = pytest.importorskip("apex.normalization", reason="NVIDIA apex is not installed (optional)")
-    from megatron_pmlm.accelerated import layer_norm
+    from megatron_pmlm.models.accelerated import layer_norm
 
     assert isinstance(layer_norm(64, 1e-12), normalization.FusedLayerNorm)  # what the model builds here
     generator = torch.Generator(DEVICE).manual_seed(0)

@@ -13,10 +13,10 @@ import torch
 
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.data import build_pretraining_loaders
-from megatron_pmlm.flex_attention import (ALLOW_BELOW_MIN_CAPABILITY_ENV, LAYOUT_QUANTUM, LAYOUT_QUANTUM_ENV,
-                                          default_layout_quantum)
-from megatron_pmlm.layout import IGNORE_INDEX, PAD
-from megatron_pmlm.model import PMLMForPreTraining, check_attention_backend
+from megatron_pmlm.models.flex_attention import (ALLOW_BELOW_MIN_CAPABILITY_ENV, LAYOUT_QUANTUM, LAYOUT_QUANTUM_ENV,
+                                                 default_layout_quantum)
+from megatron_pmlm.models.layout import IGNORE_INDEX, PAD
+from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend
 from pmlm_testing import REPO_ROOT
 
 FLEX = dict(attention_backend="flex", attention_dropout=0.0)

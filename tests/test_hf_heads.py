@@ -17,8 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 from megatron_pmlm.config import model_config_from_preset  # noqa: E402
 from megatron_pmlm.hf import convert  # noqa: E402
-from megatron_pmlm.layout import CONTEXT  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining  # noqa: E402
+from megatron_pmlm.models.layout import CONTEXT  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining  # noqa: E402
 from megatron_pmlm.tokenizer import WordPieceTokenizer  # noqa: E402
 
 VOCAB = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[P]", "Hello", "hello", "world", "the", "tower", "of",

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatron_pmlm.config import ConfigError
-from megatron_pmlm.layout import (CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PSEUDO, build_batch,
-                                  pmlm_attention_allowed)
-from megatron_pmlm.masking import ExampleMasks
+from megatron_pmlm.data.batches import build_batch
+from megatron_pmlm.data.masking import ExampleMasks
+from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PSEUDO, pmlm_attention_allowed
 
 PAD_ID, CLS, SEP, MASK, P = 0, 1, 2, 3, 4
 

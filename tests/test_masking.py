@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from megatron_pmlm.config import ConfigError, MaskingConfig
-from megatron_pmlm.masking import mask_example, sample_blocks, sample_non_special_ids
+from megatron_pmlm.data.masking import mask_example, sample_blocks, sample_non_special_ids
 
 SEQ_LEN = 512
 SPECIAL_POSITIONS = [0, 200, SEQ_LEN - 1]  # [CLS] S1 [SEP] S2 [SEP]

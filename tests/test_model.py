@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from megatron_pmlm.config import ConfigError, MaskingConfig, ModelConfig, model_config_from_preset
-from megatron_pmlm.layout import build_batch
-from megatron_pmlm.masking import mask_example
-from megatron_pmlm.model import PMLMForPreTraining, count_parameters, relative_position_bucket
-from megatron_pmlm.objectives import get_objective
+from megatron_pmlm.data.batches import build_batch
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.models.model import PMLMForPreTraining, count_parameters, relative_position_bucket
+from megatron_pmlm.models.objectives import get_objective
 
 # SPEC §5: |d| 0-7 exact; 8-11->8, 12-15->9, 16-22->10, 23-31->11, 32-45->12, 46-63->13, 64-90->14, >=91->15
 SPEC_TABLE = [(0, 7, None), (8, 11, 8), (12, 15, 9), (16, 22, 10), (23, 31, 11), (32, 45, 12),

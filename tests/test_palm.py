@@ -17,8 +17,8 @@ import torch
 from pmlm_testing import REPO_ROOT, run_module
 
 from data_prep.palm_pairs import palm_pairs
-from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, PAD
-from megatron_pmlm.palm import PalmForPreTraining, next_log_probs, palm_config_from_preset, start_decoding
+from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, PAD
+from megatron_pmlm.models.palm import PalmForPreTraining, next_log_probs, palm_config_from_preset, start_decoding
 
 VOCAB = 250
 PALM_TINY = ["--model", "palm", "--preset", "palm-tiny", "--micro-batch-size", "4", "--global-batch-size", "8",
@@ -152,7 +152,7 @@ def palm_samples(pretraining_samples, tmp_path_factory) -> Path:
 
 def test_batches_hold_the_context_for_the_encoder_and_the_continuation_for_the_decoder(palm_samples):
     from megatron_pmlm.data.samples import PretrainingSamples
-    from megatron_pmlm.palm_data import PalmBatchBuilder
+    from megatron_pmlm.data.palm_data import PalmBatchBuilder
 
     samples = PretrainingSamples(palm_samples, "train")
     tokens = samples.corpora[0].tokens

@@ -13,7 +13,7 @@ import pytest
 
 from pmlm_testing import REPO_ROOT, run_module
 from megatron_pmlm.config import ConfigError
-from megatron_pmlm.training import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
+from megatron_pmlm.training.training_config import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
 TRAIN_TAGS = {"train/loss", "train/loss_ae", "train/loss_par", "train/mlm_acc", "train/par_acc", "train/lr",
               "train/grad_norm",
@@ -107,7 +107,8 @@ def test_megatron_decay_styles_and_the_tiny_presets_schedule():
     assert constant(4) == pytest.approx(0.5) and constant(99) == 1.0
     with pytest.raises(ConfigError, match="lr_decay_style must be one of linear, cosine, constant"):
         TrainingConfig(lr_decay_style="exponential")
-    from megatron_pmlm.pretrain import build_parser, training_config_from_args
+    from megatron_pmlm.pretrain import build_parser
+    from megatron_pmlm.training.recipe import training_config_from_args
 
     def resolved(*args):
         return training_config_from_args(build_parser().parse_args(["--data-path", "x", *args]), 64)

@@ -17,13 +17,13 @@ import torch
 from megatron_pmlm.config import UniLMMaskingConfig, model_config_from_preset
 from megatron_pmlm.data import PretrainingSamples, build_pretraining_loaders
 from megatron_pmlm.data.samples import A_LEN, A_START, B_LEN, DOCUMENT
-from megatron_pmlm.layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.objectives import get_objective
+from megatron_pmlm.models.layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.models.objectives import get_objective
 from megatron_pmlm.tokenizer import SpecialTokenIds
-from megatron_pmlm.unilm import (BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE,
-                                 UniLMBatchBuilder, sample_keys, build_unilm_batch, draw_lm_types,
-                                 expected_visibility, ngram_masks)
+from megatron_pmlm.data.unilm_batches import (UniLMBatchBuilder, build_unilm_batch, draw_lm_types, expected_visibility,
+                                              ngram_masks, sample_keys)
+from megatron_pmlm.models.unilm import BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE
 from pmlm_testing import run_module, torchrun
 
 SPECIAL = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
@@ -280,7 +280,7 @@ def test_a_bert_checkpoint_imports_for_unilm_as_the_released_code_initialises_it
 
     import transformers
 
-    from megatron_pmlm.hf import convert
+    from megatron_pmlm.training.checkpoint_reader import load_pretraining_checkpoint
 
     torch.manual_seed(0)
     config = transformers.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -293,7 +293,7 @@ def test_a_bert_checkpoint_imports_for_unilm_as_the_released_code_initialises_it
     result = run_module("megatron_pmlm.hf.convert", "--from-hf", str(folder), "--save", str(imported),
                         "--objective", "unilm", "--add-rel-pos")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    checkpoint = convert.load_pretraining_checkpoint(imported)
+    checkpoint = load_pretraining_checkpoint(imported)
     state = checkpoint.state_dict
     segments = bert.bert.embeddings.token_type_embeddings.weight.detach()
     torch.testing.assert_close(state["bert.embeddings.token_type_embeddings.weight"], segments[[0, 1, 0, 0, 0, 1]])

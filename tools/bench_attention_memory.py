@@ -34,10 +34,10 @@ def peak_rss_bytes() -> int:
 
 
 def measure(backend: str, preset: str, seq_length: int, micro_batch_size: int) -> dict:
-    from megatron_pmlm.flex_attention import FlexAttentionMask
-    from megatron_pmlm.layout import pmlm_attention_allowed
-    from megatron_pmlm.model import BertSelfAttention, RelativePositionBias, attention_inputs
-    from megatron_pmlm.parallel_layers import LocalLayers
+    from megatron_pmlm.models.flex_attention import FlexAttentionMask
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    from megatron_pmlm.models.model import BertSelfAttention, RelativePositionBias, attention_inputs
+    from megatron_pmlm.parallel.layers import LocalLayers
     from tools.bench_train import make_examples, pmlm_batch
 
     config = model_config_from_preset(preset, hidden_dropout=0.0, attention_dropout=0.0,

@@ -4,7 +4,7 @@
     python tools/bench_checksum.py --sizes 1.4 --algorithms sha256,xxh3_128 --dir /scratch
 
 Each file (random bytes) is written, read once so that it sits in the page cache, then hashed
-with each algorithm in 8 MiB chunks, the loop `megatron_pmlm.checkpoint_files.file_checksum` runs
+with each algorithm in 8 MiB chunks, the loop `megatron_pmlm.training.checkpoint_files.file_checksum` runs
 ("file_checksum" is that function itself, with the algorithm the manifest uses); "read only" is
 the same loop without a hash (the memory-copy floor); "write" is writing the file once (into the
 page cache, no fsync, as torch.save writes; a shared file system is slower). The best of
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pmlm.checkpoint_files import _CHUNK_BYTES, CHECKSUM_ALGORITHM, file_checksum  # noqa: E402
+from megatron_pmlm.training.checkpoint_files import _CHUNK_BYTES, CHECKSUM_ALGORITHM, file_checksum  # noqa: E402
 
 CHECKPOINTS = {"base": (0.44, 1.3), "large": (1.4, 4.0)}  # GB: (model states, optimizer states)
 

@@ -83,7 +83,7 @@ def bench_samples(corpus_files: list[Path], vocab_file: Path, work: Path, batche
     from megatron_pmlm.data import PretrainingSamples
     from megatron_pmlm.data.indexed import IndexedDatasetReader
     from megatron_pmlm.data.loader import PMLMBatchBuilder
-    from megatron_pmlm.objectives import get_objective
+    from megatron_pmlm.models.objectives import get_objective
 
     torch.set_num_threads(1)
     # Full-length samples need long documents: wikitext as whole articles (its blank lines separate

@@ -40,7 +40,7 @@ def build(args):
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
     if args.model:
-        from megatron_pmlm.decoding import build_decoding_model
+        from megatron_pmlm.generation.decoding import build_decoding_model
         from megatron_pmlm.pretrained import load_model
 
         loaded = load_model(args.model)
@@ -49,7 +49,7 @@ def build(args):
         return model, tokenizer, tokenizer.special, (loaded.source_type_id, loaded.target_type_id), str(args.model)
 
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.model import PMLMForPreTraining
+    from megatron_pmlm.models.model import PMLMForPreTraining
     from megatron_pmlm.tokenizer import SpecialTokenIds
 
     vocab_file = SHARED / "vocab" / "bert-base-uncased-vocab.txt"
@@ -66,7 +66,7 @@ def build(args):
 def timed_decode(decoder, sources, batch_size, device) -> tuple[list[list[int]], float]:
     import torch
 
-    from megatron_pmlm.decoding import decode_in_batches
+    from megatron_pmlm.generation.decoding import decode_in_batches
 
     if device == "cuda":
         torch.cuda.synchronize()
@@ -97,7 +97,8 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
 
-    from megatron_pmlm.decoding import DecodingConfig, Seq2SeqDecoder, generated_length
+    from megatron_pmlm.generation.decoding import Seq2SeqDecoder
+    from megatron_pmlm.generation.search import DecodingConfig, generated_length
 
     model, tokenizer, special, (source_type, target_type), description = build(args)
     sources, source_description = load_sources(tokenizer, args.sources, model.config.vocab_size, args.seed)

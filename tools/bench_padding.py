@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from megatron_pmlm.data import build_pretraining_loaders  # noqa: E402
-from megatron_pmlm.layout import PAD, padded_width  # noqa: E402
+from megatron_pmlm.models.layout import PAD, padded_width  # noqa: E402
 
 
 def padding_share(samples_dir: str, micro_batch_size: int, global_batch_size: int | None, objective: str) -> tuple[float, int]:

@@ -34,14 +34,15 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from megatron_pmlm import flex_attention  # noqa: E402
+from megatron_pmlm.models import flex_attention  # noqa: E402
 from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
-from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, build_batch, padded_width  # noqa: E402
-from megatron_pmlm.masking import mask_example  # noqa: E402
-from megatron_pmlm.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
-from megatron_pmlm.parallel_layers import LocalLayers  # noqa: E402
-from megatron_pmlm.pretrain import flops_per_token  # noqa: E402
+from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, padded_width  # noqa: E402
+from megatron_pmlm.data.batches import build_batch  # noqa: E402
+from megatron_pmlm.data.masking import mask_example  # noqa: E402
+from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
+from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
+from megatron_pmlm.training.recipe import flops_per_token  # noqa: E402
 
 # Dense peak TFLOP/s per device and precision (vendor datasheets, without sparsity).
 PEAK_TFLOPS = {

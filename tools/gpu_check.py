@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_pmlm.flex_attention import flex_capability_problem
+    from megatron_pmlm.models.flex_attention import flex_capability_problem
 
     started = time.time()
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

@@ -22,8 +22,9 @@ tail -n 1000 "$QG/src-dev.txt" > "$OUT/dev.src";   tail -n 1000 "$QG/tgt-dev.txt
 "$PY" - "$PRETRAINED" "$OUT/random_init" <<'EOF'
 import sys
 from pathlib import Path
-from megatron_pmlm.hf.convert import to_hf_state_dict, write_hf_folder
-from megatron_pmlm.model import PMLMForPreTraining
+from megatron_pmlm.hf.convert import write_hf_folder
+from megatron_pmlm.hf.pmlm_adapter import to_hf_state_dict
+from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.pretrained import load_model
 loaded = load_model(sys.argv[1])
 model = PMLMForPreTraining(loaded.config, init_seed=1)

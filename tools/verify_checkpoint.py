@@ -19,8 +19,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pmlm.checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, checksum_note,  # noqa: E402
-                                            verify)
+from megatron_pmlm.training.checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, checksum_note,  # noqa: E402
+                                                     verify)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 from ..config import ConfigError
-from ..layout import PMLMBatch, build_batch
-from ..masking import ExampleMasks, splitmix64 as _splitmix64
-from ..objectives import Objective, get_objective
+from ..models.layout import PMLMBatch
+from ..models.objectives import Objective, get_objective
+from .batches import build_batch
+from .masking import ExampleMasks, splitmix64 as _splitmix64
 from .samples import PretrainingSamples, SamplesError, open_corpora, read_metadata
 
 
@@ -76,7 +77,7 @@ def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, 
     `unilm_masking`, a config.UniLMMaskingConfig; None: the paper's values)."""
     if objective.is_unilm:
         from ..config import UniLMMaskingConfig
-        from ..unilm import UniLMBatchBuilder
+        from .unilm_batches import UniLMBatchBuilder
 
         return UniLMBatchBuilder(samples, objective, seed, max_length, unilm_masking or UniLMMaskingConfig())
     return PMLMBatchBuilder(samples, objective, seed, max_length)
@@ -230,16 +231,29 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
                           f"the model's {max_length} positions")
     objective = get_objective(objective) if isinstance(objective, str) else objective
     seed = metadata["seed"] if seed is None else seed
+    return samples_loaders(data_path, metadata, lambda samples: batch_builder(samples, objective, seed, max_length,
+                                                                             unilm_masking),
+                           micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples, seed,
+                           global_batch_size)
+
+
+def samples_loaders(data_path: str | os.PathLike, metadata: dict, make_builder: Callable[[PretrainingSamples], Any],
+                    micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int, consumed_samples: int,
+                    seed: int, global_batch_size: int | None) -> PretrainingLoaders:
+    """Train/valid loaders over a checked samples directory, whatever its batches (PMLM, UniLM v1,
+    PALM): the resumable sampler over the training samples (length bucketing within each global
+    batch when `global_batch_size` is given), `make_builder(samples)` for each split's batches, and
+    the validation samples in order."""
     corpora = open_corpora(metadata, Path(data_path))
     train_samples = PretrainingSamples(data_path, "train", corpora)
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
                                  sample_lengths=train_samples.lengths() if global_batch_size else None)
-    train = PMLMBatchLoader(sampler, batch_builder(train_samples, objective, seed, max_length, unilm_masking))
+    train = PMLMBatchLoader(sampler, make_builder(train_samples))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:
         valid_samples = PretrainingSamples(data_path, "valid", corpora)
-        valid_builder = batch_builder(valid_samples, objective, seed, max_length, unilm_masking)
+        valid_builder = make_builder(valid_samples)
 
         def valid() -> Iterator[PMLMBatch]:
             return validation_batches(valid_samples, valid_builder, micro_batch_size,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..masking import ExampleMasks, expand_ranges
+from .masking import ExampleMasks, expand_ranges
 from ..tokenizer import SpecialTokenIds
 from .indexed import IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path
 

@@ -4,10 +4,10 @@ the checkpoint's run was `pretrain --model palm`).
     python tools/convert_checkpoint.py --load SAVE_DIR [--tag iter_N] --output HF_DIR [--verify]
 
 The full fp32 state dict is rebuilt from any layout PALM trains with (ZeRO 0-3, tensor parallel)
-by convert.py's readers, the vocabulary padding is cut off, and the folder is written: config.json
-(BertConfig fields + num_decoder_layers, copy_attention_size, auto_map), pytorch_model.bin or
-model.safetensors in our names, the tokenizer files, and the remote code `configuration_palm.py` /
-`modeling_palm.py`. `--verify` runs our model and the Hugging Face one on held-out pairs and fails
+by training/checkpoint_reader.py's readers, the vocabulary padding is cut off, and the folder is
+written: config.json (BertConfig fields + num_decoder_layers, copy_attention_size, auto_map),
+pytorch_model.bin or model.safetensors in our names, the tokenizer files, and the remote code
+`configuration_palm.py` / `modeling_palm.py`. `--verify` runs our model and the Hugging Face one on held-out pairs and fails
 above a difference of 1e-4 in the decoder's vocabulary logits, the final distribution P, the
 encoder's MLM logits or the continuation NLL. Importing a PALM folder back is not supported.
 """
@@ -26,27 +26,17 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ConfigError
-from ..palm import PalmConfig, PalmForPreTraining
-from .convert import (LATEST_FILE, RUN_STATE_FILE, VERIFY_TOLERANCE, ConversionError, VerificationFailed,
-                      _read_module_states, _read_zero_states, read_vocab, resolve_tag, staged_output,
-                      write_hf_tokenizer)
+from ..models.palm import PalmConfig, PalmForPreTraining
+from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
+from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
+from .convert import VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
+from .pmlm_adapter import read_hf_weights
 from . import convert
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
 PALM_AUTO_MAP = {"AutoConfig": "configuration_palm.PalmConfig",
                  "AutoModel": "modeling_palm.PalmForConditionalGeneration"}
 PALM_PADDED_VOCAB_KEYS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
-
-
-def run_state_of(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str, dict[str, Any]]:
-    directory, tag = resolve_tag(load_dir, tag)
-    path = directory / tag / RUN_STATE_FILE
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: {directory / tag} is not a megatron-pmlm checkpoint")
-    try:
-        return directory, tag, json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON ({error})") from None
 
 
 def is_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
@@ -79,7 +69,7 @@ class PalmCheckpoint:
 
 def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PalmCheckpoint:
     """The full fp32 state dict of a PALM pre-training checkpoint (ZeRO 0-3, any tensor-parallel size)."""
-    from ..parallel_layers import merge_state_dicts
+    from ..parallel.layers import merge_state_dicts
 
     directory, tag, run_state = run_state_of(load_dir, tag)
     tag_dir = directory / tag
@@ -88,9 +78,9 @@ def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) ->
     training = run_state.get("training_config", {})
     zero_stage, precision = int(training.get("zero_stage") or 0), training.get("precision", "fp32")
     if zero_stage == 3 or (zero_stage > 0 and precision != "fp32"):
-        shards, source = _read_zero_states(tag_dir, tp), "ZeRO fp32 partitions (DeepSpeed zero_to_fp32)"
+        shards, source = read_zero_states(tag_dir, tp), "ZeRO fp32 partitions (DeepSpeed zero_to_fp32)"
     else:
-        shards, source = _read_module_states(tag_dir, tp), "mp_rank model states"
+        shards, source = read_module_states(tag_dir, tp), "mp_rank model states"
     try:
         state = merge_state_dicts(shards)
     except RuntimeError as error:
@@ -208,9 +198,9 @@ def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig
     """Our model (TP=1, eval) and the Hugging Face model of `folder` on held-out pairs."""
     import numpy as np
 
-    from ..layout import IGNORE_INDEX, PAD
-    from ..palm import continuation_losses, final_distribution
-    from ..palm_data import PalmBatchBuilder
+    from ..models.layout import IGNORE_INDEX, PAD
+    from ..models.palm import continuation_losses, final_distribution
+    from ..data.palm_data import PalmBatchBuilder
 
     samples = held_out_pairs(data_path)
     if samples.vocab_size != config.vocab_size:
@@ -311,7 +301,7 @@ def load_palm(path: str | os.PathLike) -> LoadedPalm:
         if hf.get("model_type") != "palm":
             raise ConversionError(f"{path} holds a {hf.get('model_type')!r} model, not PALM")
         config = palm_config_from_hf(hf, str(path / "config.json"))
-        state = convert.read_hf_weights(path)
+        state = read_hf_weights(path)
         tokenizer_config = path / "tokenizer_config.json"
         lower = json.loads(tokenizer_config.read_text()).get("do_lower_case", True) if tokenizer_config.is_file() else True
         return LoadedPalm(config, state, path / "vocab.txt", bool(lower), f"Hugging Face folder {path}")

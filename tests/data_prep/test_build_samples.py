@@ -15,8 +15,8 @@ from data_prep.preprocess import PreprocessConfig, run
 from megatron_pmlm.config import MaskingConfig
 from megatron_pmlm.data.indexed import IndexedDatasetReader
 from megatron_pmlm.data.samples import PretrainingSamples, assemble_tokens
-from megatron_pmlm.masking import mask_example
-from megatron_pmlm.text_data import pack_samples
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.data.text_data import pack_samples
 from megatron_pmlm.tokenizer import WordPieceTokenizer
 
 

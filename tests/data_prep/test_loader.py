@@ -16,9 +16,10 @@ from megatron_pmlm.data import (PretrainingSampler, PretrainingSamples, SamplesE
                                 build_pretraining_loaders)
 from megatron_pmlm.data.indexed import IndexedDatasetReader
 from megatron_pmlm.data.loader import PMLMBatchBuilder, to_single_token_steps
-from megatron_pmlm.layout import MASKED, ORIGINAL, PSEUDO, build_batch
-from megatron_pmlm.masking import ExampleMasks
-from megatron_pmlm.objectives import get_objective
+from megatron_pmlm.models.layout import MASKED, ORIGINAL, PSEUDO
+from megatron_pmlm.data.batches import build_batch
+from megatron_pmlm.data.masking import ExampleMasks
+from megatron_pmlm.models.objectives import get_objective
 
 
 def _run(num_samples, consumed, steps, micro_batch_size=3, world=2, seed=5):

@@ -13,7 +13,7 @@ import pytest
 from data_prep.preprocess import PreprocessConfig, main, run, shard_dir
 from data_prep.sources import InputError
 from megatron_pmlm.data.indexed import IndexedDatasetError, IndexedDatasetReader
-from megatron_pmlm.text_data import read_text_documents, tokenize_documents
+from megatron_pmlm.data.text_data import read_text_documents, tokenize_documents
 from megatron_pmlm.tokenizer import WordPieceTokenizer
 
 

@@ -7,10 +7,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megatron_pmlm.distributed import ends_process_groups, initialize_model_parallel
-from megatron_pmlm.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
-from megatron_pmlm.palm import PalmBatch, PalmForPreTraining, palm_config_from_preset
-from megatron_pmlm.parallel_layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
+from megatron_pmlm.parallel.distributed import ends_process_groups, initialize_model_parallel
+from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
+from megatron_pmlm.models.palm import PalmBatch, PalmForPreTraining, palm_config_from_preset
+from megatron_pmlm.parallel.layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
 
 VOCAB = 256
 

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
-from megatron_pmlm.distributed import ends_process_groups, initialize_model_parallel
-from megatron_pmlm.layout import build_batch
-from megatron_pmlm.masking import mask_example
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.parallel_layers import MegatronCoreLayers, shard_state_dict, merge_state_dicts
+from megatron_pmlm.parallel.distributed import ends_process_groups, initialize_model_parallel
+from megatron_pmlm.data.batches import build_batch
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.parallel.layers import MegatronCoreLayers, shard_state_dict, merge_state_dicts
 
 
 @ends_process_groups

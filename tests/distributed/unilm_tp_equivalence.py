@@ -9,11 +9,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_pmlm.config import model_config_from_preset
-from megatron_pmlm.distributed import ends_process_groups, initialize_model_parallel
-from megatron_pmlm.model import PMLMForPreTraining
-from megatron_pmlm.parallel_layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
+from megatron_pmlm.parallel.distributed import ends_process_groups, initialize_model_parallel
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.parallel.layers import MegatronCoreLayers, merge_state_dicts, shard_state_dict
 from megatron_pmlm.tokenizer import SpecialTokenIds
-from megatron_pmlm.unilm import TYPE_VOCAB_SIZE, sample_keys, build_unilm_batch
+from megatron_pmlm.data.unilm_batches import build_unilm_batch, sample_keys
+from megatron_pmlm.models.unilm import TYPE_VOCAB_SIZE
 
 VOCAB = 256
 

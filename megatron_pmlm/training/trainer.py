@@ -2,8 +2,8 @@
 exactly, preemption by signal, and metrics to the console and TensorBoard.
 
 DeepSpeed owns ZeRO, mixed precision, gradient accumulation, pipeline scheduling and the checkpoint
-files; this module builds the optimizer and learning-rate schedule (UniLMv2 Table 7) and the
-DeepSpeed config, and runs iterations of `gradient_accumulation_steps` micro batches.
+files; the optimizer, learning-rate schedule (UniLMv2 Table 7) and DeepSpeed config are built from
+training_config.py, and this module runs iterations of `gradient_accumulation_steps` micro batches.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -23,215 +23,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, checkpoint_dirs, checkpoint_listing,
-                               checksum_note, checksum_share, file_checksums, manifest, newest_complete_checkpoint)
-from .config import ConfigError
-from .files import write_text_atomically
-from .layout import PMLMBatch
-from .metrics import PMLM_METRICS, MetricSpec, MetricSums  # noqa: F401 (re-exported)
+from ..config import ConfigError
+from ..files import write_text_atomically
+from ..models.layout import PMLMBatch
+from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
+from ..parallel.distributed import collective_device
+from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
+                               checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
+                               newest_complete_checkpoint)
 from .preflight import check_resumed_settings
-
-
-
-LR_DECAY_STYLES = ("linear", "cosine", "constant")
-
-PRESET_TRAINING_DEFAULTS: dict[str, dict[str, Any]] = {
-    # The paper's schedule (lr 6e-4 after 24k warmup steps) never warms up in a CPU run of a few
-    # hundred steps; the tiny preset (tests, the demo) gets values under which such a run learns.
-    "tiny": dict(lr=1e-3, lr_warmup_iters=10),
-}
-
-
-@dataclass
-class TrainingConfig:
-    """Optimisation and run settings; defaults are the paper's BASE recipe (SPEC §6)."""
-
-    seq_length: int = 512
-    micro_batch_size: int = 20
-    """20 x 6 accumulation steps x 64 GPUs = 7,680 (fits a 32 GB V100 at length 512 in fp16)."""
-    global_batch_size: int = 7680
-    train_iters: int = 500_000
-    lr: float = 6e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 24_000
-    lr_decay_style: str = "linear"
-    """After warmup: linear (the paper's), cosine (to min_lr), or constant."""
-    lr_decay_iters: int = 0
-    """Decay ends (at min_lr) at this iteration (0: train_iters), as Megatron's --lr-decay-iters."""
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-6
-    clip_grad: float = 0.0
-    """0 disables clipping (the paper uses none)."""
-    zero_stage: int = 0
-    precision: str = "fp32"
-    """fp32, fp16 (dynamic loss scaling, V100) or bf16."""
-    seed: int = 1234
-    log_interval: int = 100
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    save_interval: int = 0
-    """Save every N iterations (0: only at the end and on exit)."""
-    exit_interval: int = 0
-    """Save and stop after iteration N (the schedule still follows train_iters); 0: off."""
-    keep_last_checkpoints: int = 0
-    """Keep only the newest N complete checkpoints (0: keep all)."""
-    keep_checkpoint_every: int = 0
-    """Never delete checkpoints whose iteration is a multiple of M (0: none kept forever)."""
-
-    def __post_init__(self) -> None:
-        for name in ("seq_length", "micro_batch_size", "global_batch_size", "train_iters",
-                     "log_interval", "eval_interval"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"training config: {name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_iters", "save_interval", "exit_interval", "lr_warmup_iters", "keep_last_checkpoints",
-                     "keep_checkpoint_every"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"training config: {name} must be >= 0, got {getattr(self, name)}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ConfigError(f"training config: lr_decay_style must be one of {', '.join(LR_DECAY_STYLES)}, "
-                              f"got {self.lr_decay_style!r}")
-        if self.lr_decay_iters < 0:
-            raise ConfigError(f"training config: lr_decay_iters must be >= 0, got {self.lr_decay_iters}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ConfigError(f"training config: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"training config: zero_stage must be 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.precision not in ("fp32", "fp16", "bf16"):
-            raise ConfigError(f"training config: precision must be fp32, fp16 or bf16, got {self.precision!r}")
-
-    def gradient_accumulation_steps(self, data_parallel_size: int) -> int:
-        per_step = self.micro_batch_size * data_parallel_size
-        if self.global_batch_size % per_step:
-            raise ConfigError(
-                f"global batch size {self.global_batch_size} is not divisible by micro batch size "
-                f"{self.micro_batch_size} x data-parallel size {data_parallel_size}")
-        return self.global_batch_size // per_step
-
-
-def lr_lambda(config: TrainingConfig) -> Callable[[int], float]:
-    """Linear warmup to `lr`, then decay (linear, cosine or none) to `min_lr` at `lr_decay_iters`
-    (default `train_iters`), as a multiplier of lr."""
-    floor = config.min_lr / config.lr
-    decay_end = config.lr_decay_iters or config.train_iters
-
-    def multiplier(iteration: int) -> float:
-        if iteration < config.lr_warmup_iters:
-            return (iteration + 1) / config.lr_warmup_iters
-        if config.lr_decay_style == "constant":
-            return 1.0
-        decay_iters = max(1, decay_end - config.lr_warmup_iters)
-        progress = min(1.0, (iteration - config.lr_warmup_iters) / decay_iters)
-        remaining = 1.0 - progress if config.lr_decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-        return floor + (1.0 - floor) * remaining
-
-    return multiplier
-
-
-def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Weight decay on matrices only: biases, LayerNorm and the relative-position bias table are exempt."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.dim() >= 2 and not name.endswith("rel_pos_bias.weight"):
-            decay.append(param)
-        else:
-            no_decay.append(param)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
-
-
-class AdamW(torch.optim.AdamW):
-    """torch's AdamW that also records the global gradient norm before each step.
-
-    DeepSpeed reports a norm only from its ZeRO/fp16/bf16 optimizers; in fp32 without ZeRO this
-    fills the gap (one extra pass over the gradients, in that case only). Each gradient counts
-    once: tensor-parallel slices on every rank, replicated parameters on tensor rank 0 only, and
-    a pipeline's tied copy of the word embedding once.
-    """
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.norm_group = None  # set once the process groups exist; None: no norm
-        self.tensor_parallel_rank = 0
-        self.last_grad_norm: float | None = None
-        self.max_grad_norm = 0.0
-        """Clip to this norm (0: off) after measuring it, so the logged norm is the unclipped one."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if self.norm_group is not None:
-            squares = torch.zeros((), dtype=torch.float32)
-            for group in self.param_groups:
-                for param in group["params"]:
-                    if param.grad is None or getattr(param, "ds_pipe_replicated", False):
-                        continue
-                    if self.tensor_parallel_rank == 0 or getattr(param, "tensor_model_parallel", False):
-                        squares = squares + param.grad.detach().float().pow(2).sum().cpu()
-            if dist.get_world_size(self.norm_group) > 1:
-                squares = squares.to(_collective_device())
-                dist.all_reduce(squares, group=self.norm_group)
-            self.last_grad_norm = float(squares.sqrt())
-            if self.max_grad_norm > 0:
-                # torch.nn.utils.clip_grad_norm_'s rule, on the norm measured above.
-                coefficient = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-                if coefficient < 1.0:
-                    for group in self.param_groups:
-                        for param in group["params"]:
-                            if param.grad is not None:
-                                param.grad.mul_(coefficient)
-        return super().step(closure)
-
-
-def adamw_options(device_type: str) -> dict[str, Any]:
-    """torch's fused AdamW (one kernel over all parameters instead of a few per tensor) where torch
-    has it for training: CUDA. Elsewhere torch's default implementation: nothing changes on CPU."""
-    return {"fused": True} if device_type == "cuda" else {}
-
-
-def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
-    """The user's --deepspeed-config file (None without one); a missing or invalid file is named."""
-    if not path:
-        return None
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from None
-
-
-def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
-                           base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A user's DeepSpeed file (if any) with the command-line values written over it."""
-    ds_config = json.loads(json.dumps(base or {}))
-    for key in ("optimizer", "scheduler"):
-        if key in ds_config:
-            raise ConfigError(f"the DeepSpeed config sets {key!r}; the optimizer and schedule come from "
-                              f"the command line (--lr, --adam-*, --lr-warmup-iters), remove it")
-    ds_config.update({
-        "train_micro_batch_size_per_gpu": config.micro_batch_size,
-        "gradient_accumulation_steps": config.gradient_accumulation_steps(data_parallel_size),
-        "train_batch_size": config.global_batch_size,
-        "gradient_clipping": config.clip_grad,
-        "steps_per_print": 10**9,  # we log ourselves
-        "wall_clock_breakdown": False,
-    })
-    ds_config.setdefault("zero_optimization", {})["stage"] = config.zero_stage
-    fp16 = ds_config.setdefault("fp16", {})
-    bf16 = ds_config.setdefault("bf16", {})
-    fp16["enabled"] = config.precision == "fp16"
-    bf16["enabled"] = config.precision == "bf16"
-    if fp16["enabled"]:
-        fp16.setdefault("loss_scale", 0)  # 0 = dynamic
-        fp16.setdefault("initial_scale_power", 16)
-        fp16.setdefault("loss_scale_window", 1000)
-        fp16.setdefault("hysteresis", 2)
-        fp16.setdefault("min_loss_scale", 1)
-    return ds_config
+from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
+                              lr_lambda, parameter_groups)
+from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
 
 
 def rng_state() -> dict[str, Any]:
@@ -290,7 +93,7 @@ class ExitSignal:
         """All ranks agree (one tiny all-reduce per iteration) so they save together."""
         flag = torch.tensor([float(self.received or 0)])
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(_collective_device())
+            flag = flag.to(collective_device())
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.agreed = int(flag.item()) or None
         return self.agreed is not None
@@ -303,94 +106,9 @@ def _signal_text(signum: int | None) -> str:
     return f"{signum} (SIGINT, Ctrl-C)" if signum == signal.SIGINT else str(signum)
 
 
-def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def check_precision_supported(precision: str) -> None:
-    """Refuse fp16/bf16 up front where DeepSpeed's accelerator says the device lacks it (the same
-    question DeepSpeed asks later, deep inside engine start-up), naming the flag and the way out."""
-    if precision == "fp32":
-        return
-    from deepspeed.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    supported = accelerator.is_fp16_supported() if precision == "fp16" else accelerator.is_bf16_supported()
-    if not supported:
-        other = "--bf16 or fp32" if precision == "fp16" else "--fp16 or fp32"
-        raise ConfigError(f"--{precision}: DeepSpeed's {accelerator.device_name()} accelerator reports no {precision} "
-                          f"support on this machine; use {other}")
-
-
 RUNTIME_MODEL_FIELDS = ("attention_backend", "hidden_dropout", "attention_dropout")
 """ModelConfig fields a resumed or fine-tuning run may change: they choose kernels and training
 noise, not the weights' shapes or meaning."""
-
-
-def check_zero_with_pipeline(zero_stage: int, pipeline: bool) -> None:
-    if pipeline and zero_stage > 1:
-        raise ConfigError(
-            f"ZeRO stage {zero_stage} cannot be combined with pipeline parallelism (DeepSpeed does not "
-            "support it); use --zero-stage 0 or 1 with --pipeline-model-parallel-size > 1")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint to load is missing, incomplete or incompatible; the message says how to proceed."""
-
-
-def universal_checkpoint_info(embedding_rows: int, parameter_names: list[str]) -> dict[str, Any]:
-    """What DeepSpeed's `ds_to_universal` needs to merge this model's tensor-parallel slices: which
-    parameters every TP rank holds whole, which are split along their input (row-parallel), and the
-    (padded) vocabulary of the word embedding. Everything else is split along dim 0 (column-parallel
-    weights and biases, the vocabulary-split softmax bias, the relative bias split by heads).
-    Only patterns that name a parameter of this model are listed (DeepSpeed refuses unused ones)."""
-    import re
-
-    from deepspeed.checkpoint import constants
-
-    def used(patterns: list[str]) -> list[str]:
-        return [p for p in patterns if any(re.match(p, name) for name in parameter_names)]
-
-    return {
-        constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-        constants.TP_REPLICATED_PARAMETER_PATTERNS: used([
-            r".*position_embeddings\.weight$", r".*token_type_embeddings\.weight$", r".*LayerNorm\.(weight|bias)$",
-            r".*attention\.output\.dense\.bias$", r".*layer\.\d+\.output\.dense\.bias$",
-            r".*cls\.predictions\.transform\.dense\.", r".*pooler\.", r".*cls\.seq_relationship\."]),
-        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: used([
-            r".*attention\.output\.dense\.weight$", r".*layer\.\d+\.output\.dense\.weight$"]),
-        constants.VOCABULARY_PARAMETER_PATTERNS: used([r".*word_embeddings\.weight$"]),
-        constants.ORIGINAL_VOCAB_SIZE: embedding_rows,
-    }
-
-
-def convert_to_universal(tag_dir: Path, log: Callable[[str], None]) -> Path:
-    """DeepSpeed's ds_to_universal on one checkpoint, into `<tag>_universal` next to it (written
-    under a temporary name and renamed, so an interrupted conversion is redone, never half-used)."""
-    from deepspeed.checkpoint import ds_to_universal
-
-    target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
-    if (target / RUN_STATE_FILE).is_file():
-        return target
-    staging = tag_dir.with_name(f".{tag_dir.name}{UNIVERSAL_SUFFIX}.tmp")
-    import shutil
-
-    shutil.rmtree(staging, ignore_errors=True)
-    log(f"converting {tag_dir} to DeepSpeed's universal format in {target}")
-    import argparse
-
-    ds_to_universal.main(argparse.Namespace(
-        input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True, inject_missing_state=False))
-    shutil.copy2(tag_dir / RUN_STATE_FILE, staging / RUN_STATE_FILE)
-    for rng_file in tag_dir.glob("rng_state_rank*.pt"):
-        shutil.copy2(rng_file, staging / rng_file.name)
-    shutil.rmtree(target, ignore_errors=True)
-    os.replace(staging, target)
-    # ds_to_universal names its output folder (our staging name) in `latest_universal`.
-    write_text_atomically(tag_dir.parent / "latest_universal", target.name)
-    return target
-
 
 
 class Trainer:
@@ -432,10 +150,10 @@ class Trainer:
             # the hidden state is the sole tensor needing a gradient; ours also sends the attention
             # bias (it carries the relative-position table's gradient), so send both whole.
             self.ds_config.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
-        if config.zero_stage == 3 and hasattr(model, "cls"):
-            # The tied softmax reads the embedding's weight outside the embedding module.
-            deepspeed.zero.register_external_parameter(model.cls.predictions,
-                                                       model.bert.embeddings.word_embeddings.weight)
+        if config.zero_stage == 3:
+            # Modules reading a parameter another module owns (tied weights), as the model lists them.
+            for module, parameter in getattr(model, "zero3_external_parameters", list)():
+                deepspeed.zero.register_external_parameter(module, parameter)
         # DeepSpeed reports the gradient norm from its ZeRO, fp16 and bf16 optimizers (which
         # accept only the stock AdamW); in plain fp32 our AdamW measures it.
         tracks_norm = config.zero_stage == 0 and config.precision == "fp32"
@@ -535,7 +253,7 @@ class Trainer:
         """Sum the metric sums over all ranks holding losses, so logs describe the global batch."""
         if self.world_size == 1:
             return sums
-        values = sums.values.float().to(_collective_device())
+        values = sums.values.float().to(collective_device())
         dist.all_reduce(values)
         reduced = MetricSums(self.metrics)
         reduced.values = values.double().cpu()
@@ -594,7 +312,7 @@ class Trainer:
         averages = self._data_parallel_average(interval).averages()
         token_tensor = torch.tensor([float(tokens)])
         if self.world_size > 1:
-            token_tensor = token_tensor.to(_collective_device())
+            token_tensor = token_tensor.to(collective_device())
             dist.all_reduce(token_tensor)
         # Every tensor-parallel rank counts the same batch, and under pipelining so do the first
         # and the last stage.
@@ -709,7 +427,7 @@ class Trainer:
         listing = [checkpoint_listing(tag_dir) if self.rank == 0 else None]
         if self.world_size == 1:
             return file_checksums(tag_dir, listing[0])
-        dist.broadcast_object_list(listing, src=0, device=_collective_device())
+        dist.broadcast_object_list(listing, src=0, device=collective_device())
         shares: list[dict[str, tuple[int, str]] | None] = [None] * self.world_size
         mine = checksum_share(listing[0], self.rank, self.world_size)
         dist.all_gather_object(shares, file_checksums(tag_dir, mine))
@@ -723,7 +441,7 @@ class Trainer:
             tag, skipped = newest_complete_checkpoint(load_dir, contents=True)
             answer = [(tag, skipped, checksum_note(load_dir / tag) if tag else None)]
         if self.world_size > 1:
-            dist.broadcast_object_list(answer, src=0, device=_collective_device())
+            dist.broadcast_object_list(answer, src=0, device=collective_device())
         tag, skipped, note = answer[0]
         if note:
             self.log(note)
@@ -840,7 +558,7 @@ class Trainer:
                 error = f"{type(exception).__name__}: {exception}"
         failed = torch.tensor([1.0 if error else 0.0])
         if self.world_size > 1:
-            failed = failed.to(_collective_device())
+            failed = failed.to(collective_device())
             dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item():
             raise CheckpointError(f"converting {tag_dir} to the universal format failed"

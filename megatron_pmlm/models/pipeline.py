@@ -25,13 +25,13 @@ import re
 import torch
 from torch import nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .layout import MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, predicted_slots
 from .flex_attention import build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
-from .parallel_layers import ParallelLayers
+from ..parallel.layers import ParallelLayers
 
 TIED_KEY = "word_embeddings"
 

@@ -1,14 +1,12 @@
 """Fused kernels chosen automatically on a GPU; on the CPU everything stays torch's default.
 
-Both choices change speed only: the fused AdamW performs the same update as torch's default
-implementation, and apex's FusedLayerNorm has LayerNorm's parameters (`weight`, `bias`, so
+The choice changes speed only: apex's FusedLayerNorm has LayerNorm's parameters (`weight`, `bias`, so
 checkpoints are unchanged) and falls back to `F.layer_norm` for CPU tensors.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 from torch import nn
@@ -20,12 +18,6 @@ def training_device_type() -> str:
     if torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR", "cuda") == "cuda":
         return "cuda"
     return "cpu"
-
-
-def adamw_options(device_type: str) -> dict[str, Any]:
-    """Keyword arguments for `torch.optim.AdamW` on this device type: torch's fused implementation
-    (one kernel over all parameters instead of a few per tensor) on CUDA, the default elsewhere."""
-    return {"fused": True} if device_type == "cuda" else {}
 
 
 def fused_layer_norm_class() -> type[nn.Module] | None:

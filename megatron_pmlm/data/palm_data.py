@@ -11,17 +11,15 @@ predicts `continuation [SEP]`.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from .config import ConfigError
-from .data.loader import PMLMBatchLoader, PretrainingLoaders, PretrainingSampler, validation_batches
-from .data.samples import A_LEN, A_START, B_LEN, B_START, PretrainingSamples, SamplesError, assemble_tokens, \
-    open_corpora, read_metadata
-from .layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
-from .palm import PalmBatch
+from ..config import ConfigError
+from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
+from ..models.palm import PalmBatch
+from .loader import PretrainingLoaders, samples_loaders
+from .samples import A_LEN, A_START, B_LEN, B_START, PretrainingSamples, SamplesError, assemble_tokens, read_metadata
 
 PALM_LAYOUT = "palm"
 """metadata.json's `layout` of a PALM samples directory (PMLM directories have none)."""
@@ -102,18 +100,5 @@ def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stag
         raise ConfigError(f"{data_path} holds contexts of up to {metadata['seq_length']} and continuations of up to "
                           f"{metadata['continuation_length']} tokens, more than the model's {max_length} positions")
     seed = metadata["seed"] if seed is None else seed
-    corpora = open_corpora(metadata, Path(data_path))
-    train_samples = PretrainingSamples(data_path, "train", corpora)
-    sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
-                                 data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
-                                 sample_lengths=train_samples.lengths() if global_batch_size else None)
-    train = PMLMBatchLoader(sampler, PalmBatchBuilder(train_samples, stage))
-    valid_samples, valid = None, None
-    if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:
-        valid_samples = PretrainingSamples(data_path, "valid", corpora)
-        valid_builder = PalmBatchBuilder(valid_samples, stage)
-
-        def valid():
-            return validation_batches(valid_samples, valid_builder, micro_batch_size,
-                                      data_parallel_rank, data_parallel_size)
-    return PretrainingLoaders(train, valid, train_samples, valid_samples, metadata)
+    return samples_loaders(data_path, metadata, lambda samples: PalmBatchBuilder(samples, stage), micro_batch_size,
+                           data_parallel_rank, data_parallel_size, consumed_samples, seed, global_batch_size)

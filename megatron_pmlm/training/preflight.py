@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .checkpoint_files import LATEST_FILE, newest_complete_checkpoint
-from .config import ConfigError
+from .checkpoint_files import LATEST_FILE, CheckpointError, newest_complete_checkpoint
+from ..config import ConfigError
 
 
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -202,8 +202,6 @@ def resumed_setting_changes(saved: dict[str, Any], run_args: dict[str, Any], tra
 def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[str, Any],
                            training_config: dict[str, Any], finetune: bool, log: Callable[[str], None]) -> None:
     """Refuse (CheckpointError, naming the fields) or list the changed settings in one line."""
-    from .training import CheckpointError
-
     layout, meaning, changed = resumed_setting_changes(saved, run_args, training_config, finetune)
     if layout:
         raise CheckpointError(f"{tag_dir} was saved split another way: {', '.join(layout)}; DeepSpeed reads its "

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from .layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
 from .metrics import MetricSpec
 from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfAttention, BertSelfOutput,
                     LayerKeyValues, PMLMLosses, initialize_weights, padding_logit_bias, pmlm_losses)
 from .objectives import get_objective
-from .parallel_layers import LocalLayers, ParallelLayers
+from ..parallel.layers import LocalLayers, ParallelLayers
 
 PALM_STAGES = (1, 2)
 
@@ -396,6 +396,13 @@ class PalmForPreTraining(nn.Module):
     @property
     def word_embeddings(self) -> nn.Module:
         return self.bert.embeddings.word_embeddings
+
+    def zero3_external_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs ZeRO-3 must be told of, a module reading a parameter another
+        module owns: the tied MLM softmax, the decoder's input and W^e of the vocabulary
+        distribution read the word embedding's weight."""
+        weight = self.word_embeddings.weight
+        return [(self.cls.predictions, weight), (self.decoder.embeddings, weight), (self.pointer_generator, weight)]
 
     def encode(self, encoder_ids, encoder_roles) -> torch.Tensor:
         """Final encoder states [B, S]; context and [M] slots see each other, padding is unseen."""

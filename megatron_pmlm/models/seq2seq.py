@@ -23,10 +23,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import ConfigError
+from ..config import ConfigError
 from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch
 from .model import PMLMForPreTraining
-from .training import MetricSpec
+from .metrics import MetricSpec
 
 MODES = {"pseudo-masked": "v2", "masked": "v1", "causal": "v0"}
 """Our mode names and s2s-ft's `--mask_way` for each."""

@@ -37,7 +37,7 @@ import torch
 import torch.nn.attention.flex_attention as torch_flex
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from .config import ConfigError
+from ..config import ConfigError
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

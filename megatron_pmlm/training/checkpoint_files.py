@@ -1,7 +1,7 @@
 """Checkpoint directories on disk: which are complete, which is newest, and a CLI to check them.
 
 Kept free of torch and DeepSpeed so that a batch script can ask cheaply (`python -m
-megatron_pmlm.checkpoint_files state DIR`) and `tools/verify_checkpoint.py` can check a checkpoint
+megatron_pmlm.training.checkpoint_files state DIR`) and `tools/verify_checkpoint.py` can check a checkpoint
 without loading a model. A checkpoint `DIR/iter_N` is complete when its run_state.json (written by
 rank 0 after every rank has saved) exists and every file of its manifest has the size it was saved
 with; checked with `contents`, every file also has the checksum it was saved with (resume checks
@@ -28,6 +28,10 @@ CHECKSUM_ALGORITHM = "xxh3_128"
 """Not cryptographic, and need not be (it catches changed bytes, not an attacker): about 8x
 sha256's speed, so hashing a checkpoint costs a fraction of writing it (docs/benchmarks.md)."""
 _CHUNK_BYTES = 8 << 20
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint to load is missing, incomplete or incompatible; the message says how to proceed."""
 
 
 def _hasher(algorithm: str):
@@ -184,7 +188,7 @@ def verify(tag_dir: Path, contents: bool = True, deep: bool = False) -> str | No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.checkpoint_files",
+    parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.training.checkpoint_files",
                                      description="Inspect a pre-training checkpoint directory.")
     commands = parser.add_subparsers(dest="command", required=True)
     state = commands.add_parser("state", help="print 'ITERATION TRAIN_ITERS EXIT_INTERVAL' of the newest "

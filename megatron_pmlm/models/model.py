@@ -19,13 +19,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .accelerated import layer_norm
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, default_layout_quantum,
                              flex_attention_forward, flex_capability_problem)
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
                      predicted_slots)
 from .objectives import Objective, get_objective
-from .parallel_layers import LocalLayers, ParallelLayers
+from ..parallel.layers import LocalLayers, ParallelLayers
 
 if TYPE_CHECKING:
     from .unilm import UniLMLosses
@@ -433,6 +433,11 @@ class PMLMForPreTraining(nn.Module):
         initialize_weights(self, config, init_seed, getattr(self.layers, "tensor_parallel_rank", 0),
                            self.layers.tensor_parallel_size)
 
+    def zero3_external_parameters(self) -> list[tuple[nn.Module, nn.Parameter]]:
+        """(module, parameter) pairs ZeRO-3 must be told of, a module reading a parameter another
+        module owns: the tied softmax reads the embedding's weight."""
+        return [(self.cls.predictions, self.bert.embeddings.word_embeddings.weight)]
+
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
 
@@ -486,7 +491,7 @@ def initialize_weights(model: nn.Module, config: ModelConfig, seed: int, tensor_
     seed starts from exactly the TP=1 weights, and no two TP ranks draw correlated shards.
     Vocabulary padding rows start at zero whatever the padding.
     """
-    from .parallel_layers import tensor_parallel_split_dim
+    from ..parallel.layers import tensor_parallel_split_dim
 
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -13,7 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
-from .tokenizer import SpecialTokenIds, WordPieceTokenizer
+from ..tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 # A sentence ends at . ! or ? (optionally closed by quotes/brackets) followed by whitespace and an
 # upper-case letter, a digit or an opening quote/bracket. Good enough for English prose; an

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import MaskingConfig
+from ..config import MaskingConfig
 
 # Algorithm 1 proposes (start, length) pairs; they are drawn in chunks to keep numpy calls few.
 _PROPOSAL_CHUNK = 64

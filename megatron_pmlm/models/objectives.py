@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ConfigError
+from ..config import ConfigError
 from .metrics import PMLM_METRICS, UNILM_METRICS, MetricSpec
 
 

@@ -21,7 +21,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from ..config import ConfigError
 
 
 @dataclass(frozen=True)
@@ -241,3 +241,8 @@ class MegatronMPU:
 
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.ps.get_pipeline_model_parallel_world_size()
+
+
+def collective_device() -> torch.device:
+    """The device collectives run on: the current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -12,12 +12,11 @@ stack, and every decoder layer and the copy attention need the encoder's final s
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict
 from pathlib import Path
 
-from .config import ConfigError
-from .objectives import DEFAULT_OBJECTIVE
-from .palm import PALM_PRESETS, PALM_STAGES, PalmConfig, PalmForPreTraining, metrics_for_stage, \
+from ..config import ConfigError
+from ..models.objectives import DEFAULT_OBJECTIVE
+from ..models.palm import PALM_PRESETS, PALM_STAGES, PalmConfig, PalmForPreTraining, metrics_for_stage, \
     palm_config_from_preset
 
 PALM_TRAINING_DEFAULTS = {
@@ -100,10 +99,10 @@ def check_stage_of_checkpoint(args: argparse.Namespace) -> None:
 
 def run_palm(args: argparse.Namespace) -> int:
     """pretrain's `run` for --model palm (the same arguments)."""
-    from .data.samples import read_metadata
-    from .palm_data import check_palm_metadata
-    from .pretrain import needs_universal_checkpoint, padded_vocab_size, training_config_from_args
-    from .training import check_precision_supported, read_deepspeed_config
+    from ..data.samples import read_metadata
+    from ..data.palm_data import check_palm_metadata
+    from .recipe import PretrainingRun, padded_vocab_size, run_pretraining, training_config_from_args
+    from .training_config import check_precision_supported, read_deepspeed_config
 
     stage = args.palm_stage
     if len(args.data_path) != 1:
@@ -150,52 +149,32 @@ def run_palm(args: argparse.Namespace) -> int:
     training = training_config_from_args(args, context_length, ds_config_base)
     check_precision_supported(training.precision)
 
-    import torch.distributed as dist
+    from ..data.palm_data import build_palm_loaders
+    from ..parallel.layers import LocalLayers, MegatronCoreLayers
 
-    from .distributed import MegatronMPU, initialize_model_parallel
-    from .palm_data import build_palm_loaders
-    from .parallel_layers import LocalLayers, MegatronCoreLayers
-    from .training import Trainer, seed_everything
+    def build_model(layout):
+        layers = MegatronCoreLayers(config.init_std) if tp > 1 else LocalLayers()
+        model = PalmForPreTraining(config, layers, stage=stage, init_seed=training.seed)
+        model.bert.encoder.checkpoint_activations = model.decoder.checkpoint_activations = args.checkpoint_activations
+        return model  # its ZeRO-3 external parameters: PalmForPreTraining.zero3_external_parameters
 
-    layout = initialize_model_parallel(tp, 1, args.distributed_timeout_minutes)
-    rank = dist.get_rank()
-    _, dp_rank, _ = layout.coordinates(rank)
-    training.gradient_accumulation_steps(layout.data_parallel_size)  # refuse a bad batch on every rank
-    seed_everything(training.seed)
-    layers = MegatronCoreLayers(config.init_std) if tp > 1 else LocalLayers()
-    model = PalmForPreTraining(config, layers, stage=stage, init_seed=training.seed)
-    model.bert.encoder.checkpoint_activations = model.decoder.checkpoint_activations = args.checkpoint_activations
-    if training.zero_stage == 3:
-        import deepspeed
+    def build_loaders(processes, consumed_samples):
+        return build_palm_loaders(args.data_path, training.micro_batch_size, stage, processes.data_parallel_rank,
+                                  processes.layout.data_parallel_size, consumed_samples=consumed_samples,
+                                  seed=training.seed, max_length=config.max_position_embeddings, vocab_size=vocab_size,
+                                  global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
 
-        # The decoder's input and W^e of the vocabulary distribution read the word embedding's
-        # weight outside its module.
-        for module in (model.decoder.embeddings, model.pointer_generator):
-            deepspeed.zero.register_external_parameter(module, model.word_embeddings.weight)
-    log = print if rank == dist.get_world_size() - 1 else (lambda message: None)
-    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
-    log(f"model: PALM {preset} ({config.num_layers} encoder + {config.num_decoder_layers} decoder layers, hidden "
-        f"{config.hidden_size}, {config.num_attention_heads} heads, copy attention {config.copy_width}, vocabulary "
-        f"{vocab_size} padded to {config.embedding_rows}), stage {stage}: "
-        + ("masked LM on the context" if stage == 1 else "continuation NLL under the copy mixture"))
-    log(f"parallelism: world {layout.world_size} = data {layout.data_parallel_size} x tensor {tp}; "
-        f"ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}, global batch "
-        f"{training.global_batch_size} ({training.gradient_accumulation_steps(layout.data_parallel_size)} "
-        "accumulation steps)")
-    trainer = Trainer(model, training, layout.data_parallel_size, ds_config_base, mpu=MegatronMPU(),
-                      flops_per_token=palm_flops_per_token(config, context_length, continuation_length, stage),
-                      tensorboard_dir=args.tensorboard_dir, log=print, metrics=metrics_for_stage(stage),
-                      universal_checkpoint=universal, history_path=args.history_json,
-                      run_args={**vars(args), "model_config": asdict(config)})
-    if args.load:
-        trainer.load_checkpoint(args.load, expected_model_config=asdict(config), finetune=args.finetune)
-    loaders = build_palm_loaders(args.data_path, training.micro_batch_size, stage, dp_rank,
-                                 layout.data_parallel_size, consumed_samples=trainer.consumed_samples,
-                                 seed=training.seed, max_length=config.max_position_embeddings, vocab_size=vocab_size,
-                                 global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
-    log(f"data: {len(loaders.train_samples):,} training pairs"
-        + (f", {len(loaders.valid_samples):,} validation pairs" if loaders.valid_samples else "")
-        + f" from {args.data_path} (contexts <= {context_length}, continuations <= {continuation_length} tokens)")
-    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
-    dist.barrier()
-    return trainer.exit_status
+    return run_pretraining(args, PretrainingRun(
+        model_config=config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,
+        pipeline_parallel_size=1, build_model=build_model,
+        describe_model=f"model: PALM {preset} ({config.num_layers} encoder + {config.num_decoder_layers} decoder "
+                       f"layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, copy attention "
+                       f"{config.copy_width}, vocabulary {vocab_size} padded to {config.embedding_rows}), stage {stage}: "
+                       + ("masked LM on the context" if stage == 1 else "continuation NLL under the copy mixture"),
+        flops_per_token=palm_flops_per_token(config, context_length, continuation_length, stage),
+        metrics=metrics_for_stage(stage), build_loaders=build_loaders,
+        describe_data=lambda loaders: (
+            f"data: {len(loaders.train_samples):,} training pairs"
+            + (f", {len(loaders.valid_samples):,} validation pairs" if loaders.valid_samples else "")
+            + f" from {args.data_path} (contexts <= {context_length}, continuations <= {continuation_length} tokens)"),
+        show_pipeline=False))

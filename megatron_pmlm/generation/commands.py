@@ -1,0 +1,107 @@
+"""What the decode commands (decode_s2s, decode_palm) share: their main (one `error:` line and exit
+status 2 for bad input), the sources read from text or .jsonl and their wordpiece ids, the checks
+made before any model is loaded, and decoding in batches with a progress bar into the output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..config import ConfigError
+from ..files import InputError, check_output, logs_to_stderr, write_text_atomically
+
+
+def run_decode_command(build_parser: Callable[[], argparse.ArgumentParser],
+                       run: Callable[[argparse.Namespace], int], argv=None) -> int:
+    """A decode command's main: parse and run, messages to standard error when the output is `-`;
+    bad input is one `error:` line and exit status 2."""
+    args = build_parser().parse_args(argv)
+    try:
+        with logs_to_stderr(args.output):
+            return run(args)
+    except (ConfigError, InputError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def read_sources(path: Path) -> list[str | list[str]]:
+    """Sources from a text file (one per line) or a .jsonl file (`src` per line); a final newline is
+    optional, empty sources are refused with their line number."""
+    if not path.exists():
+        raise InputError(f"input file {path} does not exist")
+    if not path.is_file():
+        raise InputError(f"input {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise InputError(f"input file {path} is not UTF-8 text (byte {error.start})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    if not lines:
+        raise InputError(f"input file {path} is empty")
+    is_jsonl = path.suffix.lower() == ".jsonl"
+    sources: list[str | list[str]] = []
+    for number, line in enumerate(lines, 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            raise InputError(f"{path} line {number}: empty source")
+        if not is_jsonl:
+            sources.append(line)
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise InputError(f"{path} line {number}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or "src" not in record:
+            raise InputError(f"{path} line {number}: no `src` field")
+        source = record["src"]
+        is_tokens = isinstance(source, list) and all(isinstance(t, str) for t in source)
+        if not (isinstance(source, str) or is_tokens):
+            raise InputError(f"{path} line {number}: `src` must be a string or a list of wordpieces")
+        if not source or (isinstance(source, str) and not source.strip()):
+            raise InputError(f"{path} line {number}: empty source")
+        sources.append(source)
+    return sources
+
+
+def encode_sources(sources: list[str | list[str]], tokenizer) -> list[list[int]]:
+    """Wordpiece ids (no specials); pre-tokenized sources map unknown pieces to [UNK], as s2s-ft."""
+    texts = [(i, s) for i, s in enumerate(sources) if isinstance(s, str)]
+    encoded: list[list[int]] = [[] for _ in sources]
+    for (index, _), ids in zip(texts, tokenizer.encode_batch([s for _, s in texts])):
+        encoded[index] = ids.tolist()
+    for index, source in enumerate(sources):
+        if isinstance(source, list):
+            encoded[index] = [tokenizer.special.unk if (i := tokenizer.token_to_id(t)) is None else i for t in source]
+    return encoded
+
+
+def check_batch_and_output(args: argparse.Namespace) -> None:
+    """--batch-size and --output, refused before any model is loaded (decode_s2s and decode_palm)."""
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be at least 1, got {args.batch_size}")
+    check_output(args.output)  # an OutputError is a ValueError: one line, exit 2
+
+
+def decode_and_write(decoder, encoded: list[list[int]], tokenizer, args: argparse.Namespace, noun: str) -> None:
+    """Decode `encoded` (--batch-size at a time, a progress bar unless --no-progress), write one
+    detokenized line per input to --output, and report the speed."""
+    from tqdm import tqdm
+
+    from .decoding import decode_in_batches
+    from .search import detokenize, generated_length
+
+    started = time.perf_counter()
+    with tqdm(total=len(encoded), unit="ex", disable=args.no_progress, file=sys.stderr, dynamic_ncols=True) as bar:
+        outputs = decode_in_batches(decoder, encoded, args.batch_size, progress=bar.update)
+    seconds = time.perf_counter() - started
+    lines = [detokenize(tokenizer.convert_ids_to_tokens(ids)) for ids in outputs]
+    write_text_atomically(args.output, "".join(line + "\n" for line in lines))
+    tokens = sum(generated_length(ids, {tokenizer.special.sep, tokenizer.special.pad}) for ids in outputs)
+    print(f"decoded {len(lines)} {noun} in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, {tokens} "
+          f"tokens); wrote {args.output}")
