@@ -79,14 +79,21 @@ def mean_loss(records) -> float:
     return sum(r["loss"] for r in records) / len(records)
 
 
-def test_fp16_steps_with_dynamic_loss_scaling_skip_the_overflowing_ones(gpu_corpus, tmp_path):
+ZERO0_FP16_OVERFLOW = ("DeepSpeed 0.19.8's ZeRO-0 fp16 optimizer, started at a loss scale of 2^32 (H100, "
+                       "2026-11-24): no step is reported skipped and the scale stays at 2^32 while the weights do "
+                       "not move; at the default 2^16 it trains. ZeRO-1, the recipe's fp16 path, is right")
+
+
+@pytest.mark.parametrize("zero_stage", ["1", pytest.param("0", marks=pytest.mark.xfail(strict=True,
+                                                                                      reason=ZERO0_FP16_OVERFLOW))])
+def test_fp16_steps_with_dynamic_loss_scaling_skip_the_overflowing_ones(zero_stage, gpu_corpus, tmp_path):
     samples, _ = gpu_corpus
     # Start at a loss scale of 2^32: the first backward passes overflow fp16 for certain; each skipped
     # step halves the scale (hysteresis 1) until gradients fit, then training proceeds.
     ds_config = tmp_path / "fp16.json"
     ds_config.write_text(json.dumps({"fp16": {"initial_scale_power": 32, "hysteresis": 1, "loss_scale_window": 1000}}))
     result, records = pretrain_on_one_gpu(samples, tmp_path, "--fp16", "--deepspeed-config", str(ds_config),
-                                          "--train-iters", "40")
+                                          "--train-iters", "40", "--zero-stage", zero_stage)
     assert "fp16" in result.stdout
     skipped = [r["skipped_iterations"] for r in records]
     assert 1 <= skipped[-1] < 35, skipped

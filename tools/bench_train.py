@@ -9,7 +9,7 @@ peak memory; and, with --naive-cloze, PMLM's efficiency claim measured.
 One step = forward + backward + AdamW over one micro batch laid out exactly as in pre-training:
 real blockwise masks (Algorithm 1, 15%, factorization order, 80/10/10) on random token ids, the
 originals and [P] tokens appended (T ~ 1.3 x the sequence length). Model FLOPs per token are
-pretrain.flops_per_token (6 x parameters + attention), so TFLOP/s and MFU count useful model work,
+training.recipe.flops_per_token (6 x parameters + attention), so TFLOP/s and MFU count useful model work,
 not recomputation. MFU divides by the device's dense peak for the precision (table below, or
 --peak-tflops); a CPU's peak is estimated from its cores and clock and labelled as such.
 

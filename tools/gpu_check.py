@@ -93,7 +93,7 @@ def markdown(report: dict) -> str:
              f"{report['started']}, {report['seconds']:.0f} s in all. Tests (`pytest -m gpu tests/test_gpu.py`): "
              + (f"{'passed' if report['tests']['passed'] else 'FAILED'}, {report['tests']['summary']} "
                 f"({report['tests']['seconds']:.0f} s)" if report["tests"] else "not run"), "",
-             "tools/bench_train.py, preset base, model FLOPs (pretrain.flops_per_token), MFU against the datasheet "
+             "tools/bench_train.py, preset base, model FLOPs (training.recipe.flops_per_token), MFU against the datasheet "
              "dense peak for the precision; first step = compilation included.", "",
              "| seq | micro batch | precision | attention | tokens/s | samples/s | TFLOP/s | MFU | peak memory GB "
              "| layout width (padded) | compilations (recompilations) | first step s |",
