@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pmlm_testing import run_module
+from pmlm_testing import plotted_panels, run_module
 from megatron_pmlm.models.layout import pmlm_attention_allowed
 from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.models.seq2seq import (Seq2SeqConfig, SpecialIds, build_examples, build_seq2seq_batch, example_rng,
@@ -231,6 +231,9 @@ def test_loss_falls_on_real_pairs(mode, tiny_hf_model, qg_pairs, tmp_path):
     assert f"mode {mode}" in result.stdout
     config = json.loads((tmp_path / "ckpt" / "hf" / "config.json").read_text())
     assert config["s2s_mode"] == mode and config["checkpoint_tag"] == "iter_0000040"
+    if mode == "causal":
+        panels = plotted_panels([tmp_path / "run.json"], tmp_path / "curves.png")
+        assert panels == {"loss": ["train"], "acc": ["train"]}, panels
 
 
 def test_resume_is_exact(tiny_hf_model, qg_pairs, tmp_path):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, plotted_panels, run_module
 from megatron_pmlm.config import ConfigError
 from megatron_pmlm.training.training_config import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
@@ -54,6 +54,11 @@ def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pre
                            "-o", str(tmp_path / "curves.png")], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every loss and accuracy the run logged, train and valid, a legend on each panel; the TensorBoard
+    # folder and the history JSON of the same run side by side.
+    panels = plotted_panels([tmp_path / "tb", history], tmp_path / "both.png", ["tb", "json"])
+    assert list(panels) == ["loss", "loss_ae", "loss_par", "mlm_acc", "par_acc"], panels
+    assert all(entries == ["tb train", "tb valid", "json train", "json valid"] for entries in panels.values()), panels
 
 
 def _bad(pretraining_samples, *args):
