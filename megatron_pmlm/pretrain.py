@@ -18,7 +18,7 @@ from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, Mo
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
-from .training.preflight import check_run_paths
+from .training.preflight import check_run_paths, check_sizes
 from .training.trainer import ExitSignal
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
@@ -134,6 +134,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
     check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")

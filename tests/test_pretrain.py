@@ -75,6 +75,12 @@ def _bad(pretraining_samples, *args):
     (["--preset", "tiny", "--seq-length", "128"], "--seq-length 128 differs from the samples"),
     (["--preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "16"],
      "not divisible by micro batch size 3"),
+    (["--preset", "tiny", "--micro-batch-size", "0"],
+     "--micro-batch-size must be a positive number (samples per GPU in one forward-backward), got 0"),
+    (["--preset", "tiny", "--global-batch-size", "-16"],
+     "--global-batch-size must be a positive number (samples per optimizer step), got -16"),
+    (["--preset", "tiny", "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be a positive"),
+    (["--preset", "tiny", "--eval-iters", "-1"], "--eval-iters must be 0 or more, got -1"),
     (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config not found: nope.json"),
     (["--preset", "tiny", "--data-path", "0.3", "a", "0.7", "b"], "blend corpora when building the samples"),
 ])
