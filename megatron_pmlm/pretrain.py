@@ -15,6 +15,7 @@ from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
                      add_dataclass_arguments, dataclass_overrides)
+from .files import quiet_libraries
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, so a SLURM signal during start-up is remembered rather than fatal.
     ExitSignal.install()
+    quiet_libraries()
     quiet_other_ranks()
     args = build_parser().parse_args(argv)
     try:

@@ -14,9 +14,11 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
 def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
                env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m module args` (or under torchrun with `nproc` processes), output captured."""
+    """`python -m module args` (or under torchrun with `nproc` processes), output captured; `env`
+    values of None unset those variables."""
     command = [sys.executable, "-m", module, *args] if nproc == 1 else [*torchrun(nproc), "-m", module, *args]
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {key: value for key, value in full_env.items() if value is not None}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
 
 

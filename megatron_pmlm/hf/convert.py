@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ConfigError, HelpFormatter, ModelConfig
-from ..files import replacing_folder
+from ..files import quiet_libraries, replacing_folder
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, has_nsp_head,
                                           load_pretraining_checkpoint)
@@ -428,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) -> int:
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if bool(args.load) == bool(args.from_hf):

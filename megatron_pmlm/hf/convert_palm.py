@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ConfigError
+from ..files import quiet_libraries
 from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
@@ -323,6 +324,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
     """tools/convert_checkpoint.py: PALM checkpoints here, everything else to convert.main."""
     import sys
 
+    quiet_libraries()
     args, _ = convert.build_parser().parse_known_args(argv)
     try:
         palm = bool(args.load) and Path(args.load).is_dir() and is_palm_checkpoint(args.load, args.tag)
