@@ -155,6 +155,29 @@ def split_document_ranges(num_documents: int, fractions: np.ndarray) -> list[tup
     return [(bounds[i], bounds[i + 1]) for i in range(3)]
 
 
+def empty_split_warnings(entries: list[dict], fractions: np.ndarray, config: "BuildConfig",
+                         splits_meta: dict[str, dict]) -> list[str]:
+    """Why a split that --split gives a share ends empty: the split takes whole documents, so a corpus
+    of few documents leaves a small share none (a one-document corpus is all training)."""
+    warnings = []
+    for split_id, name in enumerate(SPLIT_NAMES):
+        if fractions[split_id] == 0 or splits_meta[name]["num_samples"] or (
+                config.num_samples and split_id < len(config.num_samples) and config.num_samples[split_id] == 0):
+            continue
+        documents = sum(high - low for entry in entries
+                        for low, high in [split_document_ranges(entry["num_documents"], fractions)[split_id]])
+        total = sum(entry["num_documents"] for entry in entries)
+        if documents == 0:
+            needed = int(np.ceil(0.5 / fractions[split_id]))
+            why = (f"too few documents for --split {config.split}: it takes whole documents, and "
+                   f"{total:,} document(s) give the {name} split's {fractions[split_id]:.1%} share none "
+                   f"(it needs about {needed:,} per corpus; or give it a larger share)")
+        else:
+            why = f"its {documents:,} document(s) yield no sample"
+        warnings.append(f"the {name} split is empty: {why}")
+    return warnings
+
+
 _READERS: dict[str, IndexedDatasetReader] = {}
 
 
@@ -402,6 +425,8 @@ def build(config: BuildConfig) -> dict:
         if config.layout == "palm":
             metadata.update(layout="palm", continuation_length=config.continuation_length)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
+        for warning in empty_split_warnings(entries, fractions, config, splits_meta):
+            print(f"warning: {warning}", file=sys.stderr)
         if output.exists():
             shutil.rmtree(output)
         os.replace(tmp, output)

@@ -29,6 +29,7 @@ import torch
 
 from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset
 from .data.batches import build_batch
+from .files import quiet_libraries
 from .data.masking import mask_example
 from .models.layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
                             pmlm_attention_allowed)
@@ -312,6 +313,7 @@ def run_seq2seq_check(preset: str = "tiny", mode: str = "pseudo-masked", example
 
 
 def main(argv=None) -> int:
+    quiet_libraries()
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.check_leakage",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -104,10 +104,11 @@ def main(argv=None) -> int:
     # --standalone: torchrun picks the port itself (no race with other processes for a free one).
     launcher = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc)]
     env = {"DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu"), "OMP_NUM_THREADS": "1"}
-    if checkpoints.exists():
-        import shutil
+    import shutil
 
-        shutil.rmtree(checkpoints)  # the demo starts from scratch every time
+    for owned in (checkpoints, tensorboard):  # the demo starts from scratch every time: one run per TB folder
+        if owned.exists():
+            shutil.rmtree(owned)
     histories = []
     for phase, extra in (("first half", ["--exit-interval", str(half)]), ("resumed", [])):
         history = out / f"history_{phase.split()[0]}.json"

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .parallel.distributed import ends_process_groups
-from .files import (OutputError, check_output, logs_to_stderr, write_json_atomically, write_text_atomically,
-                    written_through)
+from .files import (OutputError, check_output, logs_to_stderr, quiet_libraries, write_json_atomically,
+                    write_text_atomically, written_through)
 from .tasks import glue as glue_tasks, hf_trainer
 from .tasks.glue import SHARED_DATA, get_task
 from .tasks.hf_trainer import InputError
@@ -382,6 +382,7 @@ class Evaluation:
 
 @ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     try:
         with logs_to_stderr(args.output):

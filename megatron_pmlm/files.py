@@ -242,3 +242,47 @@ def logs_to_stderr(*outputs: str | os.PathLike | None) -> Iterator[None]:
             yield
     finally:
         _data_stdouts.pop()
+
+
+# ------------------------------------------------------------------------------------------------
+# What the console shows: one line per real event
+# ------------------------------------------------------------------------------------------------
+
+NOISE_WARNINGS = ("Transformer Engine and Apex are not installed",)
+"""megatron-core warns so from four modules at every launch; the torch fallbacks are what we use."""
+NOISE_LOGS = {"DeepSpeed": ("Setting accelerator to CPU",)}
+"""DeepSpeed's note when it finds no GPU: a CPU run knows it (GPU runs check their device themselves)."""
+
+
+class _DropMessages:
+    """A logging filter dropping records that start with one of `prefixes`."""
+
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        self.prefixes = prefixes
+
+    def filter(self, record) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_libraries() -> None:
+    """Third-party start-up noise that asks nothing of the user, filtered in one place; every command
+    calls this first. Progress bars of Hugging Face loads and saves only on a terminal (a job log or a
+    captured stderr gets none; HF_HUB_DISABLE_PROGRESS_BARS=0 brings them back)."""
+    import logging
+    import re
+    import warnings
+
+    for message in NOISE_WARNINGS:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+    for name, prefixes in NOISE_LOGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(prefixes))
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+        if os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+            if "huggingface_hub" in sys.modules:
+                sys.modules["huggingface_hub"].utils.disable_progress_bars()
+            if "transformers" in sys.modules:
+                sys.modules["transformers"].utils.logging.disable_progress_bar()

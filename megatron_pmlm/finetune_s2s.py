@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .config import ConfigError
+from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE
 from .training.preflight import check_run_paths
@@ -100,6 +101,7 @@ def seq2seq_config_from_args(args, settings: dict) -> Seq2SeqConfig:
 @ends_process_groups
 def main(argv: Sequence[str] | None = None) -> int:
     ExitSignal.install()
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     try:
         return run(args)

@@ -15,10 +15,11 @@ from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
                      add_dataclass_arguments, dataclass_overrides)
+from .files import quiet_libraries
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
-from .training.preflight import check_run_paths
+from .training.preflight import check_run_paths, check_sizes
 from .training.trainer import ExitSignal
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     # First of all, so a SLURM signal during start-up is remembered rather than fatal.
     ExitSignal.install()
+    quiet_libraries()
     quiet_other_ranks()
     args = build_parser().parse_args(argv)
     try:
@@ -134,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
     check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")

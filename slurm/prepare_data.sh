@@ -20,7 +20,7 @@
 # Optional: PYTHON (default .venv/bin/python), JSON_KEY (text), SEQ_LENGTH (512), MASK_EPOCHS (10),
 # SPLIT (949,50,1), SEED (1234), SHARD_SIZE_MB (256).
 #SBATCH --job-name=pmlm-data
-#SBATCH --output=%x-%j.out
+#SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
 PREFIX=${1:?usage: prepare_data.sh OUTPUT_PREFIX "INPUT [INPUT...]"}

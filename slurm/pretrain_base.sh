@@ -49,7 +49,13 @@
 #   instead of holding 64 GPUs idle until the time limit; with TORCH_NCCL_ASYNC_ERROR_HANDLING=1 the
 #   NCCL watchdog then aborts the process, and the job requeues as above.
 # * AUTO_REQUEUE=0 turns the self-requeue off (the job then ends after the checkpoint or failure).
-# * --open-mode=append: every restart appends to the same log, %x-%j.out in the submit directory.
+# * --open-mode=append: every restart appends to the same log, logs/%x-%j.out under the submit
+#   directory (the repository root: its logs/ folder is tracked, empty, since sbatch does not create
+#   it and a job whose log folder is missing fails without a log).
+# * The job name: the header's pmlm-base can't follow PRESET (#SBATCH lines are not expanded), so
+#   a job submitted with PRESET=tiny renames itself pmlm-tiny at start (scontrol update; squeue and
+#   sacct show it). The log file keeps the name it was submitted under: `sbatch -J pmlm-tiny` names
+#   both.
 #
 # ---------------------------------------------------------------- batch size
 # global batch 7,680 = micro batch 20 x 6 accumulation steps x 64 data-parallel GPUs (8 x 8).
@@ -128,7 +134,7 @@
 #SBATCH --requeue
 #SBATCH --signal=USR1@600
 #SBATCH --open-mode=append
-#SBATCH --output=%x-%j.out
+#SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
 REPO=${REPO:-${SLURM_SUBMIT_DIR:-.}}
@@ -227,6 +233,17 @@ ARGS=(--preset "$PRESET" --data-path "$DATA_PATH" --deepspeed-config "$DS_CONFIG
       --tensorboard-dir "$TB_DIR" --history-json "$HISTORY_DIR/job$JOB_ID-restart$RESTART.json"
       ${EXTRA[@]+"${EXTRA[@]}"})
 
+# The job name follows the preset unless sbatch -J chose another (the header's names are defaults).
+case "${SLURM_JOB_NAME:-}" in
+  pmlm-base|pmlm-large)
+    if [ "$SLURM_JOB_NAME" != "pmlm-$PRESET" ]; then
+      if scontrol update JobId="$JOB_ID" JobName="pmlm-$PRESET" 2> /dev/null; then
+        log "job name $SLURM_JOB_NAME -> pmlm-$PRESET (PRESET=$PRESET)"
+      else
+        log "could not rename the job to pmlm-$PRESET (scontrol update refused); sbatch -J pmlm-$PRESET names it"
+      fi
+    fi ;;
+esac
 log "$NNODES node(s) x $GPUS_PER_NODE task(s) on $(tr '\n' ' ' <<< "$NODES")| master $MASTER_ADDR:$MASTER_PORT |" \
     "$DEVICE $PRECISION | $SAVE_DIR at iteration $START_ITER"
 [ -z "$GLOO_CHOICE" ] || log "$GLOO_CHOICE"

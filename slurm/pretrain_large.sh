@@ -35,7 +35,7 @@
 #SBATCH --requeue
 #SBATCH --signal=USR1@900
 #SBATCH --open-mode=append
-#SBATCH --output=%x-%j.out
+#SBATCH --output=logs/%x-%j.out
 set -euo pipefail
 
 export PRESET=${PRESET:-large}

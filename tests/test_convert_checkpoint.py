@@ -327,3 +327,34 @@ def test_a_failed_verification_exits_1_and_writes_nothing(trained, tmp_path, cap
     err = _fails(["--load", str(trained("zero0")), "--output", str(out), "--verify"], capsys, code=1)
     assert "verification failed" in err and "FAILED" in err
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_a_one_document_corpus_warns_of_its_empty_splits_and_verify_uses_training_samples(
+        trained, shared_data, bert_vocab, tmp_path):
+    """botchan.txt has no blank line: one document, all of it training. build_samples names the empty
+    splits and why; --verify then compares on training samples, saying so in one line."""
+    book = shared_data / "corpus" / "botchan.txt"
+    if not book.is_file():
+        pytest.skip(f"{book} is absent")
+    lines = book.read_text(encoding="utf-8")[:20_000].splitlines(keepends=True)[:-1]
+    (tmp_path / "botchan.txt").write_text("".join(lines), encoding="utf-8")
+    result = run_module("data_prep.preprocess", "--input", str(tmp_path / "botchan.txt"), "--output-prefix",
+                        str(tmp_path / "book"), "--vocab-file", str(bert_vocab), "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_module("data_prep.build_samples", "--data-path", str(tmp_path / "book"), "--output",
+                        str(tmp_path / "samples"), "--seq-length", "64", "--mask-epochs", "1", "--no-progress")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, result.stderr
+    assert warnings[0].startswith("warning: the valid split is empty: too few documents for --split 949,50,1: "
+                                  "it takes whole documents, and 1 document(s) give the valid split's 5.0% share none")
+    assert "the test split is empty" in warnings[1]
+
+    out, log = tmp_path / "hf", Lines()
+    assert main(["--load", str(trained("zero0")), "--output", str(out), "--verify", "--data-path",
+                 str(tmp_path / "samples")], log=log) == 0, log
+    notes = [line for line in log if line.startswith("note:")]
+    assert notes == [f"note: {tmp_path / 'samples'} has no held-out split (its valid and test splits are empty): "
+                     "--verify compares on training samples, which checks the conversion just as well"], log
+    assert any(line.startswith("verify: ") and "training samples (train split" in line and line.endswith("-> OK")
+               for line in log), log

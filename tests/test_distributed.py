@@ -233,6 +233,9 @@ def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_
     for line in set(first_run.stderr.splitlines()):
         if "Warning:" in line:
             assert first_run.stderr.count(line) == 1, line
+    # ... and megatron-core's TE/Apex warning and DeepSpeed's accelerator line not at all.
+    assert "Transformer Engine and Apex" not in first_run.stderr, first_run.stderr[-3000:]
+    assert "Setting accelerator" not in first_run.stderr + first_run.stdout
     # Without the flag another data-parallel size is refused, naming the way.
     refused = run_module("megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY, *common,
                          "--train-iters", "20", "--load", str(ckpt))
@@ -242,6 +245,8 @@ def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_
                               str(ckpt), "--universal-checkpoint", nproc=1, iters=20)
     assert f"resumed from {ckpt / 'iter_0000010'}: iteration 10, consumed samples 160 (through " \
            f"{ckpt / 'iter_0000010_universal'}, data-parallel size 2 -> 1)" in result.stdout
+    assert ("note: the RNG states are not restored because the data-parallel size changed (2 then, 1 now)"
+            in result.stdout), result.stdout[-3000:]
     assert [r["iteration"] for r in second] == list(range(11, 21))
     assert [r["consumed_samples"] for r in second] == [16 * i for i in range(11, 21)]
     assert losses(first) + losses(second) == pytest.approx(losses(full), abs=1e-4)

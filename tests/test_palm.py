@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, plotted_panels, run_module
 
 from data_prep.palm_pairs import palm_pairs
 from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, PAD
@@ -212,6 +212,10 @@ def test_both_stages_learn_on_real_text(trained):
     assert {"mlm_acc"} <= set(stage1[0]) and {"token_acc", "generate_gate", "target_copy_prob"} <= set(full[0])
     assert np.mean([r["loss"] for r in stage1[-3:]]) < np.mean([r["loss"] for r in stage1[:3]]) - 0.1
     assert np.mean([r["loss"] for r in full[-3:]]) < np.mean([r["loss"] for r in full[:3]]) - 0.1
+    work = trained["work"]
+    panels = plotted_panels([work / "stage1.json", work / "full.json"], work / "curves.png", ["stage 1", "stage 2"])
+    assert panels == {"loss": ["stage 1 train", "stage 2 train"], "mlm_acc": ["stage 1 train"],
+                      "token_acc": ["stage 2 train"]}, panels
 
 
 def test_resume_is_exact(trained):

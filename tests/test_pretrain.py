@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, plotted_panels, run_module
 from megatron_pmlm.config import ConfigError
 from megatron_pmlm.training.training_config import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
@@ -39,6 +39,7 @@ def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pre
     assert last["loss_par"] < first["loss_par"] - 1.5, records
     assert "validation at iteration 60" in result.stdout
     assert "ETA" in result.stdout and "TFLOP/s/GPU" in result.stdout
+    assert "Transformer Engine and Apex" not in result.stderr, result.stderr[-3000:]  # quiet start-up
     assert (tmp_path / "ckpt" / "latest").read_text() == "iter_0000060"
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -54,6 +55,11 @@ def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pre
                            "-o", str(tmp_path / "curves.png")], capture_output=True, text=True)
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every loss and accuracy the run logged, train and valid, a legend on each panel; the TensorBoard
+    # folder and the history JSON of the same run side by side.
+    panels = plotted_panels([tmp_path / "tb", history], tmp_path / "both.png", ["tb", "json"])
+    assert list(panels) == ["loss", "loss_ae", "loss_par", "mlm_acc", "par_acc"], panels
+    assert all(entries == ["tb train", "tb valid", "json train", "json valid"] for entries in panels.values()), panels
 
 
 def _bad(pretraining_samples, *args):
@@ -70,6 +76,12 @@ def _bad(pretraining_samples, *args):
     (["--preset", "tiny", "--seq-length", "128"], "--seq-length 128 differs from the samples"),
     (["--preset", "tiny", "--micro-batch-size", "3", "--global-batch-size", "16"],
      "not divisible by micro batch size 3"),
+    (["--preset", "tiny", "--micro-batch-size", "0"],
+     "--micro-batch-size must be a positive number (samples per GPU in one forward-backward), got 0"),
+    (["--preset", "tiny", "--global-batch-size", "-16"],
+     "--global-batch-size must be a positive number (samples per optimizer step), got -16"),
+    (["--preset", "tiny", "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be a positive"),
+    (["--preset", "tiny", "--eval-iters", "-1"], "--eval-iters must be 0 or more, got -1"),
     (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config not found: nope.json"),
     (["--preset", "tiny", "--data-path", "0.3", "a", "0.7", "b"], "blend corpora when building the samples"),
 ])
@@ -197,7 +209,9 @@ def test_checkpoint_retention_keeps_the_newest_and_the_permanent_ones(pretrainin
     # newest two (16, 20) plus the multiples of 8 kept forever (8; 16 is both)
     assert kept == ["iter_0000008", "iter_0000016", "iter_0000020"]
     assert (tmp_path / "c" / "latest").read_text() == "iter_0000020"
-    assert "deleted old checkpoint" in result.stdout
+    deleted = [line for line in result.stdout.splitlines() if line.startswith("deleted old checkpoint")]
+    assert deleted == [f"deleted old checkpoint {tmp_path / 'c' / f'iter_{i:07d}'} (--keep-last-checkpoints 2, "
+                       "--keep-checkpoint-every 8)" for i in (4, 12)], result.stdout
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pretraining_samples, tmp_path):

@@ -56,6 +56,12 @@ def test_pretrain_script_requests_the_papers_run():
     assert micro == ds_config["train_micro_batch_size_per_gpu"]
     assert micro * ds_config["gradient_accumulation_steps"] * 8 * 8 == 7680 == ds_config["train_batch_size"]
     assert ds_config["fp16"]["enabled"] and "PRECISION=${PRECISION:-fp16}" in text
+    # Job logs in logs/ (tracked, so it exists where sbatch is run: sbatch does not create it), the
+    # job renamed after the preset at start unless sbatch -J named it.
+    for script in ("pretrain_base.sh", "pretrain_large.sh", "prepare_data.sh"):
+        assert _sbatch_headers(REPO / "slurm" / script)["output"] == "logs/%x-%j.out", script
+    assert (REPO / "logs" / ".gitkeep").is_file()
+    assert 'scontrol update JobId="$JOB_ID" JobName="pmlm-$PRESET"' in text
 
 
 def test_large_script_runs_the_base_script_with_a_micro_batch_that_fits():

@@ -24,7 +24,7 @@ from megatron_pmlm.tokenizer import SpecialTokenIds
 from megatron_pmlm.data.unilm_batches import (UniLMBatchBuilder, build_unilm_batch, draw_lm_types, expected_visibility,
                                               ngram_masks, sample_keys)
 from megatron_pmlm.models.unilm import BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE
-from pmlm_testing import run_module, torchrun
+from pmlm_testing import plotted_panels, run_module, torchrun
 
 SPECIAL = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
 VOCAB = 300
@@ -230,6 +230,9 @@ def test_unilm_losses_fall_on_real_text_reach_tensorboard_and_the_conversion_ver
     wanted = {f"train/loss_unilm_{lm}" for lm in LM_TYPES} | {"train/loss_nsp", "train/nsp_acc", "train/mlm_acc",
                                                                "train/loss_mlm", "valid/loss_unilm_s2s"}
     assert wanted <= tags, wanted - tags
+    panels = plotted_panels([tmp_path / "tb"], tmp_path / "curves.png")
+    assert {"loss", "loss_mlm", "loss_nsp", "mlm_acc", "nsp_acc", *(f"loss_unilm_{lm}" for lm in LM_TYPES)} == set(panels)
+    assert panels["loss_unilm_s2s"] == ["train", "valid"] and panels["nsp_acc"] == ["train", "valid"], panels
 
     converted = run_module("tools.convert_checkpoint", "--load", str(tmp_path / "ckpt"), "--output",
                            str(tmp_path / "hf"), "--verify")

@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ConfigError
-from ..files import InputError, check_output, logs_to_stderr, write_text_atomically
+from ..files import InputError, check_output, logs_to_stderr, quiet_libraries, write_text_atomically
 
 
 def run_decode_command(build_parser: Callable[[], argparse.ArgumentParser],
                        run: Callable[[argparse.Namespace], int], argv=None) -> int:
     """A decode command's main: parse and run, messages to standard error when the output is `-`;
     bad input is one `error:` line and exit status 2."""
+    quiet_libraries()
     args = build_parser().parse_args(argv)
     try:
         with logs_to_stderr(args.output):

@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..config import ConfigError, HelpFormatter, ModelConfig
-from ..files import replacing_folder
+from ..files import quiet_libraries, replacing_folder
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, has_nsp_head,
                                           load_pretraining_checkpoint)
@@ -182,7 +182,8 @@ class Verification:
                 and (self.max_nsp_logit_difference is None or self.max_nsp_logit_difference <= VERIFY_TOLERANCE))
 
     def line(self) -> str:
-        return (f"verify: {self.samples} held-out samples ({self.split} split, {self.tokens} tokens, AE view: the "
+        kind = "training" if self.split == "train" else "held-out"
+        return (f"verify: {self.samples} {kind} samples ({self.split} split, {self.tokens} tokens, AE view: the "
                 f"corrupted sequence): max |logit difference| {self.max_logit_difference:.3e} "
                 f"(tolerance {VERIFY_TOLERANCE:.0e}); MLM loss over {self.predicted} masked tokens: ours "
                 f"{self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f}"
@@ -198,13 +199,16 @@ def held_out_samples(data_path: str | os.PathLike):
 
     try:
         metadata = read_metadata(data_path)
-        for split in ("valid", "test"):
+        for split in ("valid", "test", "train"):  # training samples when no split is held out
             if metadata["splits"].get(split, {}).get("num_samples", 0) > 0:
                 return PretrainingSamples(data_path, split), metadata
     except SamplesError as error:
         raise ConversionError(f"--verify: {error}") from None
-    raise ConversionError(f"--verify: {data_path} has no held-out samples (its valid and test splits are empty); "
-                          "pass --data-path with a build that has a validation split")
+    raise ConversionError(f"--verify: {data_path} has no samples at all (every split is empty)")
+
+
+NO_HELD_OUT_NOTE = ("note: {data_path} has no held-out split (its valid and test splits are empty): --verify "
+                    "compares on training samples, which checks the conversion just as well")
 
 
 def verify(hf_folder: Path, state: dict[str, torch.Tensor], config: ModelConfig, data_path: str | os.PathLike,
@@ -275,7 +279,9 @@ def export_to_hf(load_dir: str | os.PathLike, output: str | os.PathLike, tag: st
         verify_data = data_path or args.get("data_path")
         if not verify_data:
             raise ConversionError("--verify needs held-out samples: the checkpoint names no data_path, pass --data-path")
-        held_out_samples(verify_data)  # refuse a bad data path before writing anything
+        samples, _ = held_out_samples(verify_data)  # refuse a bad data path before writing anything
+        if samples.split == "train":
+            log(NO_HELD_OUT_NOTE.format(data_path=verify_data))
     hf_state = to_hf_state_dict(checkpoint.state_dict, config)
     result = None
     output = Path(output)
@@ -422,6 +428,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) -> int:
+    quiet_libraries()
     parser = build_parser()
     args = parser.parse_args(argv)
     if bool(args.load) == bool(args.from_hf):

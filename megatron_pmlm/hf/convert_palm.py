@@ -26,10 +26,11 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..config import ConfigError
+from ..files import quiet_libraries
 from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
-from .convert import VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
+from .convert import NO_HELD_OUT_NOTE, VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
 from .pmlm_adapter import read_hf_weights
 from . import convert
 
@@ -172,7 +173,8 @@ class PalmVerification:
                    abs(self.loss_ours - self.loss_hf)) <= VERIFY_TOLERANCE
 
     def line(self) -> str:
-        return (f"verify: {self.samples} held-out pairs ({self.split} split, {self.tokens} continuation tokens): max "
+        kind = "training" if self.split == "train" else "held-out"
+        return (f"verify: {self.samples} {kind} pairs ({self.split} split, {self.tokens} continuation tokens): max "
                 f"|difference| vocabulary logits {self.max_vocab_logit_difference:.3e}, P {self.max_probability_difference:.3e}, "
                 f"encoder MLM logits {self.max_mlm_logit_difference:.3e} (tolerance {VERIFY_TOLERANCE:.0e}); continuation "
                 f"NLL ours {self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f} -> {'OK' if self.passed else 'FAILED'}")
@@ -185,12 +187,12 @@ def held_out_pairs(data_path):
         metadata = read_metadata(data_path)
         if metadata.get("layout") != "palm":
             raise ConversionError(f"--verify: {data_path} holds PMLM samples, not PALM pairs")
-        for split in ("valid", "test"):
+        for split in ("valid", "test", "train"):  # training pairs when no split is held out
             if metadata["splits"].get(split, {}).get("num_samples", 0) > 0:
                 return PretrainingSamples(data_path, split)
     except SamplesError as error:
         raise ConversionError(f"--verify: {error}") from None
-    raise ConversionError(f"--verify: {data_path} has no held-out pairs (empty valid and test splits)")
+    raise ConversionError(f"--verify: {data_path} has no pairs at all (every split is empty)")
 
 
 def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig, data_path,
@@ -268,7 +270,8 @@ def export_palm(load_dir, output, tag=None, vocab_file=None, run_verify=False, d
     if run_verify:
         if not verify_data:
             raise ConversionError("--verify needs held-out pairs: the checkpoint names no data_path, pass --data-path")
-        held_out_pairs(verify_data)  # refuse a bad data path before writing anything
+        if held_out_pairs(verify_data).split == "train":  # refuse a bad data path before writing anything
+            log(NO_HELD_OUT_NOTE.replace("samples", "pairs").format(data_path=verify_data))
     state = unpadded(checkpoint.state_dict, config)
     result = None
     with staged_output(Path(output), overwrite) as staging:
@@ -321,6 +324,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
     """tools/convert_checkpoint.py: PALM checkpoints here, everything else to convert.main."""
     import sys
 
+    quiet_libraries()
     args, _ = convert.build_parser().parse_known_args(argv)
     try:
         palm = bool(args.load) and Path(args.load).is_dir() and is_palm_checkpoint(args.load, args.tag)

@@ -202,9 +202,13 @@ def save_fine_tuned(trainer, source: Path, output_dir: Path) -> None:
 
 
 def quiet_libraries() -> None:
+    """files.quiet_libraries, and the Trainer's libraries: no dataset progress bars, warnings and up."""
     import datasets
     import transformers
 
+    from ..files import quiet_libraries as quiet_third_parties
+
+    quiet_third_parties()
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_warning()
 
@@ -218,6 +222,9 @@ def remove_if_created_empty(folder: Path, existed: bool) -> None:
 def run_command(build_parser: Callable[[], argparse.ArgumentParser], run: Callable[[argparse.Namespace], Any],
                 argv=None) -> int:
     """A fine-tuning command's main: parse, run; bad input is one `error:` line and exit status 2."""
+    from ..files import quiet_libraries as quiet_third_parties
+
+    quiet_third_parties()
     args = build_parser().parse_args(argv)
     try:
         run(args)

@@ -120,6 +120,28 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise ConfigError(f"{flag} {path} cannot be written: {problem}")
 
 
+POSITIVE_SIZES = {"micro_batch_size": "samples per GPU in one forward-backward",
+                  "global_batch_size": "samples per optimizer step", "train_iters": "iterations",
+                  "log_interval": "iterations between log lines", "eval_interval": "iterations between validations",
+                  "tensor_model_parallel_size": "GPUs one layer is split over",
+                  "pipeline_model_parallel_size": "pipeline stages"}
+NON_NEGATIVE_SIZES = ("eval_iters", "save_interval", "exit_interval", "lr_warmup_iters", "lr_decay_iters",
+                      "keep_last_checkpoints", "keep_checkpoint_every")
+
+
+def check_sizes(args: Any) -> None:
+    """Zero or negative sizes get their own message (a zero micro batch otherwise reads as "not
+    divisible by micro batch size", or silently takes the default)."""
+    for name, meaning in POSITIVE_SIZES.items():
+        value = getattr(args, name, None)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive number ({meaning}), got {value}")
+    for name in NON_NEGATIVE_SIZES:
+        value = getattr(args, name, None)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {value}")
+
+
 def check_run_paths(save: str | None, load: str | None, finetune: bool = False, tensorboard_dir: str | None = None,
                     history_json: str | None = None, **load_options: Any) -> None:
     """A training run's --load, --save, --tensorboard-dir and --history-json, before anything is built."""

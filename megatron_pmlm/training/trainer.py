@@ -404,6 +404,8 @@ class Trainer:
             import shutil
 
             shutil.rmtree(save_dir / tag)
+            self._log(f"deleted {save_dir / tag}, left by an earlier save of iteration {self.iteration} "
+                      "that never completed, before saving it again")
         dist.barrier()
         self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
                                     save_latest=False)
@@ -461,9 +463,13 @@ class Trainer:
         for iteration, path in sorted(complete)[:-keep_last]:
             if path.name == latest_tag or (keep_every and iteration % keep_every == 0):
                 continue
-            shutil.rmtree(path.with_name(path.name + UNIVERSAL_SUFFIX), ignore_errors=True)
+            universal = path.with_name(path.name + UNIVERSAL_SUFFIX)
+            with_universal = f" and its universal conversion {universal.name}" if universal.exists() else ""
+            shutil.rmtree(universal, ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)
-            self.log(f"deleted old checkpoint {path} (--keep-last-checkpoints {keep_last})")
+            # Rank 0 deletes, so rank 0 says so (self.log speaks from the last rank only).
+            self._log(f"deleted old checkpoint {path}{with_universal} (--keep-last-checkpoints {keep_last}"
+                      + (f", --keep-checkpoint-every {keep_every}" if keep_every else "") + ")")
 
     def load_checkpoint(self, load_dir: str | os.PathLike,
                         expected_model_config: dict[str, Any] | None = None, finetune: bool = False) -> bool:
@@ -529,9 +535,16 @@ class Trainer:
         rng_file = tag_dir / f"rng_state_rank{self.rank:05d}.pt"
         if rng_file.is_file() and saved.get("world_size") == self.world_size:
             set_rng_state(torch.load(rng_file, weights_only=False))
+        elif saved.get("world_size") != self.world_size:
+            then_dp = saved.get("data_parallel_size")
+            change = (f"the data-parallel size changed ({then_dp} then, {self.data_parallel_size} now)"
+                      if then_dp is not None and then_dp != self.data_parallel_size else
+                      f"the world size changed ({saved.get('world_size')} then, {self.world_size} now)")
+            self.log(f"note: the RNG states are not restored because {change}: each rank's state belongs to "
+                     "its old rank; dropout will not replay the uninterrupted run")
         else:
-            self.log(f"warning: no RNG state for rank {self.rank} in {tag_dir} (world size {saved.get('world_size')} "
-                     f"then, {self.world_size} now): dropout will not replay the uninterrupted run")
+            self.log(f"warning: no RNG state for rank {self.rank} in {tag_dir} ({rng_file.name} is missing): "
+                     "dropout will not replay the uninterrupted run")
         self.log(f"resumed from {tag_dir}: iteration {self.iteration}, consumed samples {self.consumed_samples}"
                  + (f" (through {load_dir / load_tag}, data-parallel size {saved.get('data_parallel_size')} -> "
                     f"{self.data_parallel_size})" if load_tag != tag else ""))
