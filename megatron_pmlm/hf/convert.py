@@ -41,6 +41,7 @@ from ..files import quiet_libraries, replacing_folder
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, has_nsp_head,
                                           load_pretraining_checkpoint)
+from .family import check_family
 from .pmlm_adapter import from_hf_state_dict, hf_config_dict, model_config_from_hf, read_hf_weights, to_hf_state_dict
 
 VERIFY_TOLERANCE = 1e-4
@@ -450,6 +451,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
         else:
             if not args.save:
                 parser.error("--from-hf needs --save (the checkpoint directory to write)")
+            check_family("--from-hf", args.from_hf, "convert_checkpoint --from-hf", error=ConversionError)
             import_from_hf(args.from_hf, args.save, args.tensor_model_parallel_size,
                            args.make_vocab_size_divisible_by, args.add_rel_pos, objective=args.objective,
                            overwrite=args.overwrite, log=log)
