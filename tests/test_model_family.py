@@ -29,14 +29,14 @@ def checkpoint_dir(root: Path, model: str | None) -> Path:
 @pytest.fixture(scope="module")
 def palm_folder(tmp_path_factory, bert_vocab) -> Path:
     """A converted PALM folder: random palm-tiny weights, the real vocabulary."""
-    from megatron_pmlm.hf.convert_palm import unpadded, write_palm_folder
+    from megatron_pmlm.hf.palm_adapter import unpadded, write_folder
     from megatron_pmlm.models.palm import PalmForPreTraining, palm_config_from_preset
 
     config = palm_config_from_preset("palm-tiny", vocab_size=30522, padded_vocab_size=30592)
     model = PalmForPreTraining(config, init_seed=3)
     folder = tmp_path_factory.mktemp("palm") / "hf"
     folder.mkdir()
-    write_palm_folder(folder, unpadded(model.state_dict(), config), config, bert_vocab, True, "bin")
+    write_folder(folder, unpadded(model.state_dict(), config), config, bert_vocab, True, "bin")
     return folder
 
 
@@ -140,3 +140,45 @@ def test_pretrain_load_of_the_other_family(saved, flags, message, tmp_path, caps
     code = pretrain.main(["--data-path", str(tmp_path / "samples"), "--load", str(load), *flags,
                           "--train-iters", "1"])
     refused(code, capsys.readouterr().err, f"--load {load} {message}")
+
+
+def test_decode_s2s_decodes_a_palm_model_as_decode_palm_does(palm_folder, tmp_path, capsys):
+    """One decode command for both families: decode_s2s given a PALM folder runs decode_palm's
+    decoding with PALM's defaults and PALM's options (--max-context-length); decode_palm stays."""
+    from megatron_pmlm import decode_palm, decode_s2s
+
+    contexts = tmp_path / "contexts.txt"
+    contexts.write_text("the park also includes a long path .\nrobert is an english actor .\n")
+    outputs, messages = [], []
+    for module in (decode_palm, decode_s2s):
+        output = tmp_path / f"{module.__name__}.txt"
+        code = module.main(["--model", str(palm_folder), "--input", str(contexts), "--output", str(output),
+                            "--beam-size", "2", "--max-target-length", "5", "--max-context-length", "12",
+                            "--no-progress"])
+        err = capsys.readouterr().err
+        assert code == 0, err
+        outputs.append(output.read_text())
+        messages.append([line for line in err.splitlines() if line.startswith("model:")])
+    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
+    assert messages[0] == messages[1] and "(PALM, 2 + 2 layers" in messages[0][0]
+    assert "cut to 10 wordpieces" in messages[0][0]
+
+
+def test_decode_options_of_the_other_family(palm_folder, tmp_path, capsys):
+    from megatron_pmlm import decode_palm, decode_s2s
+
+    contexts = tmp_path / "contexts.txt"
+    contexts.write_text("a context .\n")
+    out = tmp_path / "out.txt"
+    common = ["--input", str(contexts), "--output", str(out), "--no-progress"]
+    code = decode_s2s.main(["--model", str(palm_folder), *common, "--fp16"])
+    refused(code, capsys.readouterr().err, f"--fp16 is for PMLM/UniLM/BERT models; --model {palm_folder} is a PALM "
+                                           "model (encoder-decoder: --max-context-length sets its input length)")
+    pmlm = checkpoint_dir(tmp_path, PMLM)
+    code = decode_s2s.main(["--model", str(pmlm), *common, "--max-context-length", "50"])
+    refused(code, capsys.readouterr().err, f"--max-context-length is for PALM models; --model {pmlm} is a "
+                                           "PMLM/UniLM/BERT model (--max-seq-length sets its source + target length)")
+    code = decode_palm.main(["--model", str(pmlm), *common])
+    refused(code, capsys.readouterr().err, f"--model {pmlm} is a PMLM/UniLM/BERT model (encoder only); decode_palm "
+                                           "takes PALM models; PMLM/UniLM/BERT models fine-tune with")
+    assert not out.exists()
