@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_pmlm.decode_s2s", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, metavar="DIR",
-                        help="a Hugging Face folder or a checkpoint directory (fine-tuning --save)")
+                        help="a Hugging Face folder or a checkpoint directory (fine-tuning --save); a PALM "
+                        "model (pretrain --model palm) decodes as with decode_palm")
     parser.add_argument("--input", required=True, type=Path, metavar="FILE",
                         help="sources: text (one per line) or .jsonl (the `src` field of each line)")
     parser.add_argument("--output", required=True, type=Path, metavar="FILE",
