@@ -4,6 +4,11 @@
         [--beam-size K] [--length-penalty A] [--min-length N] [--max-target-length N]
         [--no-repeat-ngram-size N [--ngram-ignore-tokens ". , ?"]] [--batch-size B]
         [--fp16|--bf16] [--max-seq-length 512] [--pos-shift] [--device cpu|cuda]
+    python -m megatron_pmlm.decode_s2s --model PALM_DIR --input ctx.txt --output out.txt [--max-context-length 400] ...
+
+A PALM model (a `pretrain --model palm` checkpoint or its converted folder) is decoded as
+`decode_palm` decodes it, with PALM's defaults (--max-target-length 100, --max-context-length 400);
+--fp16, --bf16, --pos-shift and --max-seq-length are for PMLM/UniLM/BERT models.
 
 Input: one source per line, or with a .jsonl file the `src` field of each line (a string, or a
 list of wordpieces as s2s-ft also accepts). Output: one line per input, in input order, written
@@ -20,8 +25,8 @@ import sys
 from pathlib import Path
 
 from .files import InputError
-from .generation.commands import (check_batch_and_output, decode_and_write, encode_sources, read_sources,
-                                  run_decode_command)
+from .generation.commands import (PALM_MAX_CONTEXT_LENGTH, PALM_MAX_TARGET_LENGTH, check_batch_and_output,
+                                  decode_and_write, encode_sources, read_sources, run_decode_command, run_palm)
 
 
 def half_matmul_works(device: str) -> bool:
@@ -54,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_pmlm.decode_s2s", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, metavar="DIR",
-                        help="a Hugging Face folder or a checkpoint directory (fine-tuning --save)")
+                        help="a Hugging Face folder or a checkpoint directory (fine-tuning --save); a PALM "
+                        "model (pretrain --model palm) decodes as with decode_palm")
     parser.add_argument("--input", required=True, type=Path, metavar="FILE",
                         help="sources: text (one per line) or .jsonl (the `src` field of each line)")
     parser.add_argument("--output", required=True, type=Path, metavar="FILE",
@@ -85,9 +91,27 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true", help="cast the model to bfloat16")
     parser.add_argument("--pos-shift", action="store_true",
                         help="decode with the position shift (default: when the model's s2s_mode is 'causal')")
+    parser.add_argument("--max-context-length", type=int, default=None, metavar="N",
+                        help="PALM models: contexts are cut to N - 2 wordpieces ([CLS] and [SEP] added; default "
+                        f"{PALM_MAX_CONTEXT_LENGTH})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+PMLM_ONLY = (("fp16", "--fp16"), ("bf16", "--bf16"), ("pos_shift", "--pos-shift"), ("max_seq_length", "--max-seq-length"))
+"""Options a PALM model does not take."""
+
+
+def run_palm_model(args: argparse.Namespace) -> int:
+    """A PALM model: decode_palm's run, with PALM's defaults."""
+    for name, flag in PMLM_ONLY:
+        if getattr(args, name):
+            raise InputError(f"{flag} is for PMLM/UniLM/BERT models; --model {args.model} is a PALM model "
+                             "(encoder-decoder: --max-context-length sets its input length)")
+    args.max_target_length = args.max_target_length or PALM_MAX_TARGET_LENGTH
+    args.max_context_length = args.max_context_length or PALM_MAX_CONTEXT_LENGTH
+    return run_palm(args)
 
 
 def main(argv=None) -> int:
@@ -96,7 +120,13 @@ def main(argv=None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from .generation.search import DecodingConfig, parse_ignore_tokens
+    from .hf.family import PALM, model_family
 
+    if model_family(args.model) == PALM:
+        return run_palm_model(args)
+    if args.max_context_length is not None:
+        raise InputError(f"--max-context-length is for PALM models; --model {args.model} is a PMLM/UniLM/BERT model "
+                         "(--max-seq-length sets its source + target length)")
     # Everything a user can get wrong is refused before the model is loaded.
     target_length, seq_length = lengths_from_model(args, {})
     settings = dict(beam_size=args.beam_size, length_penalty=args.length_penalty, min_length=args.min_length,

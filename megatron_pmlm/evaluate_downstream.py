@@ -225,7 +225,7 @@ class Evaluation:
                               ["--model", "M"])
             check_passthrough("megatron_pmlm.decode_s2s", "--qg-decode-args", self.qg_decode_extra,
                               ["--model", "M", "--input", "I", "--output", "O"])
-        hf_trainer.check_model_path(args.model)
+        hf_trainer.check_model_path(args.model, "evaluate_downstream")
         self.rows: dict[tuple[str, str], Row] = {}
         self.runs: dict[str, dict[str, dict]] = {}
 

@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .hf.family import check_family
     from .pretrained import load_model, resize_position_embeddings
     from .models.seq2seq import SEQ2SEQ_METRICS, PMLMForSeq2Seq, SpecialIds, build_examples, read_pairs, seq2seq_batches
     from .tokenizer import WordPieceTokenizer
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     train_sources, train_targets = read_pairs(args.train_file, args.train_src, args.train_tgt, "train")
     has_valid = bool(args.valid_file or args.valid_src or args.valid_tgt)
     valid_pairs = read_pairs(args.valid_file, args.valid_src, args.valid_tgt, "valid") if has_valid else None
+    check_family("--model", args.model, "finetune_s2s")
     loaded = load_model(args.model)
     s2s = seq2seq_config_from_args(args, loaded.settings)
     for name, value in (("--source-type-id", s2s.source_type_id), ("--target-type-id", s2s.target_type_id)):

@@ -135,10 +135,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def check_load_family(args: argparse.Namespace) -> None:
+    """A PALM checkpoint resumes or fine-tunes with --model palm only, a PMLM one without it."""
+    from .hf.family import DESCRIPTION, PALM, checkpoint_family
+
+    family = checkpoint_family(args.load) if args.load else None
+    if family is None or family == args.model:
+        return
+    if family == PALM:
+        raise ConfigError(f"--load {args.load} is {DESCRIPTION[family]}; pretrain --model {args.model} takes "
+                          "PMLM/UniLM/BERT checkpoints; add --model palm to train PALM from it")
+    raise ConfigError(f"--load {args.load} is {DESCRIPTION[family]}; pretrain --model palm takes PALM checkpoints "
+                      "(PALM trains from scratch or from a PALM checkpoint); leave out --model palm to train it")
+
+
 def run(args: argparse.Namespace) -> int:
     check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
     check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json)
+    check_load_family(args)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")
     if unilm_overrides and (args.model != "pmlm" or not get_objective(args.objective).is_unilm):
         raise ConfigError(f"--unilm-{next(iter(unilm_overrides)).replace('_', '-')} sets UniLM v1's masking and NSP; "

@@ -4,7 +4,8 @@ fine-tuning `--save`, any parallel layout the converter reads).
 
 The result is our ModelConfig with an unpadded vocabulary, a state dict in our (= Hugging Face BERT)
 names, the vocabulary file and lower-casing, plus the seq2seq settings a fine-tuned folder records
-(`source_type_id`, `target_type_id`, `s2s_mode`).
+(`source_type_id`, `target_type_id`, `s2s_mode`). A PALM model (folder or checkpoint) loads as the
+PALM adapter's `LoadedPalm`; `family` says which ("pmlm", "palm").
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class LoadedModel:
     """What was read, for logs."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Seq2seq settings recorded with the model: source_type_id, target_type_id, s2s_mode."""
+    family: str = "pmlm"
 
     @property
     def source_type_id(self) -> int:
@@ -47,13 +49,22 @@ class LoadedModel:
         return int(self.settings.get("target_type_id", 1))
 
 
-def load_model(path: str | os.PathLike) -> LoadedModel:
-    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date)."""
+def load_model(path: str | os.PathLike):
+    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date): a
+    LoadedModel, or for a PALM model the PALM adapter's LoadedPalm (`family` tells them apart)."""
+    from .hf.family import PALM, model_family
     from .training.checkpoint_reader import ConversionError
 
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"--model {path} does not exist")
+    if model_family(path) == PALM:
+        from .hf.palm_adapter import load_palm
+
+        try:
+            return load_palm(path)
+        except ConversionError as error:
+            raise ConfigError(str(error)) from None
     if (path / "config.json").is_file():
         return load_hf_folder(path)
     if (path / LATEST_FILE).is_file():
@@ -72,7 +83,7 @@ def load_model(path: str | os.PathLike) -> LoadedModel:
 
 
 def _check_vocab(vocab_file: Path, config: ModelConfig, source: str) -> None:
-    from .hf.convert import read_vocab
+    from .hf.folder import read_vocab
 
     if not vocab_file.is_file():
         raise ConfigError(f"{source} has no vocabulary ({vocab_file} is missing)")
@@ -107,7 +118,7 @@ def load_hf_folder(folder: Path) -> LoadedModel:
 
 
 def load_checkpoint_dir(directory: Path) -> LoadedModel:
-    from .hf.convert import find_vocab_file
+    from .hf.folder import find_vocab_file
     from .hf.pmlm_adapter import to_hf_state_dict
     from .training.checkpoint_reader import load_pretraining_checkpoint
 

@@ -57,7 +57,7 @@ def pretraining_samples(tmp_path_factory, wikitext, bert_vocab) -> Path:
 def tiny_hf_model(tmp_path_factory, bert_vocab) -> Path:
     """A random tiny PMLM as a Hugging Face folder with the real vocabulary."""
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.hf.convert import write_hf_folder
+    from megatron_pmlm.hf.pmlm_adapter import write_hf_folder
     from megatron_pmlm.hf.pmlm_adapter import to_hf_state_dict
     from megatron_pmlm.models.model import PMLMForPreTraining
 

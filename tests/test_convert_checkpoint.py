@@ -17,7 +17,7 @@ from pmlm_testing import REPO_ROOT, run_module
 transformers = pytest.importorskip("transformers")
 
 from megatron_pmlm.config import ModelConfig  # noqa: E402
-from megatron_pmlm.hf import convert  # noqa: E402
+from megatron_pmlm.hf import pmlm_adapter  # noqa: E402
 from megatron_pmlm.hf.convert import main  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
 from megatron_pmlm.training.checkpoint_reader import load_pretraining_checkpoint  # noqa: E402
@@ -88,7 +88,7 @@ def converted(trained, workdir):
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:
-    return convert.read_hf_weights(folder)
+    return pmlm_adapter.read_hf_weights(folder)
 
 
 def _verify_figures(lines: list[str]) -> tuple[float, float, float]:
@@ -315,14 +315,14 @@ def test_an_existing_output_is_kept_unless_overwrite(converted, trained, tmp_pat
 
 def test_a_failed_verification_exits_1_and_writes_nothing(trained, tmp_path, capsys, monkeypatch):
     """--verify compares real outputs: a converter that corrupted one weight is caught."""
-    original = convert.to_hf_state_dict
+    original = pmlm_adapter.to_hf_state_dict
 
     def corrupted(state, config):
         out = original(state, config)
         out["cls.predictions.bias"][1000] += 1e-3  # one logit of one token off by 1e-3
         return out
 
-    monkeypatch.setattr(convert, "to_hf_state_dict", corrupted)
+    monkeypatch.setattr(pmlm_adapter, "to_hf_state_dict", corrupted)
     out = tmp_path / "out"
     err = _fails(["--load", str(trained("zero0")), "--output", str(out), "--verify"], capsys, code=1)
     assert "verification failed" in err and "FAILED" in err

@@ -339,7 +339,7 @@ def test_ignore_token_parsing_and_config_validation():
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, tokenizer, bert_vocab) -> Path:
-    from megatron_pmlm.hf.convert import write_hf_folder
+    from megatron_pmlm.hf.pmlm_adapter import write_hf_folder
     from megatron_pmlm.hf.pmlm_adapter import to_hf_state_dict
 
     model = tiny_model(tokenizer)

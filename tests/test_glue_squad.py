@@ -25,7 +25,7 @@ from megatron_pmlm.tasks.hf_trainer import InputError, load_tokenizer  # noqa: E
 from megatron_pmlm.tasks.squad import (compute_exact, compute_f1, normalize_answer,  # noqa: E402
                                        postprocess_qa_predictions, prepare_train_features,
                                        prepare_validation_features, read_squad, squad_evaluate)
-from megatron_pmlm.hf import convert  # noqa: E402
+from megatron_pmlm.hf import convert, pmlm_adapter  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def tiny_model(tmp_path_factory, bert_vocab) -> Path:
     config = model_config_from_preset("tiny", vocab_size=30522)
     model = PMLMForPreTraining(config, init_seed=3)
     folder = tmp_path_factory.mktemp("glue-squad") / "tiny_hf"
-    convert.write_hf_folder(folder, convert.to_hf_state_dict(model.state_dict(), config), config, bert_vocab)
+    pmlm_adapter.write_hf_folder(folder, pmlm_adapter.to_hf_state_dict(model.state_dict(), config), config, bert_vocab)
     return folder
 
 

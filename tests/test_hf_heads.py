@@ -1,7 +1,7 @@
 """A converted PMLM folder under every Hugging Face Auto class used for fine-tuning (remote code with
 the relative position bias in every layer), its fast tokenizer, and the plain-BERT pitfall.
 
-A tiny random model (`model_config_from_preset("tiny")`) written with `convert.write_hf_folder`:
+A tiny random model (`model_config_from_preset("tiny")`) written with `pmlm_adapter.write_hf_folder`:
 no pre-training run, no download; seconds per test."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from megatron_pmlm.config import model_config_from_preset  # noqa: E402
-from megatron_pmlm.hf import convert  # noqa: E402
+from megatron_pmlm.hf import pmlm_adapter  # noqa: E402
 from megatron_pmlm.models.layout import CONTEXT  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining  # noqa: E402
 from megatron_pmlm.tokenizer import WordPieceTokenizer  # noqa: E402
@@ -45,11 +45,11 @@ def write_vocab(path: Path, tokens: list[str] = VOCAB) -> Path:
 
 def write_tiny_folder(folder: Path, vocab_file: Path, do_lower_case: bool = True, seed: int = 0):
     """A random tiny PMLM (its bias table scaled up so that it shapes the attention) as a converted folder."""
-    config = model_config_from_preset("tiny", vocab_size=len(convert.read_vocab(vocab_file)))
+    config = model_config_from_preset("tiny", vocab_size=len(pmlm_adapter.read_vocab(vocab_file)))
     ours = PMLMForPreTraining(config, init_seed=seed).eval()
     with torch.no_grad():
         ours.bert.rel_pos_bias.weight.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(seed))
-    convert.write_hf_folder(folder, convert.to_hf_state_dict(ours.state_dict(), config), config, vocab_file,
+    pmlm_adapter.write_hf_folder(folder, pmlm_adapter.to_hf_state_dict(ours.state_dict(), config), config, vocab_file,
                             do_lower_case)
     return ours, config
 

@@ -246,10 +246,11 @@ def test_conversion_verifies_and_the_folder_decodes_like_the_checkpoint(trained,
     contexts = tmp_path / "contexts.txt"
     contexts.write_text("the park also includes a long path .\nrobert is an english actor .\n")
     outputs = []
-    for model in (checkpoint, tmp_path / "hf"):
-        output = tmp_path / f"{model.name}.txt"
-        result = run_module("megatron_pmlm.decode_palm", "--model", str(model), "--input", str(contexts), "--output",
+    # decode_s2s decodes a PALM model as its alias decode_palm does.
+    for command, model in (("decode_palm", checkpoint), ("decode_palm", tmp_path / "hf"), ("decode_s2s", checkpoint)):
+        output = tmp_path / f"{command}-{model.name}.txt"
+        result = run_module(f"megatron_pmlm.{command}", "--model", str(model), "--input", str(contexts), "--output",
                             str(output), "--beam-size", "3", "--max-target-length", "6", "--no-progress")
         assert result.returncode == 0, result.stderr[-3000:]
         outputs.append(output.read_text())
-    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 2
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0].splitlines()) == 2

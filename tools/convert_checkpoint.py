@@ -12,7 +12,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu" if not __import__("torch").cuda.is_available() else "cuda")
 
-from megatron_pmlm.hf.convert_palm import main  # noqa: E402  (PALM checkpoints there, the rest to hf.convert)
+from megatron_pmlm.hf.convert import main  # noqa: E402  (the driver: PMLM and PALM checkpoints)
 
 if __name__ == "__main__":
     sys.exit(main())

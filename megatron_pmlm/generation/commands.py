@@ -1,6 +1,7 @@
 """What the decode commands (decode_s2s, decode_palm) share: their main (one `error:` line and exit
 status 2 for bad input), the sources read from text or .jsonl and their wordpiece ids, the checks
-made before any model is loaded, and decoding in batches with a progress bar into the output."""
+made before any model is loaded, decoding in batches with a progress bar into the output, and the
+PALM run (`run_palm`: decode_palm's, and decode_s2s's for a PALM model)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ from typing import Callable
 
 from ..config import ConfigError
 from ..files import InputError, check_output, logs_to_stderr, quiet_libraries, write_text_atomically
+
+PALM_MAX_TARGET_LENGTH = 100
+"""PALM's continuations: at most 100 tokens (§3.1)."""
+PALM_MAX_CONTEXT_LENGTH = 400
+"""PALM's contexts: at most 400 tokens, [CLS] and [SEP] included."""
 
 
 def run_decode_command(build_parser: Callable[[], argparse.ArgumentParser],
@@ -106,3 +112,44 @@ def decode_and_write(decoder, encoded: list[list[int]], tokenizer, args: argpars
     tokens = sum(generated_length(ids, {tokenizer.special.sep, tokenizer.special.pad}) for ids in outputs)
     print(f"decoded {len(lines)} {noun} in {seconds:.1f} s ({tokens / max(seconds, 1e-9):.1f} tokens/s, {tokens} "
           f"tokens); wrote {args.output}")
+
+
+def run_palm(args: argparse.Namespace) -> int:
+    """Continue the contexts of --input with the PALM model of --model (decode_palm, and decode_s2s
+    given a PALM model)."""
+    from .search import DecodingConfig, parse_ignore_tokens
+
+    # Everything a user can get wrong is refused before the model is loaded.
+    if args.max_context_length < 3:
+        raise InputError(f"--max-context-length must be at least 3 ([CLS] x [SEP]), got {args.max_context_length}")
+    config = DecodingConfig(beam_size=args.beam_size, length_penalty=args.length_penalty, min_length=args.min_length,
+                            max_target_length=args.max_target_length, max_seq_length=args.max_context_length,
+                            no_repeat_ngram_size=args.no_repeat_ngram_size,
+                            ngram_ignore_tokens=parse_ignore_tokens(args.ngram_ignore_tokens))
+    check_batch_and_output(args)
+    contexts = read_sources(args.input)
+
+    import torch
+
+    from ..hf.family import PALM, check_family, wrong_family
+    from ..pretrained import load_model
+    from ..tokenizer import WordPieceTokenizer
+    from .decoding import PalmDecoder, build_palm_decoding_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available")
+    check_family("--model", args.model, "decode_palm", takes=PALM)  # before the weights are read
+    loaded = load_model(args.model)
+    if loaded.family != PALM:
+        raise ConfigError(wrong_family("--model", args.model, loaded.family, "decode_palm", takes=PALM))
+    tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+    model = build_palm_decoding_model(loaded, device)
+    decoder = PalmDecoder(model, tokenizer.special, config, token_to_id=tokenizer.token_to_id)
+    encoded = encode_sources(contexts, tokenizer)
+    print(f"model: {loaded.source} (PALM, {model.config.num_layers} + {model.config.num_decoder_layers} layers, hidden "
+          f"{model.config.hidden_size}, on {device}); {'greedy' if config.beam_size == 1 else f'beam {config.beam_size}'}, "
+          f"{len(encoded)} contexts (cut to {decoder.max_source_tokens} wordpieces)", file=sys.stderr)
+
+    decode_and_write(decoder, encoded, tokenizer, args, "contexts")
+    return 0

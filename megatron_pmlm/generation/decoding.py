@@ -391,3 +391,19 @@ def build_decoding_model(loaded, max_seq_length: int, dtype: torch.dtype = torch
         raise ConfigError(f"{loaded.source}: weights do not fit the model (missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]})")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def build_palm_decoding_model(loaded, device: str = "cpu"):
+    """The model of a `palm_adapter.LoadedPalm`, without dropout, in eval mode (stage 2)."""
+    from dataclasses import replace
+
+    from ..config import ConfigError
+    from ..models.palm import PalmForPreTraining
+
+    config = replace(loaded.config, padded_vocab_size=0, hidden_dropout=0.0, attention_dropout=0.0)
+    model = PalmForPreTraining(config, stage=2)
+    missing, unexpected = model.load_state_dict(loaded.state_dict, strict=False)
+    if missing or unexpected:
+        raise ConfigError(f"{loaded.source}: weights do not fit the PALM model (missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]})")
+    return model.to(device).eval()

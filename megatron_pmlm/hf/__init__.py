@@ -1,4 +1,4 @@
-"""Hugging Face exchange: checkpoint conversion (`convert`, and `convert_palm` for PALM), the PMLM
-model's adapter to and from Hugging Face's names and config (`pmlm_adapter`), and the remote-code
-model files (`configuration_pmlm.py`, `modeling_pmlm.py`) written into every converted folder with
-the relative position bias. See docs/conversion.md."""
+"""Hugging Face exchange: checkpoint conversion (`convert`, the driver, with one adapter per model
+family: `pmlm_adapter` and `palm_adapter`; what they share in `folder`), which family a path holds
+(`family`), and the remote-code model files (`configuration_pmlm.py`, `modeling_pmlm.py`,
+`configuration_palm.py`, `modeling_palm.py`) written into converted folders. See docs/conversion.md."""

@@ -1,18 +1,30 @@
 """The PMLM (BERT-shaped) model's adapter to and from Hugging Face: our state dict <-> Hugging
 Face's names (SPEC §10: ours already are, with the vocabulary padding cut off and the decoder tied),
 the config.json fields, and reading a folder's weight files (safetensors or PyTorch, sharded or
-not). The converter (convert.py) and `pretrained.load_model` use it."""
+not), writing and verifying a folder, importing one back (`import_from_hf`), and the functions the
+converter's driver (convert.py) calls for this family: `load_checkpoint`, `describe`, `export_state`,
+`write_folder`, `verify`, `wrote`. `pretrained.load_model` uses it too."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import json
+import os
+import shutil
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..training.checkpoint_reader import ConversionError, expected_shapes
+from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
+from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, expected_shapes, has_nsp_head,
+                                          load_pretraining_checkpoint)
+from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, held_out_samples, pad_token_id, read_vocab, staged_output,
+                     write_hf_tokenizer, write_weights)
 
 AUTO_MAP = {"AutoConfig": "configuration_pmlm.PMLMConfig",
             "AutoModel": "modeling_pmlm.PMLMBertModel",
@@ -24,6 +36,12 @@ AUTO_MAP = {"AutoConfig": "configuration_pmlm.PMLMConfig",
             "AutoModelForMultipleChoice": "modeling_pmlm.PMLMForMultipleChoice"}
 
 PADDED_VOCAB_KEYS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
+HF_CODE_FILES = ("configuration_pmlm.py", "modeling_pmlm.py")
+IMPORT_TAG = "iter_0000000"
+NOUN = "samples"
+"""What --verify compares on."""
+LAYOUT = None
+"""The samples' layout --verify needs (any PMLM/UniLM one)."""
 
 
 def to_hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -213,3 +231,221 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, dict):
         raise ConversionError(f"{path} does not hold a state dict")
     return state
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing and verifying a folder (the converter's driver, convert.py, calls these)
+# ------------------------------------------------------------------------------------------------
+
+def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PretrainingCheckpoint:
+    return load_pretraining_checkpoint(load_dir, tag)
+
+
+def describe(checkpoint: PretrainingCheckpoint) -> str:
+    config = checkpoint.model_config
+    return (f"read {checkpoint.tag_dir} ({checkpoint.layout}): {config.num_layers} layers, hidden "
+            f"{config.hidden_size}, {config.num_attention_heads} heads, vocabulary {config.vocab_size} (padded to "
+            f"{config.embedding_rows}), relative position bias {'on' if config.rel_pos else 'off'}")
+
+
+def export_state(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    return to_hf_state_dict(state, config)
+
+
+def write_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: ModelConfig, vocab_file: Path,
+                 do_lower_case: bool, weights_format: str) -> None:
+    write_hf_folder(folder, hf_state, config, vocab_file, do_lower_case, weights_format)
+
+
+def wrote(output: Path, hf_state: dict[str, torch.Tensor], config: ModelConfig) -> str:
+    heads = "PreTraining (MLM + next-sentence heads)" if has_nsp_head(hf_state) else "MaskedLM"
+    return (f"wrote {output} ({f'PMLMFor{heads}, remote code: trust_remote_code=True' if config.rel_pos else f'BertFor{heads}'}"
+            f", {sum(t.numel() for t in hf_state.values()):,} parameters)")
+
+
+def write_hf_folder(folder: Path, hf_state: dict[str, torch.Tensor], config: ModelConfig, vocab_file: Path,
+                    do_lower_case: bool = True, weights_format: str = "bin") -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = read_vocab(vocab_file)
+    (folder / "config.json").write_text(json.dumps(hf_config_dict(config, pad_token_id(vocab), has_nsp_head(hf_state)),
+                                                   indent=2) + "\n")
+    write_weights(folder, hf_state, weights_format)
+    write_hf_tokenizer(folder, vocab_file, vocab, do_lower_case, config.max_position_embeddings)
+    if config.rel_pos:
+        copy_remote_code(folder, HF_CODE_FILES)
+
+
+def load_hf_model(folder: Path, rel_pos: bool, pretraining_heads: bool = False):
+    """The Hugging Face masked LM of a converted folder (remote code with the bias, plain BERT without);
+    with `pretraining_heads` the MLM + next-sentence model (AutoModelForPreTraining / BertForPreTraining)."""
+    import transformers
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        if rel_pos:
+            auto = transformers.AutoModelForPreTraining if pretraining_heads else transformers.AutoModelForMaskedLM
+            model = auto.from_pretrained(str(folder), trust_remote_code=True)
+        else:
+            plain = transformers.BertForPreTraining if pretraining_heads else transformers.BertForMaskedLM
+            model = plain.from_pretrained(str(folder))
+    return model.float().eval()
+
+
+
+@dataclasses.dataclass
+class PmlmVerification(Verification):
+    predicted: int = 0
+    max_logit_difference: float = 0.0
+    max_nsp_logit_difference: float | None = None
+    """The next-sentence head's logits (checkpoints with one), ours against BertForPreTraining's."""
+
+    def differences(self) -> list[float]:
+        return [self.max_logit_difference] + ([] if self.max_nsp_logit_difference is None else
+                                              [self.max_nsp_logit_difference])
+
+    def line(self) -> str:
+        kind = self.kind
+        return (f"verify: {self.samples} {kind} samples ({self.split} split, {self.tokens} tokens, AE view: the "
+                f"corrupted sequence): max |logit difference| {self.max_logit_difference:.3e} "
+                f"(tolerance {VERIFY_TOLERANCE:.0e}); MLM loss over {self.predicted} masked tokens: ours "
+                f"{self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f}"
+                + ("" if self.max_nsp_logit_difference is None else
+                   f"; next-sentence logits max |difference| {self.max_nsp_logit_difference:.3e}")
+                + f" -> {self.verdict}")
+
+
+def verify(hf_folder: Path, state: dict[str, torch.Tensor], config: ModelConfig, data_path: str | os.PathLike,
+           num_samples: int = 64, batch_size: int = 16) -> PmlmVerification:
+    """Our model and the Hugging Face model of `hf_folder` on held-out samples (fp32, eval mode)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from ..data.loader import PMLMBatchBuilder
+    from ..models.layout import IGNORE_INDEX, MASKED, PAD
+    from ..models.model import PMLMForPreTraining
+    from ..models.objectives import get_objective
+
+    samples, metadata = held_out_samples(data_path)
+    if samples.vocab_size != config.vocab_size:
+        raise ConversionError(f"--verify: the samples in {data_path} use a vocabulary of {samples.vocab_size} entries, "
+                              f"the model {config.vocab_size}")
+    nsp_head = has_nsp_head(state)
+    ours = PMLMForPreTraining(config, "unilm-bi" if nsp_head else "ae").eval()  # the heads the state holds
+    ours.load_state_dict(state, strict=True)
+    hf = load_hf_model(hf_folder, config.rel_pos, pretraining_heads=nsp_head)
+    builder = PMLMBatchBuilder(samples, get_objective("ae"), int(metadata.get("seed", 0)),
+                               config.max_position_embeddings)
+    count = min(num_samples, len(samples))
+    max_diff, tokens, predicted, loss_ours_sum, loss_hf_sum = 0.0, 0, 0, 0.0, 0.0
+    max_nsp_diff = 0.0 if nsp_head else None
+    with torch.no_grad():
+        for start in range(0, count, batch_size):
+            batch = builder(np.arange(start, min(count, start + batch_size)), 0)
+            real = batch.roles != PAD
+            selected = (batch.roles == MASKED) & (batch.labels != IGNORE_INDEX)
+            hidden = ours.bert(*batch.as_tuple()[:5])
+            logits = ours.mlm_logits(hidden)[..., :config.vocab_size]
+            mlm_labels = torch.where(selected, batch.labels, torch.full_like(batch.labels, IGNORE_INDEX))
+            out = hf(input_ids=batch.input_ids, attention_mask=real.long(), token_type_ids=batch.token_type_ids,
+                     **({} if nsp_head else {"labels": mlm_labels}))
+            hf_logits = out.prediction_logits if nsp_head else out.logits
+            max_diff = max(max_diff, float((logits - hf_logits)[real].abs().max()))
+            n = int(selected.sum())
+            loss_ours_sum += float(F.cross_entropy(logits[selected], batch.labels[selected], reduction="sum"))
+            loss_hf_sum += float(F.cross_entropy(hf_logits[selected], batch.labels[selected], reduction="sum"))
+            if nsp_head:
+                max_nsp_diff = max(max_nsp_diff, float((ours.nsp_logits(hidden) - out.seq_relationship_logits)
+                                                       .abs().max()))
+            tokens += int(real.sum())
+            predicted += n
+    return PmlmVerification(count, tokens, loss_ours_sum / max(predicted, 1), loss_hf_sum / max(predicted, 1),
+                            samples.split, predicted=predicted, max_logit_difference=max_diff,
+                            max_nsp_logit_difference=max_nsp_diff)
+
+
+# ------------------------------------------------------------------------------------------------
+# From Hugging Face
+# ------------------------------------------------------------------------------------------------
+
+def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tensor_parallel_size: int = 1,
+                   make_vocab_size_divisible_by: int = 128, add_rel_pos: bool = False, objective: str = "ae+par",
+                   overwrite: bool = False, log: Callable[[str], None] = print) -> Path:
+    """A checkpoint `pretrain --load SAVE_DIR --finetune` starts from (weights only, iteration 0)."""
+    from ..parallel.layers import shard_state_dict
+    from ..training.recipe import padded_vocab_size
+
+    hf_dir = Path(hf_dir)
+    if not hf_dir.is_dir():
+        raise ConversionError(f"--from-hf {hf_dir} does not exist")
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{config_file} is missing: not a Hugging Face model folder")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConversionError(f"{config_file} is not valid JSON ({error})") from None
+    if tensor_parallel_size < 1:
+        raise ConversionError("--tensor-model-parallel-size must be >= 1")
+    vocab_size = int(hf_config.get("vocab_size", 0))
+    config = model_config_from_hf(hf_config, str(config_file),
+                                  padded_vocab_size(vocab_size, make_vocab_size_divisible_by, tensor_parallel_size),
+                                  add_rel_pos)
+    if config.num_attention_heads % tensor_parallel_size:
+        raise ConversionError(f"--tensor-model-parallel-size {tensor_parallel_size} does not divide the "
+                              f"{config.num_attention_heads} attention heads")
+    from ..models.objectives import get_objective
+
+    unilm = get_objective(objective)
+    if unilm.is_unilm:
+        from ..models.unilm import TYPE_VOCAB_SIZE
+
+        config = dataclasses.replace(config, type_vocab_size=TYPE_VOCAB_SIZE)
+    state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos,
+                                        nsp_head=unilm.next_sentence_prediction)
+    vocab_file = hf_dir / "vocab.txt"
+    if vocab_file.is_file() and len(read_vocab(vocab_file)) != config.vocab_size:
+        raise ConversionError(f"{vocab_file} has {len(read_vocab(vocab_file))} entries, config.json's vocab_size is "
+                              f"{config.vocab_size}")
+    do_lower_case = True
+    tokenizer_config = hf_dir / "tokenizer_config.json"
+    if tokenizer_config.is_file():
+        with contextlib.suppress(json.JSONDecodeError):
+            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    import deepspeed
+
+    save_dir = Path(save_dir)
+    tp = tensor_parallel_size
+    run_args = {"model_config": asdict(config), "objective": objective, "tensor_model_parallel_size": tp,
+                "pipeline_model_parallel_size": 1, "converted_from": str(hf_dir.resolve()),
+                "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "do_lower_case": do_lower_case,
+                "data_path": None}
+    run_state = {"iteration": 0, "consumed_samples": 0, "training_config": {"zero_stage": 0, "precision": "fp32"},
+                 "args": run_args, "world_size": tp, "data_parallel_size": 1}
+    with staged_output(save_dir, overwrite) as staging:
+        tag_dir = staging / IMPORT_TAG
+        tag_dir.mkdir()
+        for rank in range(tp):
+            shard = shard_state_dict(state, rank, tp)
+            torch.save({
+                # What DeepSpeed's engine.load_checkpoint(load_module_only=True) reads, as it writes it.
+                "module": shard, "buffer_names": [], "optimizer": None,
+                "param_shapes": [{k: v.shape for k, v in shard.items()}], "frozen_param_shapes": {},
+                "shared_params": {}, "frozen_param_fragments": {}, "lr_scheduler": None, "data_sampler": None,
+                "random_ltd": None, "sparse_tensor_module_names": set(), "skipped_steps": 0, "global_steps": 0,
+                "global_samples": 0, "dp_world_size": 1, "mp_world_size": tp,
+                "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": tp},
+                "ds_version": deepspeed.__version__, **run_state,
+            }, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+        if vocab_file.is_file():
+            shutil.copyfile(vocab_file, tag_dir / "vocab.txt")
+        files = manifest(file_checksums(tag_dir, checkpoint_listing(tag_dir)))  # as a pre-training save's
+        (tag_dir / RUN_STATE_FILE).write_text(json.dumps({**run_state, **files}, indent=1))
+        (staging / LATEST_FILE).write_text(IMPORT_TAG)
+    log(f"read {hf_dir} ({config.num_layers} layers, hidden {config.hidden_size}, {config.num_attention_heads} heads, "
+        f"vocabulary {config.vocab_size} padded to {config.embedding_rows}, relative position bias "
+        f"{'on' if config.rel_pos else 'off'}{' (added, zero)' if add_rel_pos and not hf_config.get('rel_pos_bins') else ''})"
+        + (f"; not imported: {', '.join(dropped)}" if dropped else ""))
+    log(f"wrote {save_dir / IMPORT_TAG} (tensor parallel {tp}); start a run from it with: python -m "
+        f"megatron_pmlm.pretrain --load {save_dir} --finetune --tensor-model-parallel-size {tp} "
+        f"--make-vocab-size-divisible-by {make_vocab_size_divisible_by} ... (a model configuration equal to "
+        f"{save_dir / IMPORT_TAG / RUN_STATE_FILE}'s args.model_config; ZeRO stage 0-2, no pipeline)")
+    return save_dir

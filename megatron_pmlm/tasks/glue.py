@@ -346,7 +346,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     task = get_task(args.task)
     check_trainer_arguments(args)
     splits = load_splits(args, task)  # all data checked before anything is written
-    check_model_path(args.model)
+    check_model_path(args.model, "finetune_glue")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise InputError(f"--output-dir {output_dir} is a file")

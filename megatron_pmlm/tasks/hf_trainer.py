@@ -21,14 +21,18 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 # Shared with finetune_squad / evaluate_downstream
 # ------------------------------------------------------------------------------------------------
 
-def check_model_path(path: str | os.PathLike) -> str:
+def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
     """'hf' (a Hugging Face folder: config.json, weights, vocab.txt) or 'checkpoint' (a directory with
-    `latest`), else InputError. Nothing is read beyond file names."""
+    `latest`), else InputError. Nothing is read beyond file names and, with `tool` (the command's
+    name), the small file naming the model family: a PALM model is refused in one line."""
+    from ..hf.family import check_family
     from ..training.checkpoint_files import LATEST_FILE
 
     path = Path(path)
     if not path.exists():
         raise InputError(f"--model {path} does not exist")
+    if tool:
+        check_family("--model", path, tool, error=InputError)
     if (path / "config.json").is_file():
         if not (path / "vocab.txt").is_file():
             raise InputError(f"--model {path} has no vocab.txt (the tokenizer's WordPiece vocabulary; a converted "

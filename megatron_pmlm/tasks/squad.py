@@ -375,7 +375,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     v2 = args.version_2_with_negative
     train = read_squad(args.train_file, v2, "--train-file")[:args.max_train_samples] if args.train_file else None
     evaluation = read_squad(args.predict_file, v2, "--predict-file")[:args.max_eval_samples] if args.predict_file else None
-    check_model_path(args.model)
+    check_model_path(args.model, "finetune_squad")
     output_dir = Path(args.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise InputError(f"--output-dir {output_dir} is a file")

@@ -1,6 +1,6 @@
 """The one reader of our checkpoints: any layout a training run writes (ZeRO 0-3, tensor and/or
 pipeline parallel) back to the full fp32 state dict, with the run state saved beside it. Used by
-conversion (hf/convert.py, hf/convert_palm.py), fine-tuning and decoding (pretrained.py).
+conversion (hf/convert.py and its adapters), fine-tuning and decoding (pretrained.py).
 
 Which checkpoint: `resolve_tag` (a named tag, or the one DIR/latest names); the files and names
 are checkpoint_files.py's. Bad input raises `ConversionError`, whose message names the culprit.

@@ -87,10 +87,7 @@ def check_stage_of_checkpoint(args: argparse.Namespace) -> None:
     saved = newest_run_state(Path(args.load))
     if saved is None:
         return
-    saved_args = saved.get("args", {})
-    if saved_args.get("model", "pmlm") != "palm":
-        raise ConfigError(f"{args.load} holds a PMLM checkpoint, not PALM: train PALM from scratch or from a PALM "
-                          "checkpoint")
+    saved_args = saved.get("args", {})  # a PMLM checkpoint is refused before (pretrain.check_load_family)
     saved_stage = int(saved_args.get("palm_stage", 2))
     if saved_stage != args.palm_stage:
         raise ConfigError(f"{args.load} was trained in --palm-stage {saved_stage}; to start stage {args.palm_stage} "

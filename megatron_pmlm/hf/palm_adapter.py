@@ -1,5 +1,6 @@
-"""PALM checkpoints -> Hugging Face folders, verified (tools/convert_checkpoint.py routes here when
-the checkpoint's run was `pretrain --model palm`).
+"""The PALM model's adapter to Hugging Face: the converter's driver (hf/convert.py) calls it when
+the checkpoint's run was `pretrain --model palm`, and `pretrained.load_model` when a `--model` path
+holds PALM (`load_palm`).
 
     python tools/convert_checkpoint.py --load SAVE_DIR [--tag iter_N] --output HF_DIR [--verify]
 
@@ -19,30 +20,28 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
 from ..config import ConfigError
-from ..files import quiet_libraries
 from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
-from .convert import NO_HELD_OUT_NOTE, VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
+from .family import PALM, checkpoint_family
+from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, find_vocab_file, held_out_samples, pad_token_id, read_vocab,
+                     write_hf_tokenizer, write_weights)
 from .pmlm_adapter import read_hf_weights
-from . import convert
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
 PALM_AUTO_MAP = {"AutoConfig": "configuration_palm.PalmConfig",
                  "AutoModel": "modeling_palm.PalmForConditionalGeneration"}
 PALM_PADDED_VOCAB_KEYS = ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias")
-
-
-def is_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> bool:
-    _, _, run_state = run_state_of(load_dir, tag)
-    return run_state.get("args", {}).get("model") == "palm"
+NOUN = "pairs"
+"""What --verify compares on."""
+LAYOUT = "palm"
+"""The samples' layout --verify needs: build_samples --layout palm."""
 
 
 def palm_config_of(run_state: dict[str, Any], source: str) -> PalmConfig:
@@ -62,13 +61,13 @@ def palm_config_of(run_state: dict[str, Any], source: str) -> PalmConfig:
 class PalmCheckpoint:
     tag_dir: Path
     run_state: dict[str, Any]
-    config: PalmConfig
+    model_config: PalmConfig
     state_dict: dict[str, torch.Tensor]
     """Full (TP=1), padded vocabulary, fp32."""
     layout: str
 
 
-def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PalmCheckpoint:
+def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PalmCheckpoint:
     """The full fp32 state dict of a PALM pre-training checkpoint (ZeRO 0-3, any tensor-parallel size)."""
     from ..parallel.layers import merge_state_dicts
 
@@ -96,6 +95,18 @@ def load_palm_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) ->
     layout = (f"ZeRO-{zero_stage}, {precision}, data parallel {run_state.get('data_parallel_size', '?')}, "
               f"tensor parallel {tp}; read from the {source}")
     return PalmCheckpoint(tag_dir, run_state, config, state, layout)
+
+
+def describe(checkpoint: PalmCheckpoint) -> str:
+    config = checkpoint.model_config
+    return (f"read {checkpoint.tag_dir} ({checkpoint.layout}): PALM, {config.num_layers} encoder + "
+            f"{config.num_decoder_layers} decoder layers, hidden {config.hidden_size}, vocabulary {config.vocab_size} "
+            f"(padded to {config.embedding_rows})")
+
+
+def wrote(output: Path, state: dict[str, torch.Tensor], config: PalmConfig) -> str:
+    return (f"wrote {output} (PalmForConditionalGeneration, remote code: trust_remote_code=True, "
+            f"{sum(t.numel() for t in state.values()):,} parameters)")
 
 
 def unpadded(state: dict[str, torch.Tensor], config: PalmConfig) -> dict[str, torch.Tensor]:
@@ -131,21 +142,16 @@ def palm_config_from_hf(hf: dict[str, Any], source: str) -> PalmConfig:
         raise ConversionError(f"{source}: not a PALM config.json ({type(error).__name__}: {error})") from None
 
 
-def write_palm_folder(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig, vocab_file: Path,
-                      do_lower_case: bool, weights_format: str) -> None:
-    vocab = read_vocab(vocab_file)
-    pad_token_id = vocab.index("[PAD]") if "[PAD]" in vocab else 0
-    (folder / "config.json").write_text(json.dumps(hf_palm_config_dict(config, pad_token_id), indent=2) + "\n")
-    if weights_format == "safetensors":
-        from safetensors.torch import save_file
+export_state = unpadded
 
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        torch.save(state, folder / "pytorch_model.bin")
+
+def write_folder(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig, vocab_file: Path,
+                 do_lower_case: bool, weights_format: str) -> None:
+    vocab = read_vocab(vocab_file)
+    (folder / "config.json").write_text(json.dumps(hf_palm_config_dict(config, pad_token_id(vocab)), indent=2) + "\n")
+    write_weights(folder, state, weights_format)
     write_hf_tokenizer(folder, vocab_file, vocab, do_lower_case, config.max_position_embeddings)
-    here = Path(__file__).resolve().parent
-    for name in PALM_CODE_FILES:
-        shutil.copyfile(here / name, folder / name)
+    copy_remote_code(folder, PALM_CODE_FILES)
 
 
 def load_hf_palm(folder: Path):
@@ -157,45 +163,23 @@ def load_hf_palm(folder: Path):
 
 
 @dataclasses.dataclass
-class PalmVerification:
-    samples: int
-    tokens: int
-    max_vocab_logit_difference: float
-    max_probability_difference: float
-    max_mlm_logit_difference: float
-    loss_ours: float
-    loss_hf: float
-    split: str
+class PalmVerification(Verification):
+    max_vocab_logit_difference: float = 0.0
+    max_probability_difference: float = 0.0
+    max_mlm_logit_difference: float = 0.0
 
-    @property
-    def passed(self) -> bool:
-        return max(self.max_vocab_logit_difference, self.max_probability_difference, self.max_mlm_logit_difference,
-                   abs(self.loss_ours - self.loss_hf)) <= VERIFY_TOLERANCE
+    def differences(self) -> list[float]:
+        return [self.max_vocab_logit_difference, self.max_probability_difference, self.max_mlm_logit_difference]
 
     def line(self) -> str:
-        kind = "training" if self.split == "train" else "held-out"
+        kind = self.kind
         return (f"verify: {self.samples} {kind} pairs ({self.split} split, {self.tokens} continuation tokens): max "
                 f"|difference| vocabulary logits {self.max_vocab_logit_difference:.3e}, P {self.max_probability_difference:.3e}, "
                 f"encoder MLM logits {self.max_mlm_logit_difference:.3e} (tolerance {VERIFY_TOLERANCE:.0e}); continuation "
-                f"NLL ours {self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f} -> {'OK' if self.passed else 'FAILED'}")
+                f"NLL ours {self.loss_ours:.6f}, Hugging Face {self.loss_hf:.6f} -> {self.verdict}")
 
 
-def held_out_pairs(data_path):
-    from ..data.samples import PretrainingSamples, SamplesError, read_metadata
-
-    try:
-        metadata = read_metadata(data_path)
-        if metadata.get("layout") != "palm":
-            raise ConversionError(f"--verify: {data_path} holds PMLM samples, not PALM pairs")
-        for split in ("valid", "test", "train"):  # training pairs when no split is held out
-            if metadata["splits"].get(split, {}).get("num_samples", 0) > 0:
-                return PretrainingSamples(data_path, split)
-    except SamplesError as error:
-        raise ConversionError(f"--verify: {error}") from None
-    raise ConversionError(f"--verify: {data_path} has no pairs at all (every split is empty)")
-
-
-def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig, data_path,
+def verify(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig, data_path,
                 num_samples: int = 64, batch_size: int = 16) -> PalmVerification:
     """Our model (TP=1, eval) and the Hugging Face model of `folder` on held-out pairs."""
     import numpy as np
@@ -204,7 +188,7 @@ def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig
     from ..models.palm import continuation_losses, final_distribution
     from ..data.palm_data import PalmBatchBuilder
 
-    samples = held_out_pairs(data_path)
+    samples, _ = held_out_samples(data_path, NOUN, LAYOUT)
     if samples.vocab_size != config.vocab_size:
         raise ConversionError(f"--verify: the pairs in {data_path} use a vocabulary of {samples.vocab_size} entries, "
                               f"the model {config.vocab_size}")
@@ -235,55 +219,9 @@ def verify_palm(folder: Path, state: dict[str, torch.Tensor], config: PalmConfig
             mlm_hf = hf.mlm_logits(batch.encoder_ids, real.long())
             max_mlm = max(max_mlm, float((mlm_ours - mlm_hf)[real].abs().max()))
             tokens += n
-    return PalmVerification(count, tokens, max_vocab, max_p, max_mlm, nll_ours / max(tokens, 1),
-                            nll_hf / max(tokens, 1), samples.split)
-
-
-def palm_vocab_file(checkpoint: PalmCheckpoint, override: str | None) -> Path:
-    args = checkpoint.run_state.get("args", {})
-    if override:
-        path = Path(override)
-    else:
-        metadata_file = Path(args.get("data_path") or "") / "metadata.json"
-        if not metadata_file.is_file():
-            raise ConversionError(f"the run's samples ({args.get('data_path')}) are gone, so its vocabulary is "
-                                  "unknown: pass --vocab-file")
-        path = Path(json.loads(metadata_file.read_text()).get("vocab_file") or "")
-    if not path.is_file():
-        raise ConversionError(f"vocabulary {path} does not exist: pass --vocab-file")
-    if len(read_vocab(path)) != checkpoint.config.vocab_size:
-        raise ConversionError(f"vocabulary {path} has {len(read_vocab(path))} entries, the model "
-                              f"{checkpoint.config.vocab_size}: not this checkpoint's vocabulary")
-    return path
-
-
-def export_palm(load_dir, output, tag=None, vocab_file=None, run_verify=False, data_path=None, verify_samples=64,
-                weights_format="bin", overwrite=False, log: Callable[[str], None] = print) -> PalmVerification | None:
-    checkpoint = load_palm_checkpoint(load_dir, tag)
-    config = checkpoint.config
-    log(f"read {checkpoint.tag_dir} ({checkpoint.layout}): PALM, {config.num_layers} encoder + "
-        f"{config.num_decoder_layers} decoder layers, hidden {config.hidden_size}, vocabulary {config.vocab_size} "
-        f"(padded to {config.embedding_rows})")
-    vocab = palm_vocab_file(checkpoint, vocab_file)
-    args = checkpoint.run_state.get("args", {})
-    verify_data = data_path or args.get("data_path")
-    if run_verify:
-        if not verify_data:
-            raise ConversionError("--verify needs held-out pairs: the checkpoint names no data_path, pass --data-path")
-        if held_out_pairs(verify_data).split == "train":  # refuse a bad data path before writing anything
-            log(NO_HELD_OUT_NOTE.replace("samples", "pairs").format(data_path=verify_data))
-    state = unpadded(checkpoint.state_dict, config)
-    result = None
-    with staged_output(Path(output), overwrite) as staging:
-        write_palm_folder(staging, state, config, vocab, bool(args.get("do_lower_case", True)), weights_format)
-        if run_verify:
-            result = verify_palm(staging, checkpoint.state_dict, config, verify_data, verify_samples)
-            log(result.line())
-            if not result.passed:
-                raise VerificationFailed(result)
-    log(f"wrote {output} (PalmForConditionalGeneration, remote code: trust_remote_code=True, "
-        f"{sum(t.numel() for t in state.values()):,} parameters)")
-    return result
+    return PalmVerification(count, tokens, nll_ours / max(tokens, 1), nll_hf / max(tokens, 1), samples.split,
+                            max_vocab_logit_difference=max_vocab, max_probability_difference=max_p,
+                            max_mlm_logit_difference=max_mlm)
 
 
 @dataclasses.dataclass
@@ -294,6 +232,9 @@ class LoadedPalm:
     vocab_file: Path
     do_lower_case: bool
     source: str
+    family: str = PALM
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """None recorded (PMLM models record their seq2seq settings here)."""
 
 
 def load_palm(path: str | os.PathLike) -> LoadedPalm:
@@ -309,44 +250,12 @@ def load_palm(path: str | os.PathLike) -> LoadedPalm:
         lower = json.loads(tokenizer_config.read_text()).get("do_lower_case", True) if tokenizer_config.is_file() else True
         return LoadedPalm(config, state, path / "vocab.txt", bool(lower), f"Hugging Face folder {path}")
     if (path / LATEST_FILE).is_file():
-        if not is_palm_checkpoint(path):
+        if checkpoint_family(path) != PALM:
             raise ConversionError(f"{path} holds a PMLM checkpoint, not PALM (decode it with megatron_pmlm.decode_s2s)")
-        checkpoint = load_palm_checkpoint(path)
-        config = dataclasses.replace(checkpoint.config, padded_vocab_size=0)
-        return LoadedPalm(config, unpadded(checkpoint.state_dict, checkpoint.config),
-                          palm_vocab_file(checkpoint, None), bool(checkpoint.run_state.get("args", {}).get(
+        checkpoint = load_checkpoint(path)
+        config = dataclasses.replace(checkpoint.model_config, padded_vocab_size=0)
+        return LoadedPalm(config, unpadded(checkpoint.state_dict, checkpoint.model_config),
+                          find_vocab_file(checkpoint, None), bool(checkpoint.run_state.get("args", {}).get(
                               "do_lower_case", True)), f"checkpoint {checkpoint.tag_dir} ({checkpoint.layout})")
     raise ConversionError(f"--model {path} is neither a Hugging Face folder (no config.json) nor a checkpoint "
                           f"directory (no '{LATEST_FILE}' file)")
-
-
-def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) -> int:
-    """tools/convert_checkpoint.py: PALM checkpoints here, everything else to convert.main."""
-    import sys
-
-    quiet_libraries()
-    args, _ = convert.build_parser().parse_known_args(argv)
-    try:
-        palm = bool(args.load) and Path(args.load).is_dir() and is_palm_checkpoint(args.load, args.tag)
-    except ConversionError:
-        palm = False  # convert.main reports the problem
-    if not palm:
-        return convert.main(argv, log)
-    args = convert.build_parser().parse_args(argv)
-    if not args.output:
-        print("error: --load needs --output (the Hugging Face folder to write)", file=sys.stderr)
-        return 2
-    if args.output and not args.overwrite and Path(args.output).is_dir() and any(Path(args.output).iterdir()):
-        print(f"error: --output {args.output} already exists and is not empty (pass --overwrite to replace it)",
-              file=sys.stderr)
-        return 2
-    try:
-        export_palm(args.load, args.output, args.tag, args.vocab_file, args.verify, args.data_path,
-                    args.verify_samples, args.format, args.overwrite, log)
-    except VerificationFailed as failure:
-        print(f"error: verification failed, nothing written: {failure}", file=sys.stderr)
-        return 1
-    except (ConversionError, ConfigError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
