@@ -41,8 +41,10 @@ def build(args):
 
     if args.model:
         from megatron_pmlm.generation.decoding import build_decoding_model
+        from megatron_pmlm.hf.family import check_family
         from megatron_pmlm.pretrained import load_model
 
+        check_family("--model", args.model, "tools/bench_decode.py")
         loaded = load_model(args.model)
         tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
         model = build_decoding_model(loaded, args.max_seq_length, device=args.device)
@@ -100,7 +102,13 @@ def main() -> int:
     from megatron_pmlm.generation.decoding import Seq2SeqDecoder
     from megatron_pmlm.generation.search import DecodingConfig, generated_length
 
-    model, tokenizer, special, (source_type, target_type), description = build(args)
+    from megatron_pmlm.config import ConfigError
+
+    try:
+        model, tokenizer, special, (source_type, target_type), description = build(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     sources, source_description = load_sources(tokenizer, args.sources, model.config.vocab_size, args.seed)
     parameters = sum(p.numel() for p in model.parameters())
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()

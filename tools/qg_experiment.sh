@@ -25,7 +25,9 @@ from pathlib import Path
 from megatron_pmlm.hf.convert import write_hf_folder
 from megatron_pmlm.hf.pmlm_adapter import to_hf_state_dict
 from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.hf.family import check_family
 from megatron_pmlm.pretrained import load_model
+check_family("PRETRAINED", sys.argv[1], "tools/qg_experiment.sh")
 loaded = load_model(sys.argv[1])
 model = PMLMForPreTraining(loaded.config, init_seed=1)
 write_hf_folder(Path(sys.argv[2]), to_hf_state_dict(model.state_dict(), loaded.config), loaded.config,
