@@ -213,7 +213,7 @@ def test_first_logged_loss_is_s2s_ft_loss_on_that_batch(mode, smoothing, tiny_hf
     loaded = load_model(tiny_hf_model)
     model = PMLMForPreTraining(loaded.config).eval()
     model.load_state_dict(loaded.state_dict)
-    tokenizer = WordPieceTokenizer(loaded.vocab_file)
+    tokenizer = WordPieceTokenizer(loaded.vocabulary)
     sources = [ids.tolist() for ids in tokenizer.encode_batch(lines(src))]
     targets = [ids.tolist() for ids in tokenizer.encode_batch(lines(tgt))]
     with torch.no_grad():
@@ -297,8 +297,9 @@ def test_bad_input_is_named(case, message, tiny_hf_model, tmp_path):
     elif case in ("no_vocab", "wrong_vocab"):
         model = tmp_path / "model"
         shutil.copytree(tiny_hf_model, model)
-        if case == "no_vocab":
+        if case == "no_vocab":  # neither vocab.txt nor tokenizer.json
             (model / "vocab.txt").unlink()
+            (model / "tokenizer.json").unlink()
         else:
             (model / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\n")
     elif case == "bad_mode":

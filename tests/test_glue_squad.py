@@ -498,9 +498,11 @@ def test_qg_split_sizes(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def model_without_vocab(tiny_model: Path, tmp_path: Path) -> Path:
+    """Neither vocab.txt nor tokenizer.json (where save_pretrained keeps the vocabulary)."""
     folder = tmp_path / "novocab"
     shutil.copytree(tiny_model, folder)
     (folder / "vocab.txt").unlink()
+    (folder / "tokenizer.json").unlink()
     return folder
 
 
@@ -560,17 +562,17 @@ def test_command_lines_bad_input_exit_2_without_traceback(tiny_model, tmp_path):
     not_squad.write_text(json.dumps({"version": "1.1", "articles": []}))
     cases = [
         ("megatron_pmlm.finetune_glue", ["--model", str(no_vocab), "--task", "rte", "--data-dir", str(rte),
-                                         "--output-dir", "OUT"], f"--model {no_vocab} has no vocab.txt"),
+                                         "--output-dir", "OUT"], f"--model {no_vocab}: {no_vocab} has no vocabulary (neither vocab.txt nor tokenizer.json)"),
         ("megatron_pmlm.finetune_squad", ["--model", str(tiny_model), "--train-file", str(not_squad), "--output-dir",
                                           "OUT"], f"--train-file {not_squad} is not SQuAD JSON: the top level has no "
                                                   "'data' list of articles"),
         ("megatron_pmlm.finetune_squad", ["--model", str(no_vocab), "--predict-file", str(squad), "--output-dir",
-                                          "OUT"], "has no vocab.txt"),
+                                          "OUT"], "has no vocabulary"),
         ("megatron_pmlm.evaluate_downstream", ["--model", str(tiny_model), "--tasks", "mrpc,squad3", "--output",
                                                "OUT/r.md"], "error: unknown task 'squad3' (choose from cola, sst2, mrpc, "
                                                             "qqp, stsb, mnli, qnli, rte, qg)"),
         ("megatron_pmlm.evaluate_downstream", ["--model", str(no_vocab), "--tasks", "rte", "--data-dir", str(tmp_path),
-                                               "--output", "OUT/r.md"], "has no vocab.txt"),
+                                               "--output", "OUT/r.md"], "has no vocabulary"),
     ]
     for index, (module, args, message) in enumerate(cases):
         out = tmp_path / f"out{index}"
@@ -657,4 +659,4 @@ def test_help_names_table9(capsys):
     squad = finetune_squad.build_parser().parse_args(["--model", "m", "--output-dir", "o"])
     assert (squad.learning_rate, squad.per_device_train_batch_size, squad.num_train_epochs, squad.warmup_ratio,
             squad.weight_decay, squad.max_seq_length, squad.doc_stride, squad.max_query_length, squad.n_best_size,
-            squad.max_answer_length) == (2e-5, 32, 4.0, 0.1, 0.01, 384, 128, 64, 20, 30)
+            squad.max_answer_length) == (2e-5, 32, 4.0, 0.1, 0.01, 384, None, 64, 20, 30)

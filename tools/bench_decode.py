@@ -44,7 +44,7 @@ def build(args):
         from megatron_pmlm.pretrained import load_model
 
         loaded = load_model(args.model)
-        tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+        tokenizer = WordPieceTokenizer(loaded.vocabulary)
         model = build_decoding_model(loaded, args.max_seq_length, device=args.device)
         return model, tokenizer, tokenizer.special, (loaded.source_type_id, loaded.target_type_id), str(args.model)
 

@@ -41,6 +41,7 @@ from ..files import quiet_libraries, replacing_folder
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, has_nsp_head,
                                           load_pretraining_checkpoint)
+from ..tokenizer import VOCAB_FILE
 from .pmlm_adapter import from_hf_state_dict, hf_config_dict, model_config_from_hf, read_hf_weights, to_hf_state_dict
 
 VERIFY_TOLERANCE = 1e-4
@@ -54,6 +55,19 @@ IMPORT_TAG = "iter_0000000"
 
 def read_vocab(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").rstrip("\n").split("\n")
+
+
+def hf_vocabulary(hf_dir: Path):
+    """The folder's vocabulary (tokenizer.folder_vocabulary: vocab.txt, else tokenizer.json), None
+    when it has neither; an unusable one is a ConversionError."""
+    from ..tokenizer import TOKENIZER_FILE, VocabularyError, folder_vocabulary
+
+    if not (hf_dir / VOCAB_FILE).is_file() and not (hf_dir / TOKENIZER_FILE).is_file():
+        return None
+    try:
+        return folder_vocabulary(hf_dir)
+    except VocabularyError as error:
+        raise ConversionError(str(error)) from None
 
 
 def find_vocab_file(checkpoint: PretrainingCheckpoint, override: str | None) -> Path:
@@ -339,15 +353,11 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
         config = dataclasses.replace(config, type_vocab_size=TYPE_VOCAB_SIZE)
     state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos,
                                         nsp_head=unilm.next_sentence_prediction)
-    vocab_file = hf_dir / "vocab.txt"
-    if vocab_file.is_file() and len(read_vocab(vocab_file)) != config.vocab_size:
-        raise ConversionError(f"{vocab_file} has {len(read_vocab(vocab_file))} entries, config.json's vocab_size is "
+    vocabulary = hf_vocabulary(hf_dir)
+    if vocabulary is not None and len(vocabulary.tokens) != config.vocab_size:
+        raise ConversionError(f"{vocabulary.source} has {len(vocabulary.tokens)} entries, config.json's vocab_size is "
                               f"{config.vocab_size}")
-    do_lower_case = True
-    tokenizer_config = hf_dir / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        with contextlib.suppress(json.JSONDecodeError):
-            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    do_lower_case = vocabulary.do_lower_case if vocabulary is not None else True
     import deepspeed
 
     save_dir = Path(save_dir)
@@ -373,8 +383,8 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
                 "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": tp},
                 "ds_version": deepspeed.__version__, **run_state,
             }, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
-        if vocab_file.is_file():
-            shutil.copyfile(vocab_file, tag_dir / "vocab.txt")
+        if vocabulary is not None:  # the checkpoint's own vocab.txt (find_vocab_file reads it)
+            vocabulary.write(tag_dir / VOCAB_FILE)
         files = manifest(file_checksums(tag_dir, checkpoint_listing(tag_dir)))  # as a pre-training save's
         (tag_dir / RUN_STATE_FILE).write_text(json.dumps({**run_state, **files}, indent=1))
         (staging / LATEST_FILE).write_text(IMPORT_TAG)
@@ -412,7 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--format", choices=("bin", "safetensors"), default="bin",
                        help="pytorch_model.bin (what s2s-ft loads) or model.safetensors")
     from_hf = parser.add_argument_group("from Hugging Face")
-    from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt)")
+    from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt or "
+                                            "the tokenizer.json save_pretrained writes)")
     from_hf.add_argument("--save", help="the checkpoint directory to write")
     from_hf.add_argument("--tensor-model-parallel-size", type=int, default=1,
                          help="write tensor-parallel shards for a run of this size")

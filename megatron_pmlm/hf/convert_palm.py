@@ -31,7 +31,7 @@ from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
 from .convert import NO_HELD_OUT_NOTE, VERIFY_TOLERANCE, VerificationFailed, read_vocab, staged_output, write_hf_tokenizer
-from .pmlm_adapter import read_hf_weights
+from .pmlm_adapter import export_config_values, read_hf_weights
 from . import convert
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
@@ -114,8 +114,7 @@ def hf_palm_config_dict(config: PalmConfig, pad_token_id: int) -> dict[str, Any]
         layer_norm_eps=config.layernorm_epsilon, pad_token_id=pad_token_id,
         copy_attention_size=config.copy_attention_size).to_dict()
     values.update(architectures=["PalmForConditionalGeneration"], auto_map=dict(PALM_AUTO_MAP))
-    values.pop("_name_or_path", None)
-    return dict(sorted(values.items()))
+    return export_config_values(values)
 
 
 def palm_config_from_hf(hf: dict[str, Any], source: str) -> PalmConfig:

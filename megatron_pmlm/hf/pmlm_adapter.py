@@ -57,8 +57,17 @@ def hf_config_dict(config: ModelConfig, pad_token_id: int = 0, nsp_head: bool = 
     else:
         values = BertConfig(**fields).to_dict()
         values["architectures"] = ["BertForPreTraining" if nsp_head else "BertForMaskedLM"]
-    values.pop("_name_or_path", None)
-    return dict(sorted(values.items()))
+    return export_config_values(values)
+
+
+NOT_EXPORTED_CONFIG_KEYS = ("_name_or_path", "id2label", "label2id")
+"""PretrainedConfig.to_dict writes a 2-label id2label/label2id (and the path it was read from); a
+pre-trained export has no labels, and a fixed map makes `from_pretrained(..., num_labels=3)` warn."""
+
+
+def export_config_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as an export writes it: sorted, without NOT_EXPORTED_CONFIG_KEYS."""
+    return dict(sorted((k, v) for k, v in values.items() if k not in NOT_EXPORTED_CONFIG_KEYS))
 
 
 def model_config_from_hf(hf: dict[str, Any], source: str, padded_vocab_size: int,
