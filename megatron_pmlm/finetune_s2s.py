@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--lr-warmup-iters", type=int, default=None,
                        help=f"linear warmup to --lr (default: {TRAINING_DEFAULTS['lr_warmup_iters']}, s2s-ft's; a run "
                             f"with no more iterations than that warms up over "
-                            f"{SHORT_RUN_WARMUP_FRACTION:.0%} of them, and says so)")
+                            f"{SHORT_RUN_WARMUP_FRACTION * 100:.0f}%% of them, and says so)")
     for name in ("micro_batch_size", "global_batch_size", "seed", "log_interval",
                  "eval_interval", "save_interval", "exit_interval", "keep_last_checkpoints",
                  "keep_checkpoint_every"):
