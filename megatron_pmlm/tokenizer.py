@@ -91,10 +91,6 @@ def read_vocabulary_file(vocab_file: str | os.PathLike, do_lower_case: bool = Tr
     return Vocabulary(tokens, do_lower_case, vocab_file)
 
 
-def check_vocabulary_file(vocab_file: Path) -> None:
-    read_vocabulary_file(vocab_file)
-
-
 def _normalizer_lowercases(normalizer: dict | None) -> bool | None:
     """Whether a tokenizer.json normalizer lower-cases (None: it does not say)."""
     if not normalizer:

@@ -412,3 +412,26 @@ def test_glue_and_decode_run_from_a_save_pretrained_folder(saved_by_transformers
     warnings_given = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings_given) == 1 and "records no sequence-to-sequence fine-tuning" in warnings_given[0]
     assert len((tmp_path / "pred.txt").read_text().splitlines()) == 2
+
+
+def test_finetune_s2s_from_a_save_pretrained_folder_records_its_vocabulary_in_save(saved_by_transformers, tmp_path):
+    """finetune_s2s reads the tokenizer.json vocabulary in memory and keeps a vocab.txt in --save
+    (not in the model's folder) for its export, which then decodes without a warning."""
+    from pmlm_testing import run_module
+
+    (tmp_path / "s.txt").write_text("".join(f"hello the tower w{i}\n" for i in range(8)))
+    (tmp_path / "t.txt").write_text("".join(f"london w{i}\n" for i in range(8)))
+    save = tmp_path / "save"
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(saved_by_transformers), "--train-src",
+                        str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"), "--max-source-length", "16",
+                        "--max-target-length", "8", "--micro-batch-size", "4", "--global-batch-size", "4",
+                        "--train-iters", "1", "--save", str(save), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (save / "vocab.txt").read_text().splitlines() == VOCAB
+    assert (save / "hf" / "vocab.txt").read_text().splitlines() == VOCAB
+    assert not (saved_by_transformers / "vocab.txt").exists()
+    (tmp_path / "src.txt").write_text("hello the tower\n")
+    result = run_module("megatron_pmlm.decode_s2s", "--model", str(save), "--input", str(tmp_path / "src.txt"),
+                        "--output", str(tmp_path / "pred.txt"), "--max-target-length", "4", "--device", "cpu",
+                        "--no-progress", timeout=300)
+    assert result.returncode == 0 and "warning:" not in result.stderr, result.stderr[-3000:]
