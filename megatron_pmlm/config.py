@@ -8,6 +8,7 @@ the field, rather than deep inside torch.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -179,6 +180,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         else:
             shown = "%(default)s"
         return f"{text} (default: {shown})".strip()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        # argparse formats no help line at all for an option without help text: give it one, the default.
+        if not action.help and action.option_strings and not action.required and action.default is not argparse.SUPPRESS:
+            action = copy.copy(action)
+            action.help = self._get_help_string(action)
+        return super()._format_action(action)
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",

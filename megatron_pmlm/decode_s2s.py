@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .config import HelpFormatter
 from .files import InputError
 from .generation.commands import (PALM_MAX_CONTEXT_LENGTH, PALM_MAX_TARGET_LENGTH, check_batch_and_output,
                                   decode_and_write, encode_sources, read_sources, run_decode_command, run_palm)
@@ -39,6 +40,10 @@ def half_matmul_works(device: str) -> bool:
         return False
 
 
+NOT_FINE_TUNED_WARNING = (
+    "warning: --model {model} records no sequence-to-sequence fine-tuning (no s2s_mode or source/target "
+    "settings, which finetune_s2s writes): decoding it anyway, but a model never fine-tuned for generation "
+    "rarely generates anything useful")
 DEFAULT_MAX_TARGET_LENGTH = 128
 DEFAULT_MAX_SEQ_LENGTH = 512
 
@@ -57,7 +62,7 @@ def lengths_from_model(args: argparse.Namespace, settings: dict) -> tuple[int, i
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_pmlm.decode_s2s", description=__doc__.split("\n\n")[0])
+        prog="python -m megatron_pmlm.decode_s2s", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True, metavar="DIR",
                         help="a Hugging Face folder or a checkpoint directory (fine-tuning --save); a PALM "
                         "model (pretrain --model palm) decodes as with decode_palm")
@@ -151,10 +156,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
 
     loaded = load_model(args.model)
+    if not loaded.settings:
+        print(NOT_FINE_TUNED_WARNING.format(model=args.model), file=sys.stderr)
     pos_shift = args.pos_shift or loaded.settings.get("s2s_mode") == "causal"
     settings["max_target_length"], settings["max_seq_length"] = lengths_from_model(args, loaded.settings)
     config = DecodingConfig(**settings, pos_shift=pos_shift)
-    tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+    tokenizer = WordPieceTokenizer(loaded.vocabulary)
     model = build_decoding_model(loaded, config.max_seq_length, dtype, device)
     decoder = Seq2SeqDecoder(model, tokenizer.special, config, loaded.source_type_id, loaded.target_type_id,
                              token_to_id=tokenizer.token_to_id)

@@ -18,7 +18,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-from .config import ConfigError
+from .config import ConfigError, HelpFormatter
 from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE
@@ -35,11 +35,13 @@ TRAINING_DEFAULTS = dict(
     eval_interval=500, save_interval=0, exit_interval=0, seed=42, keep_last_checkpoints=0, keep_checkpoint_every=0,
 )
 DEFAULT_EPOCHS = 10
+SHORT_RUN_WARMUP_FRACTION = 0.1
+"""A run no longer than the default warmup warms up over this share of its iterations instead."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.finetune_s2s", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face folder or a checkpoint directory (pre-training or fine-tuning --save)")
     data = parser.add_argument_group("data (s2s-ft's JSONL with src/tgt fields, or aligned text files)")
@@ -61,8 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = parser.add_argument_group("training (pre-training's names)")
     train.add_argument("--train-iters", type=int, default=None, help=f"default: --epochs {DEFAULT_EPOCHS} worth")
-    train.add_argument("--epochs", type=float, default=None, help="passes over the training set (if no --train-iters)")
-    for name in ("micro_batch_size", "global_batch_size", "lr_warmup_iters", "seed", "log_interval",
+    train.add_argument("--epochs", type=float, default=None,
+                       help=f"passes over the training set (default: {DEFAULT_EPOCHS}, when no --train-iters)")
+    train.add_argument("--lr-warmup-iters", type=int, default=None,
+                       help=f"linear warmup to --lr (default: {TRAINING_DEFAULTS['lr_warmup_iters']}, s2s-ft's; a run "
+                            f"with no more iterations than that warms up over "
+                            f"{SHORT_RUN_WARMUP_FRACTION * 100:.0f}%% of them, and says so)")
+    for name in ("micro_batch_size", "global_batch_size", "seed", "log_interval",
                  "eval_interval", "save_interval", "exit_interval", "keep_last_checkpoints",
                  "keep_checkpoint_every"):
         train.add_argument("--" + name.replace("_", "-"), type=int, default=TRAINING_DEFAULTS[name])
@@ -88,6 +95,25 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval)")
     return parser
+
+
+def warmup_for_run(requested: int | None, train_iters: int, lr: float) -> tuple[int, str | None]:
+    """(warmup iterations, a line to log or None). The default warmup (s2s-ft's, for runs of
+    thousands of iterations) never ends in a short run, whose learning rate then stays far below
+    --lr: such a run warms up over SHORT_RUN_WARMUP_FRACTION of its iterations instead. An explicit
+    warmup is kept, with a warning when the run ends before it does."""
+    if requested is None:
+        default = TRAINING_DEFAULTS["lr_warmup_iters"]
+        if default < train_iters:
+            return default, None
+        warmup = math.ceil(SHORT_RUN_WARMUP_FRACTION * train_iters)
+        return warmup, (f"note: the run has {train_iters} iterations, no more than the default warmup of {default}: "
+                        f"warming up over {warmup} ({SHORT_RUN_WARMUP_FRACTION:.0%} of the run; --lr-warmup-iters "
+                        "sets it)")
+    if requested >= train_iters:
+        return requested, (f"warning: --lr-warmup-iters {requested} is not shorter than the run's {train_iters} "
+                           f"iterations: the learning rate peaks at {lr * train_iters / requested:.3g}, not --lr {lr:g}")
+    return requested, None
 
 
 def seq2seq_config_from_args(args, settings: dict) -> Seq2SeqConfig:
@@ -131,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     for name, value in (("--source-type-id", s2s.source_type_id), ("--target-type-id", s2s.target_type_id)):
         if not 0 <= value < loaded.config.type_vocab_size:
             raise ConfigError(f"{name} {value} is outside the model's {loaded.config.type_vocab_size} segment types")
-    tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+    tokenizer = WordPieceTokenizer(loaded.vocabulary)
     special = SpecialIds(cls=tokenizer.special.cls, sep=tokenizer.special.sep, mask=tokenizer.special.mask,
                          pad=tokenizer.special.pad)
     train_examples = build_examples(tokenizer.encode_batch(train_sources), tokenizer.encode_batch(train_targets),
@@ -156,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS
     training_values["train_iters"] = args.train_iters or max(
         1, math.ceil(epochs * len(train_examples) / args.global_batch_size))
+    training_values["lr_warmup_iters"], warmup_line = warmup_for_run(args.lr_warmup_iters,
+                                                                     training_values["train_iters"], args.lr)
     training = TrainingConfig(**training_values)
     check_precision_supported(training.precision)
 
@@ -179,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{loaded.source}: weights do not fit the model (missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]})")
     model.bert.encoder.checkpoint_activations = args.checkpoint_activations
+    if warmup_line:
+        log(warmup_line)
     log(f"model: {loaded.source}; {config.num_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} heads, vocabulary {config.vocab_size}, relative position bias "
         f"{'on' if config.rel_pos else 'off'}, positions {config.max_position_embeddings}")
@@ -190,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
         f"{s2s.target_mask_prob}; {training.train_iters} iterations of {training.global_batch_size} "
         f"(~{training.train_iters * training.global_batch_size / len(train_examples):.2f} epochs), data parallel "
         f"{data_parallel_size}, ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}")
+    vocab_file = recorded_vocab_file(loaded.vocabulary, args.save, rank)
     run_args = {**vars(args), "model_config": asdict(config), "tensor_model_parallel_size": 1,
-                "pipeline_model_parallel_size": 1, "vocab_file": str(Path(loaded.vocab_file).resolve()),
+                "pipeline_model_parallel_size": 1, "vocab_file": vocab_file,
                 "do_lower_case": loaded.do_lower_case, "s2s_mode": s2s.mode,
                 "s2s_max_source_length": s2s.max_source_length, "s2s_max_target_length": s2s.max_target_length,
                 "source_type_id": s2s.source_type_id, "target_type_id": s2s.target_type_id}
@@ -216,6 +247,23 @@ def run(args: argparse.Namespace) -> int:
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
     return trainer.exit_status
+
+
+def recorded_vocab_file(vocabulary, save_dir: str | None, rank: int) -> str | None:
+    """The vocab.txt the run records (its export and a later load of the checkpoint read it): the
+    model's own, else, for a folder that has only a tokenizer.json, a copy rank 0 writes into --save
+    (never into the model's folder); None without --save, where nothing reads it."""
+    from .tokenizer import VOCAB_FILE
+
+    if vocabulary.file is not None:
+        return str(vocabulary.file.resolve())
+    if not save_dir:
+        return None
+    path = Path(save_dir).resolve() / VOCAB_FILE
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        vocabulary.write(path)
+    return str(path)
 
 
 def export_fine_tuned(save_dir: str, s2s: Seq2SeqConfig, vocab_file: str, log=print) -> Path:

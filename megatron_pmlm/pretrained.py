@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, ModelConfig
+from .tokenizer import Vocabulary, VocabularyError, folder_vocabulary, read_vocabulary_file
 from .training.checkpoint_files import LATEST_FILE
 
 HF_EXPORT_DIR = "hf"
@@ -32,13 +33,22 @@ SETTINGS = ("source_type_id", "target_type_id", "s2s_mode", "s2s_max_source_leng
 class LoadedModel:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
-    vocab_file: Path
-    do_lower_case: bool
+    vocabulary: Vocabulary
+    """Its WordPiece vocabulary and lower-casing (tokenizer.folder_vocabulary for a folder)."""
     source: str
     """What was read, for logs."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Seq2seq settings recorded with the model: source_type_id, target_type_id, s2s_mode."""
     family: str = "pmlm"
+
+    @property
+    def vocab_file(self) -> Path | None:
+        """The vocab.txt the vocabulary was read from; None when it came from a tokenizer.json."""
+        return self.vocabulary.file
+
+    @property
+    def do_lower_case(self) -> bool:
+        return self.vocabulary.do_lower_case
 
     @property
     def source_type_id(self) -> int:
@@ -82,15 +92,11 @@ def load_model(path: str | os.PathLike):
                       f"directory (no '{LATEST_FILE}' file)")
 
 
-def _check_vocab(vocab_file: Path, config: ModelConfig, source: str) -> None:
-    from .hf.folder import read_vocab
-
-    if not vocab_file.is_file():
-        raise ConfigError(f"{source} has no vocabulary ({vocab_file} is missing)")
-    size = len(read_vocab(vocab_file))
+def _check_vocab(vocabulary: Vocabulary, config: ModelConfig) -> None:
+    size = len(vocabulary.tokens)
     if size != config.vocab_size:
-        raise ConfigError(f"{vocab_file} has {size} entries but the model's embedding has {config.vocab_size} rows: "
-                          "not this model's vocabulary")
+        raise ConfigError(f"{vocabulary.source} has {size} entries but the model's embedding has {config.vocab_size} "
+                          "rows: not this model's vocabulary")
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
@@ -104,17 +110,13 @@ def load_hf_folder(folder: Path) -> LoadedModel:
         raise ConfigError(f"{config_file} is not valid JSON ({error})") from None
     try:
         config = model_config_from_hf(hf, str(config_file), padded_vocab_size=0)
-        _check_vocab(folder / "vocab.txt", config, str(folder))
+        vocabulary = folder_vocabulary(folder)
+        _check_vocab(vocabulary, config)
         state, _ = from_hf_state_dict(read_hf_weights(folder), config, str(folder))
-    except ConversionError as error:
+    except (ConversionError, VocabularyError) as error:
         raise ConfigError(str(error)) from None
-    do_lower_case = True
-    tokenizer_config = folder / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        with contextlib.suppress(json.JSONDecodeError):
-            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
     settings = {k: hf[k] for k in SETTINGS if k in hf}
-    return LoadedModel(config, state, folder / "vocab.txt", do_lower_case, f"Hugging Face folder {folder}", settings)
+    return LoadedModel(config, state, vocabulary, f"Hugging Face folder {folder}", settings)
 
 
 def load_checkpoint_dir(directory: Path) -> LoadedModel:
@@ -126,14 +128,17 @@ def load_checkpoint_dir(directory: Path) -> LoadedModel:
     args = checkpoint.run_state.get("args", {})
     if args.get("vocab_file") and Path(args["vocab_file"]).is_file():
         vocab_file = Path(args["vocab_file"])
-        _check_vocab(vocab_file, checkpoint.model_config, str(checkpoint.tag_dir))
     else:
         vocab_file = find_vocab_file(checkpoint, None)
+    try:
+        vocabulary = read_vocabulary_file(vocab_file, bool(args.get("do_lower_case", True)))
+    except VocabularyError as error:
+        raise ConfigError(str(error)) from None
+    _check_vocab(vocabulary, checkpoint.model_config)
     config = replace(checkpoint.model_config, padded_vocab_size=0)
     state = to_hf_state_dict(checkpoint.state_dict, checkpoint.model_config)  # vocabulary padding cut
     settings = {k: args[k] for k in SETTINGS if k in args}
-    return LoadedModel(config, state, vocab_file, bool(args.get("do_lower_case", True)),
-                       f"checkpoint {checkpoint.tag_dir} ({checkpoint.layout})", settings)
+    return LoadedModel(config, state, vocabulary, f"checkpoint {checkpoint.tag_dir} ({checkpoint.layout})", settings)
 
 
 def resize_position_embeddings(state: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:

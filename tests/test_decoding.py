@@ -439,7 +439,7 @@ def test_cli_refuses_bad_input(tmp_path, model_folder, capsys):
     no_vocab = tmp_path / "no_vocab"
     no_vocab.mkdir()
     for path in model_folder.iterdir():
-        if path.name != "vocab.txt":
+        if path.name not in ("vocab.txt", "tokenizer.json"):  # where a folder's vocabulary is found
             (no_vocab / path.name).write_bytes(path.read_bytes())
     refused("--input", str(good), message="has no vocabulary", model=no_vocab)
     wrong_vocab = tmp_path / "wrong_vocab"

@@ -106,6 +106,41 @@ def _reference_loss(model, sources, targets, mode, max_src, max_tgt, smoothing):
 # Unit tests
 # ------------------------------------------------------------------------------------------------
 
+def test_warmup_for_run_scales_a_default_warmup_longer_than_the_run():
+    from megatron_pmlm.finetune_s2s import warmup_for_run
+
+    assert warmup_for_run(None, 5000, 5e-5) == (1000, None)  # long enough: s2s-ft's default
+    warmup, line = warmup_for_run(None, 63, 5e-5)  # a few hundred pairs, 10 epochs of 64
+    assert warmup == 7 and line == ("note: the run has 63 iterations, no more than the default warmup of 1000: "
+                                    "warming up over 7 (10% of the run; --lr-warmup-iters sets it)")
+    assert warmup_for_run(None, 1000, 5e-5)[0] == 100  # warmup == iterations: never reaches --lr either
+    assert warmup_for_run(4, 63, 5e-5) == (4, None)  # explicit and shorter: as given, silently
+    warmup, line = warmup_for_run(1000, 63, 5e-5)  # explicit and longer: kept, with a warning
+    assert warmup == 1000 and line == ("warning: --lr-warmup-iters 1000 is not shorter than the run's 63 iterations: "
+                                       "the learning rate peaks at 3.15e-06, not --lr 5e-05")
+
+
+def test_a_short_run_says_how_it_warms_up(tiny_hf_model, qg_pairs, tmp_path):
+    """Default settings on 12 pairs (2 iterations): the warmup becomes 1 iteration, the peak is --lr,
+    one note says so; an explicit longer warmup is kept, with one warning line."""
+    src, tgt = qg_pairs
+    (tmp_path / "s.txt").write_text("\n".join(src.read_text().splitlines()[:12]) + "\n")
+    (tmp_path / "t.txt").write_text("\n".join(tgt.read_text().splitlines()[:12]) + "\n")
+    args = ["--max-source-length", "40", "--max-target-length", "12", "--micro-batch-size", "6",
+            "--global-batch-size", "6", "--epochs", "1", "--log-interval", "1"]
+    records, result = _finetune(tiny_hf_model, tmp_path / "s.txt", tmp_path / "t.txt", tmp_path, *args, name="a")
+    notes = [line for line in result.stdout.splitlines() if "warm" in line]
+    assert notes == ["note: the run has 2 iterations, no more than the default warmup of 1000: warming up over 1 "
+                     "(10% of the run; --lr-warmup-iters sets it)"], result.stdout
+    assert max(r["lr"] for r in records) == pytest.approx(5e-5)
+    records, result = _finetune(tiny_hf_model, tmp_path / "s.txt", tmp_path / "t.txt", tmp_path, *args,
+                                "--lr-warmup-iters", "4", name="b")
+    warnings_given = [line for line in result.stdout.splitlines() if "warm" in line]
+    assert len(warnings_given) == 1 and warnings_given[0].startswith("warning: --lr-warmup-iters 4 is not shorter "
+                                                                     "than the run's 2 iterations"), result.stdout
+    assert max(r["lr"] for r in records) < 5e-5
+
+
 @pytest.mark.parametrize("mode", ["pseudo-masked", "masked", "causal"])
 def test_truncation_and_specials_follow_s2s_ft(mode):
     config = Seq2SeqConfig(mode=mode, max_source_length=5, max_target_length=4)
@@ -213,7 +248,7 @@ def test_first_logged_loss_is_s2s_ft_loss_on_that_batch(mode, smoothing, tiny_hf
     loaded = load_model(tiny_hf_model)
     model = PMLMForPreTraining(loaded.config).eval()
     model.load_state_dict(loaded.state_dict)
-    tokenizer = WordPieceTokenizer(loaded.vocab_file)
+    tokenizer = WordPieceTokenizer(loaded.vocabulary)
     sources = [ids.tolist() for ids in tokenizer.encode_batch(lines(src))]
     targets = [ids.tolist() for ids in tokenizer.encode_batch(lines(tgt))]
     with torch.no_grad():
@@ -297,8 +332,9 @@ def test_bad_input_is_named(case, message, tiny_hf_model, tmp_path):
     elif case in ("no_vocab", "wrong_vocab"):
         model = tmp_path / "model"
         shutil.copytree(tiny_hf_model, model)
-        if case == "no_vocab":
+        if case == "no_vocab":  # neither vocab.txt nor tokenizer.json
             (model / "vocab.txt").unlink()
+            (model / "tokenizer.json").unlink()
         else:
             (model / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nhello\n")
     elif case == "bad_mode":

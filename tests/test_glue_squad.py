@@ -498,9 +498,11 @@ def test_qg_split_sizes(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 def model_without_vocab(tiny_model: Path, tmp_path: Path) -> Path:
+    """Neither vocab.txt nor tokenizer.json (where save_pretrained keeps the vocabulary)."""
     folder = tmp_path / "novocab"
     shutil.copytree(tiny_model, folder)
     (folder / "vocab.txt").unlink()
+    (folder / "tokenizer.json").unlink()
     return folder
 
 
@@ -560,17 +562,17 @@ def test_command_lines_bad_input_exit_2_without_traceback(tiny_model, tmp_path):
     not_squad.write_text(json.dumps({"version": "1.1", "articles": []}))
     cases = [
         ("megatron_pmlm.finetune_glue", ["--model", str(no_vocab), "--task", "rte", "--data-dir", str(rte),
-                                         "--output-dir", "OUT"], f"--model {no_vocab} has no vocab.txt"),
+                                         "--output-dir", "OUT"], f"--model {no_vocab}: {no_vocab} has no vocabulary (neither vocab.txt nor tokenizer.json)"),
         ("megatron_pmlm.finetune_squad", ["--model", str(tiny_model), "--train-file", str(not_squad), "--output-dir",
                                           "OUT"], f"--train-file {not_squad} is not SQuAD JSON: the top level has no "
                                                   "'data' list of articles"),
         ("megatron_pmlm.finetune_squad", ["--model", str(no_vocab), "--predict-file", str(squad), "--output-dir",
-                                          "OUT"], "has no vocab.txt"),
+                                          "OUT"], "has no vocabulary"),
         ("megatron_pmlm.evaluate_downstream", ["--model", str(tiny_model), "--tasks", "mrpc,squad3", "--output",
                                                "OUT/r.md"], "error: unknown task 'squad3' (choose from cola, sst2, mrpc, "
                                                             "qqp, stsb, mnli, qnli, rte, qg)"),
         ("megatron_pmlm.evaluate_downstream", ["--model", str(no_vocab), "--tasks", "rte", "--data-dir", str(tmp_path),
-                                               "--output", "OUT/r.md"], "has no vocab.txt"),
+                                               "--output", "OUT/r.md"], "has no vocabulary"),
     ]
     for index, (module, args, message) in enumerate(cases):
         out = tmp_path / f"out{index}"
@@ -657,4 +659,46 @@ def test_help_names_table9(capsys):
     squad = finetune_squad.build_parser().parse_args(["--model", "m", "--output-dir", "o"])
     assert (squad.learning_rate, squad.per_device_train_batch_size, squad.num_train_epochs, squad.warmup_ratio,
             squad.weight_decay, squad.max_seq_length, squad.doc_stride, squad.max_query_length, squad.n_best_size,
-            squad.max_answer_length) == (2e-5, 32, 4.0, 0.1, 0.01, 384, 128, 64, 20, 30)
+            squad.max_answer_length) == (2e-5, 32, 4.0, 0.1, 0.01, 384, None, 64, 20, 30)
+
+
+def test_squad_default_stride_follows_a_window_lowered_to_the_models_positions(tiny_model, tmp_path, capsys):
+    """The tiny model has 128 positions: the default 384-token window is lowered to 128, and the
+    default stride with it (128 x 128/384 = 42); an explicit stride too large for that window is
+    refused in one line naming both."""
+    data = squad_json(tmp_path / "squad.json")
+    common = ["--model", str(tiny_model), "--predict-file", str(data), "--max-eval-samples", "1", "--disable-tqdm"]
+    assert finetune_squad.main([*common, "--output-dir", str(tmp_path / "ok")]) == 0
+    out = capsys.readouterr().out
+    assert "--max-seq-length 384 exceeds the model's 128 positions: using 128, and --doc-stride 42 to match" in out
+    code = finetune_squad.main([*common, "--output-dir", str(tmp_path / "bad"), "--doc-stride", "128"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert ("--doc-stride 128 leaves no room to move on in windows of --max-seq-length 128 (--max-seq-length 384 "
+            "lowered to the model's 128 positions): it must be below 128 - --max-query-length 64 - 3 = 61") in err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_every_fine_tuning_option_shows_its_default_in_help():
+    """--help of every fine-tuning and decoding command: each option with a default shows it, and
+    one computed later says what it computes to (never a bare 'None')."""
+    from megatron_pmlm import decode_palm, decode_s2s, finetune_s2s
+    from megatron_pmlm.tasks import squad
+
+    parsers = {"finetune_s2s": finetune_s2s.build_parser(), "finetune_glue": glue.build_parser(),
+               "finetune_squad": squad.build_parser(), "decode_s2s": decode_s2s.build_parser(),
+               "decode_palm": decode_palm.build_parser()}
+    for command, parser in parsers.items():
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if not action.option_strings or action.required or action.default == "==SUPPRESS==" \
+                    or action.help == "==SUPPRESS==":  # positional, required, --help, hidden
+                continue
+            text = formatter._get_help_string(action) % {"default": action.default}
+            assert "default" in text and "default: None" not in text, (command, action.option_strings, text)
+        text = " ".join(parser.format_help().split())
+        assert "default: None" not in text, command
+    s2s_help = " ".join(parsers["finetune_s2s"].format_help().split())
+    assert "--lr LR (default: 5e-05)" in s2s_help and "--max-source-length MAX_SOURCE_LENGTH (default: 464)" in s2s_help
+    assert "default: 1000, s2s-ft's; a run with no more iterations than that warms up over 10% of them" in s2s_help
+    assert "window x 128/384" in " ".join(parsers["finetune_squad"].format_help().split())

@@ -7,6 +7,7 @@ no pre-training run, no download; seconds per test."""
 from __future__ import annotations
 
 import json
+import logging
 import warnings
 from pathlib import Path
 
@@ -107,12 +108,11 @@ def test_every_auto_class_loads_with_only_its_new_head_missing(auto, tiny):
     name, new = ALL_AUTO[auto]
     assert type(model).__name__ == name
     assert type(model.get_submodule("bert") if auto != "AutoModel" else model).__name__ == "PMLMBertModel"
-    if auto == "AutoModel":  # as BertModel from a BERT checkpoint: the MLM head unused, the pooler new
+    if auto == "AutoModel":  # as BertModel from a BERT checkpoint: the pooler new, the unused MLM head not reported
         assert set(info["missing_keys"]) == {"pooler.dense.weight", "pooler.dense.bias"}
-        assert {k.split(".")[0] for k in info["unexpected_keys"]} <= {"cls"}
     else:
         assert set(info["missing_keys"]) == new, info
-        assert not info["unexpected_keys"], info
+    assert not info["unexpected_keys"], info
     assert not info["mismatched_keys"] and not info["error_msgs"]
     # transformers' own module names (what HF examples, Trainer and PEFT target).
     state = model.state_dict()
@@ -278,3 +278,160 @@ def test_plain_bert_class_drops_the_bias_and_says_so(tiny):
     inputs = example_inputs(config)
     with torch.no_grad():
         assert (plain.eval()(**inputs).logits - ours(**inputs).logits).abs().max() > 1e-4
+
+
+# ------------------------------------------------------------------------------------------------
+# What a load reports (issue 24, item 2) and folders written by save_pretrained (item 1)
+# ------------------------------------------------------------------------------------------------
+
+class LogLines(logging.Handler):
+    """transformers' log records (its load reports and warnings), as text."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("transformers").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers").removeHandler(self)
+
+
+@pytest.mark.parametrize("auto,kwargs,new", [
+    ("AutoModel", {}, {"pooler.dense.weight", "pooler.dense.bias"}),
+    ("AutoModelForSequenceClassification", {"num_labels": 3}, HEADS["AutoModelForSequenceClassification"][1]),
+    ("AutoModelForQuestionAnswering", {}, HEADS["AutoModelForQuestionAnswering"][1]),
+])
+def test_export_load_report_lists_only_new_weights(auto, kwargs, new, tiny):
+    """The export carries no 2-label id2label (num_labels=3 is not 'incompatible'); the pre-training
+    heads a model does not use are not UNEXPECTED; the new head's weights are still reported."""
+    folder, _, _ = tiny
+    config = json.loads((folder / "config.json").read_text())
+    assert "id2label" not in config and "label2id" not in config
+    with LogLines() as log:
+        model, info = load(auto, folder, **kwargs)
+    text = "\n".join(log.lines)
+    assert "id2label" not in text and "UNEXPECTED" not in text and "cls." not in text, text
+    assert "MISSING" in text and all(key in text for key in new), text
+    assert not info["unexpected_keys"] and set(info["missing_keys"]) == new
+    if kwargs:
+        assert model.config.num_labels == 3 and model.classifier.out_features == 3
+
+
+@pytest.fixture(scope="module")
+def saved_by_transformers(tiny, tmp_path_factory):
+    """What a user has after AutoTokenizer(...).save_pretrained(D) + AutoModelFor...save_pretrained(D):
+    tokenizer.json, and no vocab.txt."""
+    folder, _, _ = tiny
+    saved = tmp_path_factory.mktemp("save-pretrained") / "D"
+    transformers.AutoTokenizer.from_pretrained(str(folder), trust_remote_code=True).save_pretrained(saved)
+    load("AutoModelForMaskedLM", folder)[0].save_pretrained(saved)  # the MLM head: s2s fine-tuning reads it too
+    assert (saved / "tokenizer.json").is_file() and not (saved / "vocab.txt").exists()
+    return saved
+
+
+def test_save_pretrained_folder_vocabulary_is_read_from_tokenizer_json(saved_by_transformers, tiny, tmp_path):
+    from megatron_pmlm.pretrained import load_model
+    from megatron_pmlm.tasks.hf_trainer import check_model_path
+    from megatron_pmlm.tokenizer import folder_vocabulary
+
+    vocabulary = folder_vocabulary(saved_by_transformers)
+    assert list(vocabulary.tokens) == VOCAB and vocabulary.do_lower_case is True and vocabulary.file is None
+    assert check_model_path(saved_by_transformers) == "hf"
+    loaded = load_model(saved_by_transformers)  # what finetune_s2s and decode_s2s read
+    assert loaded.vocab_file is None and loaded.do_lower_case
+    reference = WordPieceTokenizer(tiny[0] / "vocab.txt")
+    in_memory = WordPieceTokenizer(loaded.vocabulary)
+    assert in_memory.special == reference.special
+    texts = ["Hello the tower of London.", "w1 w2 [P] hello"]
+    assert [a.tolist() for a in in_memory.encode_batch(texts)] == [b.tolist() for b in reference.encode_batch(texts)]
+    assert not (saved_by_transformers / "vocab.txt").exists()  # nothing written into the user's folder
+    # Cased: the tokenizer's normalizer says so, whatever tokenizer_config.json lacks.
+    cased = tmp_path / "cased"
+    write_tiny_folder(cased, write_vocab(tmp_path / "vocab.txt"), do_lower_case=False)
+    transformers.AutoTokenizer.from_pretrained(str(cased)).save_pretrained(tmp_path / "cased-saved")
+    config = json.loads((tmp_path / "cased-saved" / "tokenizer_config.json").read_text())
+    config.pop("do_lower_case", None)
+    (tmp_path / "cased-saved" / "tokenizer_config.json").write_text(json.dumps(config))
+    assert folder_vocabulary(tmp_path / "cased-saved").do_lower_case is False
+
+
+def test_from_hf_import_writes_the_checkpoint_vocab_txt(saved_by_transformers, tmp_path):
+    save = tmp_path / "ckpt"
+    pmlm_adapter.import_from_hf(saved_by_transformers, save, log=lambda message: None)
+    assert (save / "iter_0000000" / "vocab.txt").read_text().splitlines() == VOCAB
+    assert not (saved_by_transformers / "vocab.txt").exists()
+
+
+def test_non_wordpiece_tokenizer_json_is_named_in_one_line(saved_by_transformers, tmp_path, capsys):
+    from tokenizers import Tokenizer, models
+
+    from megatron_pmlm.finetune_glue import main as finetune_glue
+
+    folder = tmp_path / "bpe"
+    folder.mkdir()
+    for path in saved_by_transformers.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")])).save(str(folder / "tokenizer.json"))
+    (tmp_path / "RTE").mkdir()
+    for split in ("train", "dev"):
+        (tmp_path / "RTE" / f"{split}.tsv").write_text("index\tsentence1\tsentence2\tlabel\n0\tA.\tB.\tentailment\n")
+    code = finetune_glue(["--model", str(folder), "--task", "rte", "--data-dir", str(tmp_path),
+                          "--output-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"{folder / 'tokenizer.json'} is a BPE tokenizer, not WordPiece" in err
+
+
+def test_glue_and_decode_run_from_a_save_pretrained_folder(saved_by_transformers, tmp_path, capsys):
+    """finetune_glue fine-tunes it (its output gets a vocab.txt, for s2s-ft and older tools);
+    decode_s2s decodes it, warning once that it was never fine-tuned for generation."""
+    from megatron_pmlm import decode_s2s, finetune_glue
+
+    (tmp_path / "RTE").mkdir()
+    rows = "".join(f"{i}\thello the tower.\tw{i} of london.\t{('entailment', 'not_entailment')[i % 2]}\n"
+                   for i in range(8))
+    for split in ("train", "dev"):
+        (tmp_path / "RTE" / f"{split}.tsv").write_text("index\tsentence1\tsentence2\tlabel\n" + rows)
+    out = tmp_path / "glue"
+    assert finetune_glue.main(["--model", str(saved_by_transformers), "--task", "rte", "--data-dir", str(tmp_path),
+                               "--output-dir", str(out), "--max-steps", "1", "--per-device-train-batch-size", "4",
+                               "--max-seq-length", "32", "--disable-tqdm"]) == 0
+    assert (out / "vocab.txt").read_text().splitlines() == VOCAB
+    assert not (saved_by_transformers / "vocab.txt").exists()
+    capsys.readouterr()
+    (tmp_path / "src.txt").write_text("hello the tower\nw1 w2 london\n")
+    assert decode_s2s.main(["--model", str(saved_by_transformers), "--input", str(tmp_path / "src.txt"),
+                            "--output", str(tmp_path / "pred.txt"), "--max-target-length", "4", "--device", "cpu",
+                            "--no-progress"]) == 0
+    warnings_given = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings_given) == 1 and "records no sequence-to-sequence fine-tuning" in warnings_given[0]
+    assert len((tmp_path / "pred.txt").read_text().splitlines()) == 2
+
+
+def test_finetune_s2s_from_a_save_pretrained_folder_records_its_vocabulary_in_save(saved_by_transformers, tmp_path):
+    """finetune_s2s reads the tokenizer.json vocabulary in memory and keeps a vocab.txt in --save
+    (not in the model's folder) for its export, which then decodes without a warning."""
+    from pmlm_testing import run_module
+
+    (tmp_path / "s.txt").write_text("".join(f"hello the tower w{i}\n" for i in range(8)))
+    (tmp_path / "t.txt").write_text("".join(f"london w{i}\n" for i in range(8)))
+    save = tmp_path / "save"
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(saved_by_transformers), "--train-src",
+                        str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"), "--max-source-length", "16",
+                        "--max-target-length", "8", "--micro-batch-size", "4", "--global-batch-size", "4",
+                        "--train-iters", "1", "--save", str(save), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (save / "vocab.txt").read_text().splitlines() == VOCAB
+    assert (save / "hf" / "vocab.txt").read_text().splitlines() == VOCAB
+    assert not (saved_by_transformers / "vocab.txt").exists()
+    (tmp_path / "src.txt").write_text("hello the tower\n")
+    result = run_module("megatron_pmlm.decode_s2s", "--model", str(save), "--input", str(tmp_path / "src.txt"),
+                        "--output", str(tmp_path / "pred.txt"), "--max-target-length", "4", "--device", "cpu",
+                        "--no-progress", timeout=300)
+    assert result.returncode == 0 and "warning:" not in result.stderr, result.stderr[-3000:]

@@ -46,7 +46,7 @@ def build(args):
 
         check_family("--model", args.model, "tools/bench_decode.py")
         loaded = load_model(args.model)
-        tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)
+        tokenizer = WordPieceTokenizer(loaded.vocabulary)
         model = build_decoding_model(loaded, args.max_seq_length, device=args.device)
         return model, tokenizer, tokenizer.special, (loaded.source_type_id, loaded.target_type_id), str(args.model)
 

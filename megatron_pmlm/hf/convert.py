@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--format", choices=("bin", "safetensors"), default="bin",
                        help="pytorch_model.bin (what s2s-ft loads) or model.safetensors")
     from_hf = parser.add_argument_group("from Hugging Face")
-    from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt)")
+    from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt or "
+                                            "the tokenizer.json save_pretrained writes)")
     from_hf.add_argument("--save", help="the checkpoint directory to write")
     from_hf.add_argument("--tensor-model-parallel-size", type=int, default=1,
                          help="write tensor-parallel shards for a run of this size")

@@ -28,6 +28,19 @@ def read_vocab(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").rstrip("\n").split("\n")
 
 
+def hf_vocabulary(hf_dir: Path):
+    """The folder's vocabulary (tokenizer.folder_vocabulary: vocab.txt, else tokenizer.json), None
+    when it has neither; an unusable one is a ConversionError."""
+    from ..tokenizer import TOKENIZER_FILE, VOCAB_FILE, VocabularyError, folder_vocabulary
+
+    if not (hf_dir / VOCAB_FILE).is_file() and not (hf_dir / TOKENIZER_FILE).is_file():
+        return None
+    try:
+        return folder_vocabulary(hf_dir)
+    except VocabularyError as error:
+        raise ConversionError(str(error)) from None
+
+
 def find_vocab_file(checkpoint, override: str | None) -> Path:
     """--vocab-file, else the checkpoint's own vocab.txt (imports), else the run's data's vocab_file.
     `checkpoint`: either family's (tag_dir, run_state, model_config)."""

@@ -54,10 +54,17 @@ def relative_position_bucket(relative_position, num_buckets=32, max_distance=128
     return bucket + torch.where(distance < max_exact, distance, large)
 
 
+# A converted folder holds the pre-training heads (MLM, and next-sentence where the checkpoint had
+# one); the encoder alone and the fine-tuning heads do not use them: not worth a load report line.
+PRETRAINING_HEAD_KEYS = [r"^cls\."]
+NEXT_SENTENCE_KEYS = [r"^cls\.seq_relationship\.", r"^bert\.pooler\."]
+
+
 class PMLMBertModel(BertModel):
     """BertModel whose attention scores get the relative position bias (shared by all layers)."""
 
     config_class = PMLMConfig
+    _keys_to_ignore_on_load_unexpected = PRETRAINING_HEAD_KEYS
     _supports_flash_attn = False  # the bias is a dense additive [B, heads, T, T] tensor
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
@@ -118,6 +125,7 @@ class PMLMForMaskedLM(BertForMaskedLM):
     """BertForMaskedLM (tied decoder + output bias) over PMLMBertModel."""
 
     config_class = PMLMConfig
+    _keys_to_ignore_on_load_unexpected = NEXT_SENTENCE_KEYS  # the MLM head alone is used
     _supports_flash_attn = False
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
@@ -130,8 +138,6 @@ class PMLMForMaskedLM(BertForMaskedLM):
         self.post_init()
 
 
-# A converted folder holds the pre-training MLM head; a fine-tuning head does not use it.
-MLM_HEAD_KEYS = [r"^cls\.predictions\."]
 
 
 def _classifier_dropout(config):
@@ -166,7 +172,7 @@ class PMLMForSequenceClassification(BertForSequenceClassification):
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
     accepts_loss_kwargs = False
-    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+    _keys_to_ignore_on_load_unexpected = PRETRAINING_HEAD_KEYS
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -186,7 +192,7 @@ class PMLMForMultipleChoice(BertForMultipleChoice):
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
     accepts_loss_kwargs = False
-    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+    _keys_to_ignore_on_load_unexpected = PRETRAINING_HEAD_KEYS
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -204,7 +210,7 @@ class PMLMForTokenClassification(BertForTokenClassification):
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
     accepts_loss_kwargs = False
-    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+    _keys_to_ignore_on_load_unexpected = PRETRAINING_HEAD_KEYS
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)
@@ -223,7 +229,7 @@ class PMLMForQuestionAnswering(BertForQuestionAnswering):
     _supports_flex_attn = False
     # The heads average their loss themselves: Trainer must not rescale it by the item count.
     accepts_loss_kwargs = False
-    _keys_to_ignore_on_load_unexpected = MLM_HEAD_KEYS
+    _keys_to_ignore_on_load_unexpected = PRETRAINING_HEAD_KEYS
 
     def __init__(self, config):
         BertPreTrainedModel.__init__(self, config)

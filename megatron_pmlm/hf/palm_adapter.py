@@ -32,7 +32,7 @@ from ..training.checkpoint_reader import ConversionError, read_module_states, re
 from .family import PALM, checkpoint_family
 from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, find_vocab_file, held_out_samples, pad_token_id, read_vocab,
                      write_hf_tokenizer, write_weights)
-from .pmlm_adapter import read_hf_weights
+from .pmlm_adapter import export_config_values, read_hf_weights
 
 PALM_CODE_FILES = ("configuration_palm.py", "modeling_palm.py")
 PALM_AUTO_MAP = {"AutoConfig": "configuration_palm.PalmConfig",
@@ -125,8 +125,7 @@ def hf_palm_config_dict(config: PalmConfig, pad_token_id: int) -> dict[str, Any]
         layer_norm_eps=config.layernorm_epsilon, pad_token_id=pad_token_id,
         copy_attention_size=config.copy_attention_size).to_dict()
     values.update(architectures=["PalmForConditionalGeneration"], auto_map=dict(PALM_AUTO_MAP))
-    values.pop("_name_or_path", None)
-    return dict(sorted(values.items()))
+    return export_config_values(values)
 
 
 def palm_config_from_hf(hf: dict[str, Any], source: str) -> PalmConfig:

@@ -23,8 +23,9 @@ from ..config import ConfigError, ModelConfig
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, expected_shapes, has_nsp_head,
                                           load_pretraining_checkpoint)
-from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, held_out_samples, pad_token_id, read_vocab, staged_output,
-                     write_hf_tokenizer, write_weights)
+from ..tokenizer import VOCAB_FILE
+from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, held_out_samples, hf_vocabulary, pad_token_id,
+                     read_vocab, staged_output, write_hf_tokenizer, write_weights)
 
 AUTO_MAP = {"AutoConfig": "configuration_pmlm.PMLMConfig",
             "AutoModel": "modeling_pmlm.PMLMBertModel",
@@ -75,8 +76,17 @@ def hf_config_dict(config: ModelConfig, pad_token_id: int = 0, nsp_head: bool = 
     else:
         values = BertConfig(**fields).to_dict()
         values["architectures"] = ["BertForPreTraining" if nsp_head else "BertForMaskedLM"]
-    values.pop("_name_or_path", None)
-    return dict(sorted(values.items()))
+    return export_config_values(values)
+
+
+NOT_EXPORTED_CONFIG_KEYS = ("_name_or_path", "id2label", "label2id")
+"""PretrainedConfig.to_dict writes a 2-label id2label/label2id (and the path it was read from); a
+pre-trained export has no labels, and a fixed map makes `from_pretrained(..., num_labels=3)` warn."""
+
+
+def export_config_values(values: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as an export writes it: sorted, without NOT_EXPORTED_CONFIG_KEYS."""
+    return dict(sorted((k, v) for k, v in values.items() if k not in NOT_EXPORTED_CONFIG_KEYS))
 
 
 def model_config_from_hf(hf: dict[str, Any], source: str, padded_vocab_size: int,
@@ -401,15 +411,11 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
         config = dataclasses.replace(config, type_vocab_size=TYPE_VOCAB_SIZE)
     state, dropped = from_hf_state_dict(read_hf_weights(hf_dir), config, str(hf_dir), add_rel_pos,
                                         nsp_head=unilm.next_sentence_prediction)
-    vocab_file = hf_dir / "vocab.txt"
-    if vocab_file.is_file() and len(read_vocab(vocab_file)) != config.vocab_size:
-        raise ConversionError(f"{vocab_file} has {len(read_vocab(vocab_file))} entries, config.json's vocab_size is "
+    vocabulary = hf_vocabulary(hf_dir)
+    if vocabulary is not None and len(vocabulary.tokens) != config.vocab_size:
+        raise ConversionError(f"{vocabulary.source} has {len(vocabulary.tokens)} entries, config.json's vocab_size is "
                               f"{config.vocab_size}")
-    do_lower_case = True
-    tokenizer_config = hf_dir / "tokenizer_config.json"
-    if tokenizer_config.is_file():
-        with contextlib.suppress(json.JSONDecodeError):
-            do_lower_case = bool(json.loads(tokenizer_config.read_text()).get("do_lower_case", True))
+    do_lower_case = vocabulary.do_lower_case if vocabulary is not None else True
     import deepspeed
 
     save_dir = Path(save_dir)
@@ -435,8 +441,8 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
                 "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": tp},
                 "ds_version": deepspeed.__version__, **run_state,
             }, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
-        if vocab_file.is_file():
-            shutil.copyfile(vocab_file, tag_dir / "vocab.txt")
+        if vocabulary is not None:  # the checkpoint's own vocab.txt (find_vocab_file reads it)
+            vocabulary.write(tag_dir / VOCAB_FILE)
         files = manifest(file_checksums(tag_dir, checkpoint_listing(tag_dir)))  # as a pre-training save's
         (tag_dir / RUN_STATE_FILE).write_text(json.dumps({**run_state, **files}, indent=1))
         (staging / LATEST_FILE).write_text(IMPORT_TAG)

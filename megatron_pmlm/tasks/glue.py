@@ -18,7 +18,7 @@ eval_results.json and all_results.json (written atomically), trainer_state.json 
 megatron_pmlm.finetune_glue ... (Trainer's data parallelism; the batch size is per device).
 
 Bad input (an unknown task, a missing file or column, a label outside the task's set, a model
-folder without vocab.txt) stops with one `error:` line, exit status 2, before anything is written.
+folder without a vocabulary) stops with one `error:` line, exit status 2, before anything is written.
 The command line is megatron_pmlm/finetune_glue.py; what finetune_squad and evaluate_downstream share
 (model resolution, the Trainer arguments) is tasks/hf_trainer.py.
 """
@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from ..files import write_json_atomically
+from ..config import HelpFormatter
 from .hf_trainer import (InputError, add_trainer_arguments, check_trainer_arguments, declare_mean_loss, load_tokenizer,
                          model_max_positions, quiet_libraries, remove_if_created_empty, resolve_model, save_fine_tuned,
                          training_arguments, check_model_path)
@@ -293,7 +294,7 @@ def glue_metrics(task: str | GlueTask, predictions: np.ndarray, labels: np.ndarr
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.finetune_glue", description=__doc__.split("\n\n")[0],
-                                     epilog="Defaults: " + TABLE9, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     epilog="Defaults: " + TABLE9, formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face folder or a checkpoint directory of ours (pre-training or fine-tuning "
                              "--save; converted first into OUTPUT_DIR/model)")

@@ -22,10 +22,12 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.ind
 # ------------------------------------------------------------------------------------------------
 
 def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
-    """'hf' (a Hugging Face folder: config.json, weights, vocab.txt) or 'checkpoint' (a directory with
-    `latest`), else InputError. Nothing is read beyond file names and, with `tool` (the command's
+    """'hf' (a Hugging Face folder: config.json, weights, a WordPiece vocabulary: vocab.txt or the
+    tokenizer.json `save_pretrained` writes) or 'checkpoint' (a directory with `latest`), else
+    InputError. Nothing is read beyond file names, the vocabulary and, with `tool` (the command's
     name), the small file naming the model family: a PALM model is refused in one line."""
     from ..hf.family import check_family
+    from ..tokenizer import VocabularyError, folder_vocabulary
     from ..training.checkpoint_files import LATEST_FILE
 
     path = Path(path)
@@ -34,9 +36,10 @@ def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
     if tool:
         check_family("--model", path, tool, error=InputError)
     if (path / "config.json").is_file():
-        if not (path / "vocab.txt").is_file():
-            raise InputError(f"--model {path} has no vocab.txt (the tokenizer's WordPiece vocabulary; a converted "
-                             f"folder always has one)")
+        try:
+            folder_vocabulary(path)
+        except VocabularyError as error:
+            raise InputError(f"--model {path}: {error}") from None
         if not any((path / name).is_file() for name in WEIGHT_FILES):
             raise InputError(f"--model {path} has no weights ({' or '.join(WEIGHT_FILES[:2])})")
         return "hf"
@@ -128,11 +131,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
     train.add_argument("--logging-steps", type=float, default=50)
     train.add_argument("--eval-strategy", choices=("no", "steps", "epoch"), default="no",
                        help="also evaluate during training (the final evaluation always runs)")
-    train.add_argument("--eval-steps", type=float, default=None)
+    train.add_argument("--eval-steps", type=float, default=None, help="default: --logging-steps")
     train.add_argument("--save-strategy", choices=("no", "steps", "epoch"), default="no",
                        help="Trainer checkpoints during training (checkpoint-N/ in --output-dir)")
     train.add_argument("--save-steps", type=float, default=500)
-    train.add_argument("--save-total-limit", type=int, default=None)
+    train.add_argument("--save-total-limit", type=int, default=None,
+                       help="Trainer checkpoints kept (default: all)")
     train.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned model at the end")
     train.add_argument("--dataloader-num-workers", type=int, default=0)
     train.add_argument("--report-to", default="none", help="Trainer's integrations: none, tensorboard, wandb, ...")
@@ -195,14 +199,14 @@ def declare_mean_loss(model) -> None:
 
 
 def save_fine_tuned(trainer, source: Path, output_dir: Path) -> None:
-    """Trainer's save_model, plus the source folder's vocab.txt: transformers 5 writes only
-    tokenizer.json for a fast tokenizer, and vocab.txt is what our loaders, s2s-ft and this
-    command's --model check read."""
-    import shutil
+    """Trainer's save_model, plus a vocab.txt of the source folder's vocabulary: transformers 5
+    writes only tokenizer.json for a fast tokenizer, which our loaders read too, but s2s-ft and
+    older tools read vocab.txt."""
+    from ..tokenizer import VOCAB_FILE, folder_vocabulary
 
     trainer.save_model()
-    if trainer.is_world_process_zero() and not (output_dir / "vocab.txt").is_file():
-        shutil.copyfile(source / "vocab.txt", output_dir / "vocab.txt")
+    if trainer.is_world_process_zero() and not (output_dir / VOCAB_FILE).is_file():
+        folder_vocabulary(source).write(output_dir / VOCAB_FILE)
 
 
 def quiet_libraries() -> None:

@@ -20,7 +20,7 @@ eval_results.json and all_results.json (eval_exact, eval_f1, eval_total; for v2.
 eval_HasAns_*, eval_NoAns_*, and eval_best_exact/eval_best_f1 with their null-odds thresholds),
 all written atomically, and the fine-tuned model. Defaults are UniLMv2's (Table 9, SQuAD column:
 lr 2e-5, batch 32, 4 epochs, warmup ratio 0.1, weight decay 0.01) and run_qa.py's (lengths).
-Bad input (a file that is not SQuAD JSON, a model folder without vocab.txt, ...) stops with one
+Bad input (a file that is not SQuAD JSON, a model folder without a vocabulary, ...) stops with one
 `error:` line, exit status 2, before anything is written.
 """
 
@@ -37,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..files import write_json_atomically
+from ..config import HelpFormatter
 from .hf_trainer import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
                          load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
                          resolve_model, save_fine_tuned, training_arguments)
@@ -336,9 +337,28 @@ def squad_evaluate(examples: list[dict], predictions: dict[str, str], na_probs: 
 # The command
 # ------------------------------------------------------------------------------------------------
 
+DEFAULT_MAX_SEQ_LENGTH = 384
+DEFAULT_DOC_STRIDE = 128
+"""run_qa.py's window and stride; a shorter window keeps the stride's share of it."""
+
+
+def window_doc_stride(args: argparse.Namespace, window: int, why: str = "") -> int:
+    """--doc-stride, or the default for windows of `window` tokens (run_qa.py's 128 from 384 tokens
+    up, the same share of a shorter window); a stride that leaves no room to move on is an
+    InputError naming the stride and the window."""
+    stride = args.doc_stride if args.doc_stride is not None else \
+        min(DEFAULT_DOC_STRIDE, window * DEFAULT_DOC_STRIDE // DEFAULT_MAX_SEQ_LENGTH)
+    room = window - args.max_query_length - 3
+    if stride >= room:
+        given = "--doc-stride" if args.doc_stride is not None else "the default --doc-stride"
+        raise InputError(f"{given} {stride} leaves no room to move on in windows of --max-seq-length {window}{why}: "
+                         f"it must be below {window} - --max-query-length {args.max_query_length} - 3 = {room}")
+    return stride
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.finetune_squad", description=__doc__.split("\n\n")[0],
-                                     epilog="Defaults: " + TABLE9, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     epilog="Defaults: " + TABLE9, formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face folder (a converted one, or one fine-tuned by this command, for "
                              "evaluation alone) or a checkpoint directory of ours (converted into OUTPUT_DIR/model)")
@@ -348,8 +368,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="SQuAD 2.0: unanswerable questions (empty answers) in training and prediction")
     parser.add_argument("--output-dir", required=True, type=Path)
     qa = parser.add_argument_group("windows and answers (run_qa.py's defaults)")
-    qa.add_argument("--max-seq-length", type=int, default=384, help="tokens per window (at most the model's positions)")
-    qa.add_argument("--doc-stride", type=int, default=128, help="tokens shared by consecutive windows of a passage")
+    qa.add_argument("--max-seq-length", type=int, default=DEFAULT_MAX_SEQ_LENGTH,
+                    help="tokens per window (lowered to the model's positions when it has fewer)")
+    qa.add_argument("--doc-stride", type=int, default=None,
+                    help=f"tokens shared by consecutive windows of a passage (default: {DEFAULT_DOC_STRIDE}, run_qa.py's, "
+                         f"for windows of {DEFAULT_MAX_SEQ_LENGTH} tokens or more; a shorter window gets the same "
+                         f"share, window x {DEFAULT_DOC_STRIDE}/{DEFAULT_MAX_SEQ_LENGTH})")
     qa.add_argument("--max-query-length", type=int, default=64, help="question tokens kept")
     qa.add_argument("--n-best-size", type=int, default=20, help="best starts x best ends tried per window")
     qa.add_argument("--max-answer-length", type=int, default=30, help="tokens in an answer at most")
@@ -367,11 +391,9 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         raise InputError("give --train-file, --predict-file or both")
     check_trainer_arguments(args)
     for name in ("max_seq_length", "doc_stride", "max_query_length", "n_best_size", "max_answer_length"):
-        if getattr(args, name) <= 0:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
             raise InputError(f"--{name.replace('_', '-')} must be positive")
-    if args.doc_stride >= args.max_seq_length - args.max_query_length - 3:
-        raise InputError(f"--doc-stride {args.doc_stride} leaves no room to move on: it must be below --max-seq-length "
-                         f"- --max-query-length - 3 = {args.max_seq_length - args.max_query_length - 3}")
+    window_doc_stride(args, args.max_seq_length)
     v2 = args.version_2_with_negative
     train = read_squad(args.train_file, v2, "--train-file")[:args.max_train_samples] if args.train_file else None
     evaluation = read_squad(args.predict_file, v2, "--predict-file")[:args.max_eval_samples] if args.predict_file else None
@@ -400,11 +422,13 @@ def _train_and_predict(args, train: list[dict] | None, evaluation: list[dict] | 
     max_length = args.max_seq_length
     positions = model_max_positions(folder)
     if positions is not None and max_length > positions:
-        log(f"--max-seq-length {max_length} exceeds the model's {positions} positions: using {positions}")
         max_length = positions
-        if args.doc_stride >= max_length - args.max_query_length - 3:
-            raise InputError(f"--doc-stride {args.doc_stride} is too large for {max_length} tokens per window")
-    lengths = dict(max_seq_length=max_length, doc_stride=args.doc_stride, max_query_length=args.max_query_length)
+        stride = window_doc_stride(args, max_length, f" (--max-seq-length {args.max_seq_length} lowered to the "
+                                                     f"model's {positions} positions)")
+        log(f"--max-seq-length {args.max_seq_length} exceeds the model's {positions} positions: using {positions}"
+            + ("" if args.doc_stride is not None else f", and --doc-stride {stride} to match"))
+    lengths = dict(max_seq_length=max_length, doc_stride=window_doc_stride(args, max_length),
+                   max_query_length=args.max_query_length)
 
     transformers.set_seed(args.seed)  # the new start/end classifier's initialisation
     model = AutoModelForQuestionAnswering.from_pretrained(str(folder), trust_remote_code=True)
