@@ -222,12 +222,17 @@ def resumed_setting_changes(saved: dict[str, Any], run_args: dict[str, Any], tra
 
 
 def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[str, Any],
-                           training_config: dict[str, Any], finetune: bool, log: Callable[[str], None]) -> None:
-    """Refuse (CheckpointError, naming the fields) or list the changed settings in one line."""
+                           training_config: dict[str, Any], finetune: bool, log: Callable[[str], None],
+                           relayout: bool = False) -> None:
+    """Refuse (CheckpointError, naming the fields) or list the changed settings in one line.
+    `relayout`: the checkpoint is re-sharded for this run's layout (--universal-checkpoint), so a
+    tensor/pipeline change and the vocabulary padding that follows the TP size are expected."""
     layout, meaning, changed = resumed_setting_changes(saved, run_args, training_config, finetune)
-    if layout:
-        raise CheckpointError(f"{tag_dir} was saved split another way: {', '.join(layout)}; DeepSpeed reads its "
-                              "files back only into the same tensor- and pipeline-parallel sizes")
+    if layout and not relayout:
+        raise CheckpointError(f"{tag_dir} was saved split another way: {', '.join(layout)}; add "
+                              "--universal-checkpoint to re-shard it for this layout, or keep the saved sizes")
+    if relayout:
+        changed = [change for change in changed if not change.startswith("padded_vocab_size ")]
     if meaning:
         way = ("start a new --save directory with it as --model (its weights, a fresh schedule)"
                if "s2s_mode" in run_args else "add --finetune to take its weights only")
