@@ -140,3 +140,18 @@ def test_layout_changes_that_cannot_resume_say_what_to_do(tp2_checkpoint, pretra
     run_state.write_text(json.dumps(state))
     line = refused(pretraining_samples, "--load", str(zero0), "--universal-checkpoint")
     assert "with ZeRO-0" in line and "ZeRO-1/2" in line, line
+
+
+def test_pipeline_names_map_back_to_the_plain_models():
+    """Every parameter of the plain model (UniLM v1's pooler and NSP head included) has one pipeline
+    name, and the converter's mapping takes it back."""
+    from megatron_pmlm.config import model_config_from_preset
+    from megatron_pmlm.models.pipeline import canonical_parameter_name
+    from megatron_pmlm.training.checkpoint_reader import expected_shapes
+    from megatron_pmlm.training.relayout import pipeline_parameter_name
+
+    config = model_config_from_preset("tiny", vocab_size=30522)
+    names = list(expected_shapes(config, nsp_head=True))
+    pipeline_names = [pipeline_parameter_name(name, config.num_layers) for name in names]
+    assert len(set(pipeline_names)) == len(names)
+    assert [canonical_parameter_name(name, config.num_layers) for name in pipeline_names] == names

@@ -7,9 +7,9 @@ and starts from scratch), `--finetune` always needs one; `--save`, `--tensorboar
 `--history-json` must be writable or creatable. Every refusal is one line naming the flag.
 
 `check_resumed_settings` (called by `Trainer.load_checkpoint` on the checkpoint it loads): what
-the checkpoint means (its objective, s2s mode, kind of run, parallel layout) may not change on
-resume; the changes a resume may legitimately make (learning rate, schedule, batch size,
-intervals, ...) are listed in one line.
+the checkpoint means (its objective, s2s mode, kind of run, parallel layout unless
+--universal-checkpoint re-shards it) may not change on resume; the changes a resume may
+legitimately make (learning rate, schedule, batch size, intervals, ...) are listed in one line.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ MEANING_ARGS = {"objective": "--objective", "palm_stage": "--palm-stage", "s2s_m
 
 LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                "pipeline_model_parallel_size": "--pipeline-model-parallel-size"}
-"""How the weights are split into files: DeepSpeed reads them back only into the same layout,
-with --finetune too (--universal-checkpoint changes the data-parallel size only)."""
+"""How the weights are split into files: DeepSpeed reads them back only into the same layout;
+--universal-checkpoint re-shards them for another one (relayout.py), --finetune does not."""
 
 NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "local_rank", "finetune", "universal_checkpoint",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
