@@ -73,9 +73,11 @@ def check_resume_layout(args: Any, tensor_parallel_size: int, pipeline_parallel_
     where = f"{args.load} was saved with {layout_name(*then)}, this run asks for {layout_name(*now)}"
     keep = f"--tensor-model-parallel-size {then[0]} --pipeline-model-parallel-size {then[1]}"
     if args.finetune:
-        raise ConfigError(f"{where}: --finetune reads the weights back in the saved layout only; run with {keep}, or "
-                          "convert it (tools/convert_checkpoint.py --load DIR --output HF, then --from-hf HF --save CKPT "
-                          f"--tensor-model-parallel-size {now[0]}) and --finetune from CKPT")
+        # tools/convert_checkpoint.py --from-hf writes tensor-parallel shards, never pipeline stages.
+        convert = (f", or convert it (tools/convert_checkpoint.py --load DIR --output HF, then --from-hf HF --save "
+                   f"CKPT --tensor-model-parallel-size {now[0]}) and --finetune from CKPT") if now[1] == 1 else ""
+        raise ConfigError(f"{where}: --finetune reads the weights back in the saved layout only; run with {keep}"
+                          + convert)
     if not args.universal_checkpoint:
         raise ConfigError(f"{where} ({change}): add --universal-checkpoint to re-shard its weights and optimizer "
                           f"state for this layout, or resume with {keep}")

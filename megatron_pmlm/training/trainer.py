@@ -34,7 +34,7 @@ from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, Ch
 from .preflight import check_resumed_settings
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
                               lr_lambda, parameter_groups)
-from .relayout import layout_name, relayout_tag, relayout_to_universal, saved_layout
+from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
 
 
@@ -568,6 +568,9 @@ class Trainer:
         if saved_zero_stage == 0 and not relayout:
             raise CheckpointError(f"{tag_dir} was written with ZeRO-0, whose optimizer state is not partitioned: it "
                                   "loads on any data-parallel size as it is; drop --universal-checkpoint")
+        if relayout and saved_zero_stage not in RESHARDED_ZERO_STAGES:  # pretrain refuses it before building
+            raise CheckpointError(f"{tag_dir} was written with ZeRO-{saved_zero_stage}: --universal-checkpoint "
+                                  "re-shards ZeRO-1/2 optimizer partitions only; resume it on its saved layout")
         embedding_rows = int((self.run_args.get("model_config") or {}).get("padded_vocab_size")
                              or (self.run_args.get("model_config") or {}).get("vocab_size") or 0)
         error = ""
