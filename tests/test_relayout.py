@@ -45,8 +45,8 @@ def original_run(samples: Path, out: Path, *args: str, nproc: int) -> tuple[list
 
 
 def check_resume(samples: Path, out: Path, original: list[dict], stopped: Path, *args: str, nproc: int,
-                 change: str) -> float:
-    """Resume `stopped` with `args` on `nproc` processes; the largest loss difference to `original`."""
+                 change: str) -> str:
+    """Resume `stopped` with `args` on `nproc` processes, losses within 1e-4 of `original`'s; its log."""
     resumed, stdout = train(samples, out / "resumed", *args, "--load", str(stopped), "--universal-checkpoint",
                             nproc=nproc)
     assert f"consumed samples {16 * STOPPED_AT} (through" in stdout and change in stdout, stdout[-3000:]
@@ -56,7 +56,7 @@ def check_resume(samples: Path, out: Path, original: list[dict], stopped: Path, 
     difference = max(abs(a["loss"] - b["loss"]) for a, b in zip(resumed, original[STOPPED_AT:]))
     print(f"{change}: largest loss difference after the resume {difference:.2e}")
     assert difference < 1e-4, ([r["loss"] for r in resumed], [r["loss"] for r in original[STOPPED_AT:]])
-    return difference
+    return stdout
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +67,18 @@ def tp2_checkpoint(pretraining_samples, tmp_path_factory):
 
 
 def test_tp2_resumes_on_tp1(tp2_checkpoint, pretraining_samples):
+    """The vocabulary padding changes with the TP size (30720 rows at TP 2, 30592 at TP 1). The run
+    saves into the directory it resumed from: retention deletes the re-sharded copy with its checkpoint."""
     out, original, stopped = tp2_checkpoint
-    check_resume(pretraining_samples, out, original, stopped, *PMLM, nproc=1,
-                 change="TP 2 x PP 1 -> TP 1 x PP 1, data-parallel size 1 -> 1")
-    # The vocabulary padding follows the TP size: 30720 rows at TP 2, 30592 at TP 1.
-    universal = stopped / f"iter_{STOPPED_AT:07d}_universal_tp1_pp1" / "zero"
-    import torch
-
-    assert torch.load(universal / "cls.predictions.bias" / "fp32.pt")["param"].shape == (30592,)
+    directory = out / "resumed_here"
+    shutil.copytree(stopped, directory)
+    stdout = check_resume(pretraining_samples, out, original, directory, *PMLM, "--save", str(directory),
+                          "--keep-last-checkpoints", "1", nproc=1,
+                          change="TP 2 x PP 1 -> TP 1 x PP 1, data-parallel size 1 -> 1")
+    assert "vocabulary 30522 padded to 30592" in stdout and "padded_vocab_size" not in stdout, stdout[-3000:]
+    tag = f"iter_{STOPPED_AT:07d}"
+    assert f"deleted old checkpoint {directory / tag} and its universal conversion {tag}_universal_tp1_pp1" in stdout
+    assert not [path.name for path in directory.iterdir() if path.name.startswith(tag)]
 
 
 @pytest.mark.parametrize("original_layout, nproc_before, target_layout, nproc_after, change", [
