@@ -400,13 +400,17 @@ class Trainer:
         parameter_names = [name for name, _ in self.engine.module.named_parameters()]
         extra_state = {"universal_checkpoint_info": universal_checkpoint_info(int(embedding_rows), parameter_names)} \
             if embedding_rows else {}
-        if self.rank == 0 and (save_dir / tag).exists():
-            # Left by a save that never completed (or a run that fell back past it): start clean.
+        if self.rank == 0:
             import shutil
 
-            shutil.rmtree(save_dir / tag)
-            self._log(f"deleted {save_dir / tag}, left by an earlier save of iteration {self.iteration} "
-                      "that never completed, before saving it again")
+            if (save_dir / tag).exists():
+                # Left by a save that never completed (or a run that fell back past it): start clean.
+                shutil.rmtree(save_dir / tag)
+                self._log(f"deleted {save_dir / tag}, left by an earlier save of iteration {self.iteration} "
+                          "that never completed, before saving it again")
+            # Universal conversions of an earlier checkpoint of this iteration would pass for the new one's.
+            for conversion in save_dir.glob(f"{tag}{UNIVERSAL_SUFFIX}*"):
+                shutil.rmtree(conversion, ignore_errors=True)
         dist.barrier()
         self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
                                     save_latest=False)
