@@ -32,9 +32,9 @@ from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, Ch
                                checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
                                newest_complete_checkpoint)
 from .preflight import check_resumed_settings
+from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
                               lr_lambda, parameter_groups)
-from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
 
 
@@ -544,9 +544,9 @@ class Trainer:
         self.consumed_tokens = int(saved.get("consumed_tokens", 0))
         self._continue_history()
         rng_file = tag_dir / f"rng_state_rank{self.rank:05d}.pt"
-        if rng_file.is_file() and saved.get("world_size") == self.world_size:
+        if rng_file.is_file() and saved.get("world_size") == self.world_size and not relayout:
             set_rng_state(torch.load(rng_file, weights_only=False))
-        elif saved.get("world_size") != self.world_size:
+        elif saved.get("world_size") != self.world_size or relayout:
             then_dp = saved.get("data_parallel_size")
             change = (f"the layout changed ({layout_name(*saved_layout(saved))} then, "
                       f"{layout_name(self.tensor_parallel_size, self.pipeline_parallel_size)} now)" if relayout else
