@@ -106,9 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
                                            "holding none is refused unless it is --save (a first start)")
     output.add_argument("--universal-checkpoint", action="store_true",
-                        help="with --load: resume on another data-parallel size (e.g. fewer nodes), keeping iteration, "
-                             "optimizer, schedule and sample order; the ZeRO checkpoint is converted to DeepSpeed's "
-                             "universal format next to it (DIR/iter_N_universal) the first time")
+                        help="with --load: resume on another data-parallel size (e.g. fewer nodes) or tensor/pipeline "
+                             "layout, keeping iteration, optimizer, schedule and sample order; the ZeRO checkpoint "
+                             "is converted to DeepSpeed's universal format next to it the first time "
+                             "(DIR/iter_N_universal; another layout: DIR/iter_N_universal_tpT_ppP)")
     output.add_argument("--finetune", action="store_true",
                         help="with --load: take the weights only; iteration, optimizer and schedule start afresh")
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")

@@ -99,6 +99,7 @@ def run_palm(args: argparse.Namespace) -> int:
     from ..data.samples import read_metadata
     from ..data.palm_data import check_palm_metadata
     from .recipe import PretrainingRun, padded_vocab_size, run_pretraining, training_config_from_args
+    from .relayout import check_resume_layout
     from .training_config import check_precision_supported, read_deepspeed_config
 
     stage = args.palm_stage
@@ -145,6 +146,7 @@ def run_palm(args: argparse.Namespace) -> int:
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     training = training_config_from_args(args, context_length, ds_config_base)
     check_precision_supported(training.precision)
+    check_resume_layout(args, tp, 1, training.zero_stage)
 
     from ..data.palm_data import build_palm_loaders
     from ..parallel.layers import LocalLayers, MegatronCoreLayers

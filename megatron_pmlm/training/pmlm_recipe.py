@@ -14,6 +14,7 @@ from ..models.model import check_attention_backend
 from ..models.objectives import Objective, get_objective, objective_metrics
 from ..models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from .recipe import PretrainingRun, flops_per_token, padded_vocab_size, run_pretraining, training_config_from_args
+from .relayout import check_resume_layout
 from .training_config import check_precision_supported, check_zero_with_pipeline, read_deepspeed_config
 
 
@@ -74,6 +75,7 @@ def run_pmlm(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> int
 
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
+    check_resume_layout(args, tp, pp, training.zero_stage)
 
     def build_loaders(processes, consumed_samples):
         return build_pretraining_loaders(

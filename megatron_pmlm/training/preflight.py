@@ -7,9 +7,9 @@ and starts from scratch), `--finetune` always needs one; `--save`, `--tensorboar
 `--history-json` must be writable or creatable. Every refusal is one line naming the flag.
 
 `check_resumed_settings` (called by `Trainer.load_checkpoint` on the checkpoint it loads): what
-the checkpoint means (its objective, s2s mode, kind of run, parallel layout) may not change on
-resume; the changes a resume may legitimately make (learning rate, schedule, batch size,
-intervals, ...) are listed in one line.
+the checkpoint means (its objective, s2s mode, kind of run, parallel layout unless
+--universal-checkpoint re-shards it) may not change on resume; the changes a resume may
+legitimately make (learning rate, schedule, batch size, intervals, ...) are listed in one line.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ MEANING_ARGS = {"objective": "--objective", "palm_stage": "--palm-stage", "s2s_m
 
 LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
                "pipeline_model_parallel_size": "--pipeline-model-parallel-size"}
-"""How the weights are split into files: DeepSpeed reads them back only into the same layout,
-with --finetune too (--universal-checkpoint changes the data-parallel size only)."""
+"""How the weights are split into files: DeepSpeed reads them back only into the same layout;
+--universal-checkpoint re-shards them for another one (relayout.py), --finetune does not."""
 
 NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "local_rank", "finetune", "universal_checkpoint",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
@@ -222,12 +222,17 @@ def resumed_setting_changes(saved: dict[str, Any], run_args: dict[str, Any], tra
 
 
 def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[str, Any],
-                           training_config: dict[str, Any], finetune: bool, log: Callable[[str], None]) -> None:
-    """Refuse (CheckpointError, naming the fields) or list the changed settings in one line."""
+                           training_config: dict[str, Any], finetune: bool, log: Callable[[str], None],
+                           relayout: bool = False) -> None:
+    """Refuse (CheckpointError, naming the fields) or list the changed settings in one line.
+    `relayout`: the checkpoint is re-sharded for this run's layout (--universal-checkpoint), so a
+    tensor/pipeline change and the vocabulary padding that follows the TP size are expected."""
     layout, meaning, changed = resumed_setting_changes(saved, run_args, training_config, finetune)
-    if layout:
-        raise CheckpointError(f"{tag_dir} was saved split another way: {', '.join(layout)}; DeepSpeed reads its "
-                              "files back only into the same tensor- and pipeline-parallel sizes")
+    if layout and not relayout:
+        raise CheckpointError(f"{tag_dir} was saved split another way: {', '.join(layout)}; add "
+                              "--universal-checkpoint to re-shard it for this layout, or keep the saved sizes")
+    if relayout:
+        changed = [change for change in changed if not change.startswith("padded_vocab_size ")]
     if meaning:
         way = ("start a new --save directory with it as --model (its weights, a fresh schedule)"
                if "s2s_mode" in run_args else "add --finetune to take its weights only")

@@ -60,17 +60,23 @@ def flops_per_token(config: ModelConfig, seq_length: int, mask_prob: float = 0.1
     return 6.0 * (layer_parameters + predicted_share * head_parameters) + 12.0 * layers * h * seq_length * layout
 
 
-def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log) -> bool:
-    """Whether --universal-checkpoint has work to do: the newest complete checkpoint's ZeRO
-    partitions were written for another data-parallel size. The flag can then stay in a job's
-    arguments across restarts: once the run saves at its new size, checkpoints load as they are."""
+def needs_universal_checkpoint(args: argparse.Namespace, zero_stage: int, data_parallel_size: int, log,
+                               tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> bool:
+    """Whether --universal-checkpoint has work to do: the newest complete checkpoint was written
+    with another tensor/pipeline layout (re-sharded by relayout.py; checked before the model is
+    built by `relayout.check_resume_layout`), or its ZeRO partitions for another data-parallel
+    size. The flag can then stay in a job's arguments across restarts: once the run saves in its
+    new layout, checkpoints load as they are."""
     if not args.universal_checkpoint or args.finetune:
         return False
     from .checkpoint_files import newest_run_state
+    from .relayout import saved_layout
 
     saved = newest_run_state(Path(args.load))
     if saved is None:
         return False
+    if saved_layout(saved) != (tensor_parallel_size, pipeline_parallel_size):
+        return True
     saved_size = saved.get("data_parallel_size")
     saved_stage = int(saved.get("training_config", {}).get("zero_stage", 0))
     if saved_size == data_parallel_size or saved_stage == 0:
@@ -163,7 +169,8 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
     # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
     seed_everything(training.seed + 100 * processes.pipeline_rank)
     model = plan.build_model(layout)
-    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log)
+    universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log,
+                                           plan.tensor_parallel_size, plan.pipeline_parallel_size)
     log(plan.describe_model)
     log(parallelism_line(training, layout, plan.show_pipeline))
     trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=MegatronMPU(),

@@ -32,6 +32,7 @@ from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, Ch
                                checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
                                newest_complete_checkpoint)
 from .preflight import check_resumed_settings
+from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
                               lr_lambda, parameter_groups)
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
@@ -399,13 +400,17 @@ class Trainer:
         parameter_names = [name for name, _ in self.engine.module.named_parameters()]
         extra_state = {"universal_checkpoint_info": universal_checkpoint_info(int(embedding_rows), parameter_names)} \
             if embedding_rows else {}
-        if self.rank == 0 and (save_dir / tag).exists():
-            # Left by a save that never completed (or a run that fell back past it): start clean.
+        if self.rank == 0:
             import shutil
 
-            shutil.rmtree(save_dir / tag)
-            self._log(f"deleted {save_dir / tag}, left by an earlier save of iteration {self.iteration} "
-                      "that never completed, before saving it again")
+            if (save_dir / tag).exists():
+                # Left by a save that never completed (or a run that fell back past it): start clean.
+                shutil.rmtree(save_dir / tag)
+                self._log(f"deleted {save_dir / tag}, left by an earlier save of iteration {self.iteration} "
+                          "that never completed, before saving it again")
+            # Universal conversions of an earlier checkpoint of this iteration would pass for the new one's.
+            for conversion in save_dir.glob(f"{tag}{UNIVERSAL_SUFFIX}*"):
+                shutil.rmtree(conversion, ignore_errors=True)
         dist.barrier()
         self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
                                     save_latest=False)
@@ -463,9 +468,11 @@ class Trainer:
         for iteration, path in sorted(complete)[:-keep_last]:
             if path.name == latest_tag or (keep_every and iteration % keep_every == 0):
                 continue
-            universal = path.with_name(path.name + UNIVERSAL_SUFFIX)
-            with_universal = f" and its universal conversion {universal.name}" if universal.exists() else ""
-            shutil.rmtree(universal, ignore_errors=True)
+            conversions = sorted(path.parent.glob(f"{path.name}{UNIVERSAL_SUFFIX}*"))
+            with_universal = f" and its universal conversion {', '.join(c.name for c in conversions)}" \
+                if conversions else ""
+            for conversion in conversions:
+                shutil.rmtree(conversion, ignore_errors=True)
             shutil.rmtree(path, ignore_errors=True)
             # Rank 0 deletes, so rank 0 says so (self.log speaks from the last rank only).
             self._log(f"deleted old checkpoint {path}{with_universal} (--keep-last-checkpoints {keep_last}"
@@ -495,18 +502,22 @@ class Trainer:
         tag_dir = load_dir / tag
         saved = json.loads((tag_dir / RUN_STATE_FILE).read_text())
         saved_model = saved.get("args", {}).get("model_config")
+        relayout = self.universal_checkpoint and not finetune and \
+            saved_layout(saved) != (self.tensor_parallel_size, self.pipeline_parallel_size)
         if expected_model_config and saved_model:
             # The attention backend and dropout are how the model is trained, not what it is: a run
             # may switch them on resume (and checkpoints written before the backend existed do not name it).
+            # The vocabulary padding follows the tensor-parallel size, which a re-sharding resume changes.
+            runtime_fields = RUNTIME_MODEL_FIELDS + (("padded_vocab_size",) if relayout else ())
             differences = ", ".join(f"{k}: saved {saved_model.get(k)!r}, now {v!r}"
                                     for k, v in expected_model_config.items()
-                                    if k not in RUNTIME_MODEL_FIELDS and saved_model.get(k) != v)
+                                    if k not in runtime_fields and saved_model.get(k) != v)
             if differences:
                 raise CheckpointError(f"{tag_dir} holds a different model ({differences})")
         if saved.get("args", {}).get("converted_from") and not finetune:
             raise CheckpointError(f"{tag_dir} was converted from {saved['args']['converted_from']} and holds "
                                   "weights only (no optimizer or schedule): load it with --finetune")
-        check_resumed_settings(tag_dir, saved, self.run_args, asdict(self.config), finetune, self.log)
+        check_resumed_settings(tag_dir, saved, self.run_args, asdict(self.config), finetune, self.log, relayout)
         if finetune:
             path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
                                                   load_optimizer_states=False, load_lr_scheduler_states=False)
@@ -516,7 +527,7 @@ class Trainer:
             return True
         saved_zero_stage = int(saved.get("training_config", {}).get("zero_stage", 0))
         if self.universal_checkpoint:
-            load_tag = self._universal_tag(tag_dir, saved, saved_zero_stage)
+            load_tag = self._universal_tag(tag_dir, saved, saved_zero_stage, relayout)
         else:
             load_tag = tag
             if saved.get("data_parallel_size") != self.data_parallel_size and saved_zero_stage > 0:
@@ -533,11 +544,13 @@ class Trainer:
         self.consumed_tokens = int(saved.get("consumed_tokens", 0))
         self._continue_history()
         rng_file = tag_dir / f"rng_state_rank{self.rank:05d}.pt"
-        if rng_file.is_file() and saved.get("world_size") == self.world_size:
+        if rng_file.is_file() and saved.get("world_size") == self.world_size and not relayout:
             set_rng_state(torch.load(rng_file, weights_only=False))
-        elif saved.get("world_size") != self.world_size:
+        elif saved.get("world_size") != self.world_size or relayout:
             then_dp = saved.get("data_parallel_size")
-            change = (f"the data-parallel size changed ({then_dp} then, {self.data_parallel_size} now)"
+            change = (f"the layout changed ({layout_name(*saved_layout(saved))} then, "
+                      f"{layout_name(self.tensor_parallel_size, self.pipeline_parallel_size)} now)" if relayout else
+                      f"the data-parallel size changed ({then_dp} then, {self.data_parallel_size} now)"
                       if then_dp is not None and then_dp != self.data_parallel_size else
                       f"the world size changed ({saved.get('world_size')} then, {self.world_size} now)")
             self.log(f"note: the RNG states are not restored because {change}: each rank's state belongs to "
@@ -545,28 +558,33 @@ class Trainer:
         else:
             self.log(f"warning: no RNG state for rank {self.rank} in {tag_dir} ({rng_file.name} is missing): "
                      "dropout will not replay the uninterrupted run")
+        sizes = (f"{layout_name(*saved_layout(saved))} -> "
+                 f"{layout_name(self.tensor_parallel_size, self.pipeline_parallel_size)}, " if relayout else "") + \
+            f"data-parallel size {saved.get('data_parallel_size')} -> {self.data_parallel_size}"
         self.log(f"resumed from {tag_dir}: iteration {self.iteration}, consumed samples {self.consumed_samples}"
-                 + (f" (through {load_dir / load_tag}, data-parallel size {saved.get('data_parallel_size')} -> "
-                    f"{self.data_parallel_size})" if load_tag != tag else ""))
+                 + (f" (through {load_dir / load_tag}, {sizes})" if load_tag != tag else ""))
         return True
 
-    def _universal_tag(self, tag_dir: Path, saved: dict[str, Any], saved_zero_stage: int) -> str:
-        """Convert `tag_dir` to the universal format on rank 0 (if not done yet); every rank gets
-        its tag or the same error."""
-        args = saved.get("args", {})
-        for name, now in (("tensor_model_parallel_size", self.tensor_parallel_size),
-                          ("pipeline_model_parallel_size", self.pipeline_parallel_size)):
-            if int(args.get(name, 1)) != now:
-                raise CheckpointError(f"{tag_dir} was written with {name.replace('_', '-')} {args.get(name)}, this "
-                                      f"run has {now}; --universal-checkpoint changes the data-parallel size only "
-                                      "(keep tensor and pipeline sizes)")
-        if saved_zero_stage == 0:
+    def _universal_tag(self, tag_dir: Path, saved: dict[str, Any], saved_zero_stage: int, relayout: bool) -> str:
+        """Convert `tag_dir` to the universal format on rank 0 (if not done yet): DeepSpeed's
+        converter for another data-parallel size, relayout.py's re-sharding for another
+        tensor/pipeline layout. Every rank gets its tag or the same error."""
+        if saved_zero_stage == 0 and not relayout:
             raise CheckpointError(f"{tag_dir} was written with ZeRO-0, whose optimizer state is not partitioned: it "
                                   "loads on any data-parallel size as it is; drop --universal-checkpoint")
+        if relayout and saved_zero_stage not in RESHARDED_ZERO_STAGES:  # pretrain refuses it before building
+            raise CheckpointError(f"{tag_dir} was written with ZeRO-{saved_zero_stage}: --universal-checkpoint "
+                                  "re-shards ZeRO-1/2 optimizer partitions only; resume it on its saved layout")
+        embedding_rows = int((self.run_args.get("model_config") or {}).get("padded_vocab_size")
+                             or (self.run_args.get("model_config") or {}).get("vocab_size") or 0)
         error = ""
         if self.rank == 0:
             try:
-                convert_to_universal(tag_dir, self.log)
+                if relayout:  # rank 0 re-shards, so rank 0 says so (self.log speaks from the last rank only)
+                    relayout_to_universal(tag_dir, saved, self.tensor_parallel_size, self.pipeline_parallel_size,
+                                          embedding_rows, self._log)
+                else:
+                    convert_to_universal(tag_dir, self.log)
             except Exception as exception:  # noqa: BLE001 (reported on every rank below)
                 error = f"{type(exception).__name__}: {exception}"
         failed = torch.tensor([1.0 if error else 0.0])
@@ -576,7 +594,8 @@ class Trainer:
         if failed.item():
             raise CheckpointError(f"converting {tag_dir} to the universal format failed"
                                   + (f": {error}" if error else " (see rank 0's log)"))
-        return tag_dir.name + UNIVERSAL_SUFFIX
+        return relayout_tag(tag_dir.name, self.tensor_parallel_size, self.pipeline_parallel_size) if relayout else \
+            tag_dir.name + UNIVERSAL_SUFFIX
 
 
 class _CountingIterator:

@@ -28,11 +28,11 @@ def universal_checkpoint_info(embedding_rows: int, parameter_names: list[str]) -
     return {
         constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
         constants.TP_REPLICATED_PARAMETER_PATTERNS: used([
+            # Suffixes only: they name the plain model's parameters (`bert.encoder.layer.N.output...`,
+            # `cls.predictions.transform...`) and the pipeline stages' (`N.output...`, `N.transform...`) alike.
             r".*position_embeddings\.weight$", r".*token_type_embeddings\.weight$", r".*LayerNorm\.(weight|bias)$",
-            r".*attention\.output\.dense\.bias$", r".*layer\.\d+\.output\.dense\.bias$",
-            r".*cls\.predictions\.transform\.dense\.", r".*pooler\.", r".*cls\.seq_relationship\."]),
-        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: used([
-            r".*attention\.output\.dense\.weight$", r".*layer\.\d+\.output\.dense\.weight$"]),
+            r".*output\.dense\.bias$", r".*transform\.dense\.", r".*pooler\.", r".*seq_relationship\."]),
+        constants.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: used([r".*output\.dense\.weight$"]),
         constants.VOCABULARY_PARAMETER_PATTERNS: used([r".*word_embeddings\.weight$"]),
         constants.ORIGINAL_VOCAB_SIZE: embedding_rows,
     }
