@@ -24,7 +24,7 @@ from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE
 from .training.preflight import check_run_paths
 from .models.seq2seq import MODES, Seq2SeqConfig
-from .training.trainer import ExitSignal
+from .training.exit_signal import ExitSignal
 from .training.checkpoint_files import CheckpointError
 from .training.training_config import TrainingConfig, check_precision_supported
 

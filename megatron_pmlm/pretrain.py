@@ -20,7 +20,7 @@ from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
 from .training.preflight import check_run_paths, check_sizes
-from .training.trainer import ExitSignal
+from .training.exit_signal import ExitSignal
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
 

@@ -12,7 +12,6 @@ import dataclasses
 import io
 import json
 import os
-import shutil
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable

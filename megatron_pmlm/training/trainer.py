@@ -28,6 +28,7 @@ from ..files import write_text_atomically
 from ..models.layout import PMLMBatch
 from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
 from ..parallel.distributed import collective_device
+from .exit_signal import ExitSignal, signal_text
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
                                checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
                                newest_complete_checkpoint)
@@ -57,54 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-class ExitSignal:
-    """SIGTERM / SIGUSR1 (SLURM preemption, `scancel --signal`) and SIGINT (Ctrl-C) ask the run to
-    save and stop.
-
-    One per process, installed as early as possible (`ExitSignal.install()` first thing in the
-    entry point): a signal that arrives while the run is still starting is remembered, not fatal.
-    After a first SIGINT the default action is back, so a second Ctrl-C ends the process at once
-    (without saving).
-    """
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
-    _instance: "ExitSignal | None" = None
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self.agreed: int | None = None
-        """The signal all ranks act on (the highest number received on any rank), once they agreed."""
-        for sig in self.SIGNALS:
-            signal.signal(sig, self._handle)
-
-    @classmethod
-    def install(cls) -> "ExitSignal":
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
-
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
-        self.received = signum
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-    def any_rank_received(self) -> bool:
-        """All ranks agree (one tiny all-reduce per iteration) so they save together."""
-        flag = torch.tensor([float(self.received or 0)])
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.agreed = int(flag.item()) or None
-        return self.agreed is not None
-
-
-def _signal_text(signum: int | None) -> str:
-    """"15", or "2 (SIGINT, Ctrl-C)"; "on another rank" for a rank that did not receive it."""
-    if signum is None:
-        return "on another rank"
-    return f"{signum} (SIGINT, Ctrl-C)" if signum == signal.SIGINT else str(signum)
 
 
 RUNTIME_MODEL_FIELDS = ("attention_backend", "hidden_dropout", "attention_dropout")
@@ -272,7 +225,7 @@ class Trainer:
         if self.exit_signal.any_rank_received():
             # Signalled while starting: nothing new to save (the last checkpoint, if any, is current).
             self.stop_signal = self.exit_signal.agreed
-            self.log(f"received signal {_signal_text(self.exit_signal.received)} before the first "
+            self.log(f"received signal {signal_text(self.exit_signal.received)} before the first "
                      f"iteration: exiting at iteration {self.iteration} without training")
             return self.history
         while self.iteration < config.train_iters and stop_reason is None:
@@ -296,7 +249,7 @@ class Trainer:
                     config.save_interval and self.iteration % config.save_interval == 0)):
                 self.save_checkpoint(save_dir)
         if stop_reason == "signal":
-            self.log(f"received signal {_signal_text(self.exit_signal.received)}: "
+            self.log(f"received signal {signal_text(self.exit_signal.received)}: "
                      + (f"saved at iteration {self.iteration}" if save_dir else
                         f"stopped at iteration {self.iteration} (no --save: nothing saved)")
                      + (f", exiting with status {self.exit_status}" if self.exit_status else ", exiting"))
