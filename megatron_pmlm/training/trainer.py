@@ -28,10 +28,10 @@ from ..files import write_text_atomically
 from ..models.layout import PMLMBatch
 from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
 from ..parallel.distributed import collective_device
-from .exit_signal import ExitSignal, signal_text
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
                                checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
                                newest_complete_checkpoint)
+from .exit_signal import ExitSignal, signal_text
 from .preflight import check_resumed_settings
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
