@@ -176,18 +176,73 @@ def test_ctrl_c_saves_at_the_current_iteration_and_exits_130(pretraining_samples
     _saved_on_ctrl_c(text, ckpt, seen=2)
 
 
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler installed for `signum` (the SigCgt mask of /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError(f"no SigCgt line in /proc/{pid}/status")
+
+
+def _fill(pipe_write_end: int) -> None:
+    """Write into a pipe until it holds not one more byte (pages first, then single bytes).
+
+    Through a second open of the pipe: O_NONBLOCK belongs to an open file description, and the one
+    behind `pipe_write_end` is the child's stdout too, whose writes must block, not fail."""
+    own = os.open(f"/proc/self/fd/{pipe_write_end}", os.O_WRONLY | os.O_NONBLOCK)
+    try:
+        for chunk in (b"." * 4096, b"."):
+            try:
+                while True:
+                    os.write(own, chunk)
+            except BlockingIOError:
+                pass
+    finally:
+        os.close(own)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="needs /proc (Linux) to see signal handlers")
 def test_a_second_ctrl_c_exits_at_once(pretraining_samples, tmp_path):
+    """The second Ctrl-C ends a run that has not got to its save yet, here one held at its next log line.
+
+    Deterministic, no sleeps to guess: the test keeps the write end of the run's output pipe and fills
+    it, so the run cannot get past its next log line (the signal check and the save come after it).
+    The first SIGINT runs the handler, which puts the default action back (/proc shows the handler
+    gone); the second SIGINT then ends the process by that default action, with nothing saved."""
     ckpt = tmp_path / "ckpt"
-    process, lines = _start_until_iteration(
+    read_end, write_end = os.pipe()
+    process = subprocess.Popen(
         [sys.executable, "-m", "megatron_pmlm.pretrain", "--data-path", str(pretraining_samples), *TINY,
-         "--train-iters", "100000", "--save", str(ckpt)], iteration=1)
-    process.send_signal(signal.SIGINT)
-    time.sleep(0.1)  # the first is handled (the rest of an iteration and a save take longer)
-    process.send_signal(signal.SIGINT)
-    output, _ = process.communicate(timeout=240)
-    text = "".join(lines) + output
-    assert process.returncode == -signal.SIGINT, text[-4000:]  # the default action: ended by the signal
-    assert "received signal" not in text and "Traceback" not in text and "KeyboardInterrupt" not in text
+         "--train-iters", "100000", "--save", str(ckpt)], stdout=write_end, stderr=write_end,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    reader = os.fdopen(read_end, "r")
+    lines = []
+    try:
+        for line in reader:
+            lines.append(line)
+            if line.startswith("iteration") and "/100000" in line:
+                break
+        else:
+            raise AssertionError("the run ended before its first iteration:\n" + "".join(lines)[-4000:])
+        _fill(write_end)
+        assert _catches(process.pid, signal.SIGINT)
+        process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while _catches(process.pid, signal.SIGINT):
+            assert process.poll() is None, "the run ended on the first SIGINT while held at its log line"
+            assert time.monotonic() < deadline, "the SIGINT handler is still installed 60 s after the first SIGINT"
+            time.sleep(0.01)
+        assert process.poll() is None, "the run went on past a full pipe"
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=120) == -signal.SIGINT  # the default action: ended by the signal
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        os.close(write_end)
+        text = "".join(lines) + reader.read().replace(".", "")
+        reader.close()
+    assert "received signal" not in text and "Traceback" not in text and "KeyboardInterrupt" not in text, text[-4000:]
     assert not (ckpt / "latest").exists()
 
 
