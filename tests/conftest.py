@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, SHARED_DATA, run_module
+from pmlm_testing import SHARED_DATA, run_module
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sacrebleu
 
-from megatron_pmlm.eval_s2s import InputError, evaluate, main, normalise
+from megatron_pmlm.eval_s2s import evaluate, main, normalise
 from pmlm_testing import run_module
 
 QG_REFERENCES = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "qg" / "tgt-dev.txt"

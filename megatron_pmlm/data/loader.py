@@ -255,7 +255,8 @@ def samples_loaders(data_path: str | os.PathLike, metadata: dict, make_builder: 
         valid_samples = PretrainingSamples(data_path, "valid", corpora)
         valid_builder = make_builder(valid_samples)
 
-        def valid() -> Iterator[PMLMBatch]:
+        def valid_batches() -> Iterator[PMLMBatch]:
             return validation_batches(valid_samples, valid_builder, micro_batch_size,
                                       data_parallel_rank, data_parallel_size)
+        valid = valid_batches
     return PretrainingLoaders(train, valid, train_samples, valid_samples, metadata)
