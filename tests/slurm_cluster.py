@@ -219,7 +219,10 @@ class SlurmCluster:
         def node_ready():
             for name in ("slurmctld", "slurmd"):
                 self._check_alive(name, self.root / "log" / f"{name}.log")
-            states = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False, timeout=10).stdout.split()
+            try:  # a controller still starting can keep sinfo waiting: ask again, within the deadline
+                states = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False, timeout=10).stdout.split()
+            except subprocess.TimeoutExpired:
+                return False
             return states and all(state.rstrip("*~#") in ("idle", "mix", "alloc") for state in states)
 
         _wait(node_ready, 60, f"node {self.node} to be idle in the private cluster", interval=0.5)

@@ -251,7 +251,10 @@ class MultiNodeCluster(SlurmCluster):
         def nodes_ready():
             for name in self.processes:
                 self._check_alive(name, self.root / "log" / f"{name}.log")
-            states = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False, timeout=10).stdout.split()
+            try:  # a controller still starting can keep sinfo waiting: ask again, within the deadline
+                states = self.run(["sinfo", "-h", "-N", "-o", "%t"], check=False, timeout=10).stdout.split()
+            except subprocess.TimeoutExpired:
+                return False
             return len(states) == len(self.nodes) and all(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states)
 
         _wait(nodes_ready, 90, "both nodes to be idle in the private cluster", interval=0.5)
