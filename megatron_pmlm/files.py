@@ -222,6 +222,18 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def read_json(path: str | os.PathLike, error: type[Exception], missing: str | None = None) -> Any:
+    """A JSON file's contents. A file that is not JSON (or not text) raises `error` naming it, not a
+    parser traceback; with `missing` (why the file matters), so does an absent one."""
+    path = Path(path)
+    if missing is not None and not path.is_file():
+        raise error(f"{path} is missing: {missing}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as reason:
+        raise error(f"{path} is not valid JSON ({reason})") from None
+
+
 def write_json_atomically(path: str | os.PathLike, data: Any, indent: int = 2) -> None:
     """Strict JSON (NaN and infinities, which strict readers refuse, become null; numpy scalars
     become numbers) by `open_output`'s rules."""

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .config import ConfigError, ModelConfig
+from .files import read_json
 from .tokenizer import Vocabulary, VocabularyError, folder_vocabulary, read_vocabulary_file
 from .training.checkpoint_files import LATEST_FILE
 
@@ -104,10 +105,7 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     from .training.checkpoint_reader import ConversionError
 
     config_file = folder / "config.json"
-    try:
-        hf = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{config_file} is not valid JSON ({error})") from None
+    hf = read_json(config_file, ConfigError, missing="not a Hugging Face model folder")
     try:
         config = model_config_from_hf(hf, str(config_file), padded_vocab_size=0)
         vocabulary = folder_vocabulary(folder)

@@ -279,6 +279,8 @@ def test_bad_checkpoints_are_refused_naming_what_is_missing(trained, tmp_path, c
     run_state_file.write_text(json.dumps(run_state))
     err = _fails(["--load", str(other), "--output", str(out)], capsys)
     assert "another model" in err and "bert.encoder.layer.2.attention.self.query.weight" in err
+    run_state_file.write_bytes(b"\xff\xfe{ not text, not JSON")
+    assert f"{run_state_file} is not valid JSON" in _fails(["--load", str(other), "--output", str(out)], capsys)
     (other / "iter_0000001" / "run_state.json").unlink()
     assert "not a megatron-pmlm checkpoint" in _fails(["--load", str(other), "--output", str(out)], capsys)
     # Nothing was written, not even a partial folder.
@@ -290,6 +292,11 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "roberta", "vocab_size": 10}))
     result = run_module("megatron_pmlm.hf.convert", "--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "s"))
     assert result.returncode == 2 and "model_type 'roberta'" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "bert",')
+    result = run_module("megatron_pmlm.hf.convert", "--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "s"))
+    assert result.returncode == 2 and f"{tmp_path / 'hf' / 'config.json'} is not valid JSON" in result.stderr, \
+        result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
     script = REPO_ROOT / "tools" / "convert_checkpoint.py"
     import subprocess

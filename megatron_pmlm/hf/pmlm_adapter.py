@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ConfigError, ModelConfig
+from ..files import read_json
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, expected_shapes, has_nsp_head,
                                           load_pretraining_checkpoint)
@@ -386,12 +387,7 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
     if not hf_dir.is_dir():
         raise ConversionError(f"--from-hf {hf_dir} does not exist")
     config_file = hf_dir / "config.json"
-    if not config_file.is_file():
-        raise ConversionError(f"{config_file} is missing: not a Hugging Face model folder")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{config_file} is not valid JSON ({error})") from None
+    hf_config = read_json(config_file, ConversionError, missing="not a Hugging Face model folder")
     if tensor_parallel_size < 1:
         raise ConversionError("--tensor-model-parallel-size must be >= 1")
     vocab_size = int(hf_config.get("vocab_size", 0))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import json
 import os
 import re
 import tempfile
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, ModelConfig
+from ..files import read_json
 from .checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 
 
@@ -78,23 +78,14 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Pa
 
 def run_state_of(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str, dict[str, Any]]:
     directory, tag = resolve_tag(load_dir, tag)
-    path = directory / tag / RUN_STATE_FILE
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: {directory / tag} is not a megatron-pmlm checkpoint")
-    try:
-        return directory, tag, json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON ({error})") from None
+    return directory, tag, read_json(directory / tag / RUN_STATE_FILE, ConversionError,
+                                     missing=f"{directory / tag} is not a megatron-pmlm checkpoint")
 
 
 def read_run_state(tag_dir: Path) -> tuple[dict[str, Any], ModelConfig]:
     path = tag_dir / RUN_STATE_FILE
-    if not path.is_file():
-        raise ConversionError(f"{path} is missing: {tag_dir} is not a megatron-pmlm checkpoint (or an incomplete one)")
-    try:
-        run_state = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConversionError(f"{path} is not valid JSON ({error})") from None
+    run_state = read_json(path, ConversionError,
+                          missing=f"{tag_dir} is not a megatron-pmlm checkpoint (or an incomplete one)")
     saved = run_state.get("args", {}).get("model_config") if isinstance(run_state, dict) else None
     if not isinstance(saved, dict):
         raise ConversionError(f"{path} has no args.model_config: not a megatron-pmlm checkpoint")

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
+from ..files import read_json
 from ..parallel.distributed import collective_device
 
 
@@ -183,10 +184,7 @@ def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"DeepSpeed config not found: {path}")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path} is not valid JSON: {error}") from None
+    return read_json(path, ConfigError)
 
 
 def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
