@@ -1,0 +1,149 @@
+"""Count what would make the host wait for the device, on any machine, the CPU included.
+
+On a GPU an op whose result size or value the host must know (`.item()`, `nonzero`, boolean
+indexing, `.cpu()`, `.tolist()`) stalls the launch queue until every kernel before it has run
+(SPEC §14). `torch.cuda.set_sync_debug_mode` reports them on a GPU only; this counter sees the same
+ops on the CPU, so the tests and `tools/bench_train.py` can hold the step to zero without a GPU.
+
+Each sync is attributed to the innermost frame outside torch and this module: ours
+(`megatron_pmlm`), DeepSpeed's, megatron-core's, or other code, so DeepSpeed's own per-step syncs
+(its overflow check) can be listed apart from ours.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+SYNCING_OPS = {
+    aten._local_scalar_dense.default: "item",  # .item(), float(t), int(t), bool(t), if t:
+    aten.nonzero.default: "nonzero",
+    aten.masked_select.default: "masked_select",
+    aten.unique_consecutive.default: "unique",
+    aten._unique2.default: "unique",
+    aten.repeat_interleave.Tensor: "repeat_interleave",
+}
+"""ATen ops whose output shape or value the host needs: each waits for the device."""
+
+BOOLEAN_INDEXED_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put_.default,
+                       aten._index_put_impl_.default)
+"""Indexing ops that sync when an index is boolean (it becomes `nonzero` first)."""
+
+PATCHED_METHODS = ("item", "cpu", "tolist", "numpy")
+"""Tensor methods that copy to the host; on a CPU tensor `.cpu()`, `.tolist()` and `.numpy()`
+dispatch nothing, so they are counted by patching the methods."""
+
+_THIS_FILE = str(Path(__file__).resolve())
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+OWNERS = (("megatron_pmlm", "ours"), ("deepspeed", "deepspeed"), ("megatron", "megatron-core"))
+
+
+def _owner_and_place() -> tuple[str, str]:
+    """(owner, "file:line") of the innermost frame outside torch and this module."""
+    for frame in reversed(traceback.extract_stack()):
+        filename = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
+        if not filename or filename == _THIS_FILE or filename.startswith(_TORCH_DIR):
+            continue
+        parts = Path(filename).parts
+        for package, owner in OWNERS:
+            if package in parts:
+                index = parts.index(package)
+                return owner, f"{'/'.join(parts[index:])}:{frame.lineno}"
+        return "other", f"{filename}:{frame.lineno}"
+    return "other", "?"
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts host-device synchronisation points while active (a context manager).
+
+        with HostSyncCounter() as syncs:
+            step()
+        syncs.count("ours")   # 0 is the goal
+        syncs.report()        # one line per (owner, what, where)
+
+    Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, and calls of the Tensor
+    methods `PATCHED_METHODS`. A method call that dispatches a counted op (`.item()`) counts once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self._in_method = 0
+        self._originals: dict[str, object] = {}
+
+    # ---------------------------------------------------------------- dispatch
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        what = SYNCING_OPS.get(func)
+        if what is None and func in BOOLEAN_INDEXED_OPS and _has_boolean_index(args, kwargs):
+            what = "boolean index"
+        if what is not None and not self._in_method:
+            self._record(what)
+        return func(*args, **kwargs)
+
+    # ---------------------------------------------------------------- methods
+    def __enter__(self):
+        for name in PATCHED_METHODS:
+            original = getattr(torch.Tensor, name)
+            self._originals[name] = original
+            setattr(torch.Tensor, name, self._counting(name, original))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, original in self._originals.items():
+                setattr(torch.Tensor, name, original)
+            self._originals.clear()
+
+    def _counting(self, name: str, original):
+        counter = self
+
+        def method(tensor, *args, **kwargs):
+            if counter._in_method:
+                return original(tensor, *args, **kwargs)
+            counter._record(f".{name}()")
+            counter._in_method += 1
+            try:
+                return original(tensor, *args, **kwargs)
+            finally:
+                counter._in_method -= 1
+
+        method.__name__ = name
+        return method
+
+    def _record(self, what: str) -> None:
+        owner, place = _owner_and_place()
+        self.events[(owner, what, place)] += 1
+
+    # ---------------------------------------------------------------- results
+    def count(self, owner: str | None = None) -> int:
+        """Syncs seen (of one owner: "ours", "deepspeed", "megatron-core", "other")."""
+        return sum(n for (who, _, _), n in self.events.items() if owner is None or who == owner)
+
+    def report(self, owner: str | None = None) -> str:
+        lines = [f"{n:5d}  {who:13s} {what:18s} {place}" for (who, what, place), n in
+                 sorted(self.events.items(), key=lambda item: (-item[1], item[0]))
+                 if owner is None or who == owner]
+        return "\n".join(lines) if lines else "(no host-device synchronisation)"
+
+
+def _has_boolean_index(args, kwargs) -> bool:
+    indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+    return any(isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+               for index in (indices or ()) if index is not None)
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick look: python -m megatron_pmlm.training.host_syncs
+    with HostSyncCounter() as counter:
+        x = torch.randn(4)
+        x[x > 0].sum().item()
+    print(counter.report(), file=sys.stdout)

@@ -1,0 +1,45 @@
+"""The host-sync counter (training/host_syncs.py) sees what would stall a GPU, on the CPU."""
+
+import torch
+
+from megatron_pmlm.training.host_syncs import HostSyncCounter
+
+
+def test_counts_each_kind_of_sync_once_and_attributes_it():
+    x = torch.randn(8)
+    mask = x > 0
+    with HostSyncCounter() as syncs:
+        x.sum().item()            # .item() (its _local_scalar_dense is not counted again)
+        x[mask]                   # boolean index
+        torch.nonzero(x)          # nonzero
+        x.cpu()                   # no dispatch on a CPU tensor: counted through the method
+        x.tolist()
+        x.numpy()
+        float(x.sum())            # _local_scalar_dense without a method
+    kinds = sorted(what for (_, what, _) in syncs.events)
+    assert kinds == sorted([".item()", "boolean index", "nonzero", ".cpu()", ".tolist()", ".numpy()", "item"])
+    assert syncs.count() == 7
+    # This file is not in megatron_pmlm, deepspeed or megatron: "other", named with its line.
+    assert syncs.count("other") == 7 and syncs.count("ours") == 0
+    assert "test_host_syncs.py:" in syncs.report()
+
+
+def test_sync_free_code_counts_zero_and_methods_are_restored():
+    x, index = torch.randn(8, 4), torch.tensor([1, 3])
+    original = torch.Tensor.item
+    with HostSyncCounter() as syncs:
+        y = x.index_select(0, index) * 2
+        y[torch.tensor([0])] = 1.0  # integer index: no sync
+        torch.where(x > 0, x, 0).sum()
+    assert syncs.count() == 0, syncs.report()
+    assert torch.Tensor.item is original
+
+
+def test_our_code_is_attributed_to_us():
+    from megatron_pmlm.models.metrics import MetricSums
+
+    sums = MetricSums()
+    with HostSyncCounter() as syncs:
+        sums.averages()  # reads the sums on the host: a sync in our code
+    assert syncs.count("ours") >= 1
+    assert "megatron_pmlm/models/metrics.py:" in syncs.report("ours")
