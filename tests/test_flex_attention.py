@@ -85,6 +85,23 @@ def test_flex_equals_sdpa_without_relative_bias_and_with_activation_checkpointin
     assert grads["bert.rel_pos_bias.weight"].abs().sum() > 0
 
 
+def test_per_tile_bias_tables_give_the_same_outputs_and_table_gradient(monkeypatch):
+    """The score_mod reads a copy of the distance table per (sample, head, query tile, key tile), so
+    the kernel's atomic adds of the table's gradient land in disjoint rows; the copies' gradients
+    sum back to the table's. Tiles of 8 positions (dozens of tiles here) equal sdpa as one tile does."""
+    from megatron_pmlm.models import flex_attention
+
+    objective = get_objective("ae+par")
+    batch = _batch(objective, seed=3)
+    assert batch.input_ids.shape[1] > 4 * 8
+    monkeypatch.setattr(flex_attention, "BIAS_GRADIENT_TILE", 8)
+    grads = _assert_backends_agree(objective, batch)
+    assert grads["bert.rel_pos_bias.weight"].abs().sum() > 0
+    table = torch.randn(2, 9)
+    tiles = flex_attention.tiled_distance_bias(table, 3, 20, 17, tile=8)
+    assert tiles.shape == (3, 2, 3, 3, 9) and torch.equal(tiles[2, 1, 2, 0], table[1])
+
+
 def test_flex_equals_sdpa_on_the_base_preset():
     objective = get_objective("ae+par")
     batch = _batch(objective, lengths=(48, 31), seed=2)
@@ -155,3 +172,42 @@ def test_bench_train_takes_the_flex_backend():
                             timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert "attention flex" in result.stdout and "ms/step" in result.stdout
+
+
+def test_the_layers_of_a_pipeline_stage_build_one_block_mask_per_micro_batch():
+    """Pipeline stages receive roles and steps, not the block mask: the first layer builds it, the
+    stage's other layers (and a detached view of the same tensors, as activation checkpointing
+    passes) reuse it; new or modified roles/steps build a new one, equal to a fresh build."""
+    from megatron_pmlm.models.flex_attention import BlockMaskCache, build_block_mask
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    from megatron_pmlm.models.pipeline import LayerPipe
+    from megatron_pmlm.parallel.layers import LocalLayers
+
+    config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
+                                      attention_backend="flex")
+    cache = BlockMaskCache()
+    stage = [LayerPipe(config, LocalLayers(), block_masks=cache) for _ in range(3)]
+    batch = _batch(get_objective("ae+par"))
+    hidden = torch.randn(*batch.input_ids.shape, config.hidden_size)
+    table = torch.zeros(config.num_attention_heads, 2 * config.max_rel_pos + 1)
+
+    def run(roles, steps):
+        activations = (hidden, table, batch.position_ids, steps, batch.token_type_ids, roles, batch.labels)
+        for layer in stage:
+            activations = layer(activations)
+        return activations[0]
+
+    out = run(batch.roles, batch.steps)
+    assert cache.builds == 1
+    run(batch.roles.detach(), batch.steps.detach())
+    assert cache.builds == 1
+    roles = batch.roles.clone()  # the next micro batch's tensors (same content here, other storage)
+    run(roles, batch.steps)
+    assert cache.builds == 2
+    builds = cache.builds
+    roles[0, 0] = PAD  # modified in place: its version counter moves on
+    run(roles, batch.steps)
+    assert cache.builds == builds + 1
+    fresh = build_block_mask(pmlm_attention_allowed, roles, batch.steps)
+    assert torch.equal(cache.get(pmlm_attention_allowed, roles, batch.steps).to_dense(), fresh.to_dense())
+    assert torch.isfinite(out).all()

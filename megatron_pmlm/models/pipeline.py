@@ -14,8 +14,9 @@ gradient across the two. Activations between stages are tuples of tensors whose 
 batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
 hidden states so the relative-position table lives on the first stage only. With the flex backend
 the stages pass the relative-bias distance table [heads, 2 x max_distance + 1] (its gradient flows
-back to the first stage) and the position ids, steps and roles, and every layer builds its
-FlexAttention block mask from the same rule: no dense [B, heads, T, T] tensor is sent.
+back to the first stage) and the position ids, steps and roles; the first layer of a stage builds
+the FlexAttention block mask from the same rule and the stage's other layers reuse it
+(`flex_attention.BlockMaskCache`): no dense [B, heads, T, T] tensor is sent.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layout import MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, predicted_slots
-from .flex_attention import build_flex_attention_mask, default_layout_quantum
+from .flex_attention import BlockMaskCache, build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
@@ -92,10 +93,12 @@ class EmbeddingPipe(nn.Module):
 
 class LayerPipe(BertLayer):
     def __init__(self, config: ModelConfig, layers: ParallelLayers,
-                 attention_rule: AttentionRule = pmlm_attention_allowed):
+                 attention_rule: AttentionRule = pmlm_attention_allowed, block_masks: BlockMaskCache | None = None):
         super().__init__(config, layers)
         self.attention_rule = attention_rule
         self.max_distance = config.max_rel_pos
+        self.block_masks = block_masks
+        """Shared by the layers of this stage: flex's block mask is built once per micro batch."""
 
     def forward(self, activations):
         if len(activations) == 5:  # sdpa
@@ -105,7 +108,7 @@ class LayerPipe(BertLayer):
             return (super().forward(hidden, additive),) + tuple(activations[1:])
         hidden, table, position_ids, steps, _, roles, _ = activations
         mask = build_flex_attention_mask(self.attention_rule, roles, steps, table if table.is_floating_point() else None,
-                                         position_ids, self.max_distance)
+                                         position_ids, self.max_distance, block_masks=self.block_masks)
         return (super().forward(hidden, mask),) + tuple(activations[1:])
 
 
@@ -214,7 +217,8 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     tied = dict(tied_weight_attr=["word_embeddings.weight"])
     specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, **tied),
              LayerSpec(EmbeddingPipe, config, layers)]
-    specs += [LayerSpec(LayerPipe, config, layers) for _ in range(config.num_layers)]
+    block_masks = BlockMaskCache() if config.attention_backend == "flex" else None
+    specs += [LayerSpec(LayerPipe, config, layers, block_masks=block_masks) for _ in range(config.num_layers)]
     specs += [LayerSpec(HeadTransformPipe, config, objective),
               TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers,
                             forward_fn=tied_logits_forward(layers), **tied),
