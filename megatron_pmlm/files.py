@@ -260,8 +260,20 @@ def logs_to_stderr(*outputs: str | os.PathLike | None) -> Iterator[None]:
 # What the console shows: one line per real event
 # ------------------------------------------------------------------------------------------------
 
-NOISE_WARNINGS = ("Transformer Engine and Apex are not installed",)
-"""megatron-core warns so from four modules at every launch; the torch fallbacks are what we use."""
+NOISE_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+)
+"""megatron-core warns of the first from four modules at every launch (the torch fallbacks are what
+we use); torch deprecates the collectives DeepSpeed's ZeRO-2/3 call (DeepSpeed's code, nothing a
+user of this project can change)."""
+CPU_NOISE_WARNINGS = (
+    "When using async grad allreduce it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+    "When using sequence parallelism it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+)
+"""megatron-core's tensor-parallel layers ask for CUDA_DEVICE_MAX_CONNECTIONS=1, which orders CUDA
+kernels: meaningless on the CPU (filtered there), a real request on a GPU (kept)."""
 NOISE_LOGS = {"DeepSpeed": ("Setting accelerator to CPU",)}
 """DeepSpeed's note when it finds no GPU: a CPU run knows it (GPU runs check their device themselves)."""
 
@@ -284,7 +296,9 @@ def quiet_libraries() -> None:
     import re
     import warnings
 
-    for message in NOISE_WARNINGS:
+    from .models.accelerated import training_device_type
+
+    for message in NOISE_WARNINGS + (CPU_NOISE_WARNINGS if training_device_type() == "cpu" else ()):
         warnings.filterwarnings("ignore", message=re.escape(message))
     for name, prefixes in NOISE_LOGS.items():
         logger = logging.getLogger(name)
