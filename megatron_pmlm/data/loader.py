@@ -218,6 +218,8 @@ class DevicePrefetcher:
         self.device = torch.device(device)
         self.tokens = 0
         self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:  # the thread sets its device by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -283,7 +285,9 @@ class DevicePrefetcher:
             compute.wait_event(copied)
             # Memory made on the copy stream is used on the compute stream: the allocator must
             # not reuse it before the compute stream is done with it.
-            _map_tensors(batch, lambda tensor: tensor.record_stream(compute) or tensor)
+            for field in dataclasses.fields(batch):
+                if isinstance(getattr(batch, field.name), torch.Tensor):
+                    getattr(batch, field.name).record_stream(compute)
         self.tokens += tokens
         return batch
 
