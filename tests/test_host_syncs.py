@@ -43,3 +43,17 @@ def test_our_code_is_attributed_to_us():
         sums.averages()  # reads the sums on the host: a sync in our code
     assert syncs.count("ours") >= 1
     assert "megatron_pmlm/models/metrics.py:" in syncs.report("ours")
+
+
+def test_only_the_thread_that_entered_is_counted():
+    """A loader thread reading its CPU batch (`int(t.sum())`, `.tolist()`) stalls no launch queue:
+    the dispatch mode is per thread, and the patched methods follow it."""
+    import threading
+
+    x = torch.randn(8)
+    with HostSyncCounter() as syncs:
+        worker = threading.Thread(target=lambda: (x.sum().item(), x.tolist(), float(x.sum()), x[x > 0]))
+        worker.start()
+        worker.join()
+        x.tolist()  # this thread's read still counts
+    assert syncs.count() == 1, syncs.report()

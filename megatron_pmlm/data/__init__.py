@@ -13,7 +13,7 @@ _EXPORTS = {
     "PretrainingSamples": "samples", "SamplesError": "samples", "get_sample": "samples",
     "read_metadata": "samples",
     "PMLMBatchBuilder": "loader", "PMLMBatchLoader": "loader", "PretrainingLoaders": "loader",
-    "PretrainingSampler": "loader", "build_pretraining_loaders": "loader",
+    "PretrainingSampler": "loader", "build_pretraining_loaders": "loader", "DevicePrefetcher": "loader",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -3,17 +3,23 @@
 Per batch the work is a few vectorized gathers (tokens, stored masks) and `layout.build_batch`;
 nothing loops over tokens in Python. The sampler is a pure function of (seed, epoch,
 consumed_samples), so a restart from a checkpoint's `consumed_samples` continues exactly where
-the interrupted run would have gone: no sample seen twice, none skipped.
+the interrupted run would have gone: no sample seen twice, none skipped. The trainer reads the
+batches through a `DevicePrefetcher`: the next micro batch is built in a background thread and
+copied to the device (from pinned memory, without blocking) while the current one trains.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import numpy as np
+import torch
 
 from ..config import ConfigError
 from ..models.layout import PMLMBatch
@@ -180,6 +186,135 @@ class PMLMBatchLoader:
     def __next__(self) -> PMLMBatch:
         indices, epoch = next(self.sampler)
         return self.builder(indices, epoch)
+
+
+class DevicePrefetcher:
+    """Micro batches on the device, the next ones built and copied while the current one trains.
+
+    Wraps any iterator of batch dataclasses (PMLMBatch, PalmBatch: tensor fields and
+    `num_tokens()`). A background thread takes batches from it in order, counts their tokens on
+    the host, and on CUDA pins them and copies them on a side stream with `non_blocking=True`;
+    `next` makes the compute stream wait for that copy (an event, not a host wait), so reading a
+    batch never stalls the host. On the CPU the batches pass as they are.
+
+    Order and content are the source's: the thread reads at most `depth` + 1 batches ahead, and
+    what it read but nobody took is dropped at `close`, which is harmless because a resumed run
+    rebuilds its loader from the checkpoint's `consumed_samples` (the Trainer's count of the
+    batches trained, not the sampler's, which runs ahead). The batch builders draw no global
+    random numbers, so building in another thread changes no result.
+
+    `tokens`: the tokens of the batches handed out so far (what throughput is counted in).
+    An error in the source is raised by `next`, with its traceback; `close` (or leaving the `with`
+    block) stops the thread on every way out, a signal's included.
+    """
+
+    _END = object()
+    JOIN_SECONDS = 60.0
+    """How long `close` waits for a batch being built; the thread is a daemon past that."""
+
+    def __init__(self, batches: Iterator[Any], device: torch.device | str, depth: int = 1,
+                 background: bool = True):
+        self.source = iter(batches)
+        self.device = torch.device(device)
+        self.tokens = 0
+        self._cuda = self.device.type == "cuda"
+        if self._cuda and self.device.index is None:  # the thread sets its device by index
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._finished = False
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._fill, name="batch-prefetch", daemon=True)
+            self._thread.start()
+
+    # ---------------------------------------------------------------- the background thread
+    def _prepare(self, batch: Any) -> tuple[Any, int, Any]:
+        """(the batch on the device, its tokens, the copy's CUDA event or None)."""
+        tokens = batch.num_tokens()
+        if not self._cuda:
+            return _map_tensors(batch, lambda tensor: tensor.to(self.device)), tokens, None
+        with torch.cuda.stream(self._stream):
+            moved = _map_tensors(batch, lambda tensor: tensor.pin_memory().to(self.device, non_blocking=True))
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        return moved, tokens, copied
+
+    def _fill(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.device)
+        while not self._stop.is_set():
+            try:
+                item = self._prepare(next(self.source))
+            except StopIteration:
+                item = self._END
+            except BaseException as error:  # noqa: BLE001 (handed to the consumer, raised there)
+                item = error
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not isinstance(item, tuple):
+                return
+
+    # ---------------------------------------------------------------- the consumer
+    def __iter__(self) -> "DevicePrefetcher":
+        return self
+
+    def __next__(self) -> Any:
+        if self._finished:
+            raise StopIteration
+        if self._thread is None:
+            try:
+                item = self._prepare(next(self.source))
+            except StopIteration:
+                item = self._END
+        else:
+            item = self._queue.get()
+        if not isinstance(item, tuple):
+            self._finished = True
+            if item is self._END:
+                raise StopIteration
+            raise item
+        batch, tokens, copied = item
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            # Memory made on the copy stream is used on the compute stream: the allocator must
+            # not reuse it before the compute stream is done with it.
+            for field in dataclasses.fields(batch):
+                if isinstance(getattr(batch, field.name), torch.Tensor):
+                    getattr(batch, field.name).record_stream(compute)
+        self.tokens += tokens
+        return batch
+
+    def close(self) -> None:
+        """Stop the thread (it finishes the batch in hand) and drop what it prefetched."""
+        self._stop.set()
+        self._finished = True
+        if self._thread is not None:
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            self._thread.join(self.JOIN_SECONDS)
+
+    def __enter__(self) -> "DevicePrefetcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _map_tensors(batch: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """The batch dataclass with `function` applied to each tensor field (others kept)."""
+    return dataclasses.replace(batch, **{field.name: function(getattr(batch, field.name))
+                                         for field in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, field.name), torch.Tensor)})
 
 
 def validation_batches(samples: PretrainingSamples, builder: PMLMBatchBuilder, micro_batch_size: int,

@@ -41,23 +41,38 @@ UNILM_METRICS = MetricSpec(
 
 
 class MetricSums:
-    """Sums of per-micro-batch losses and counts, reduced and averaged at log time."""
+    """Sums of per-micro-batch losses and counts, reduced and averaged at log time.
 
-    def __init__(self, spec: MetricSpec = PMLM_METRICS) -> None:
+    The sums live on the device of the metrics they add (float64, as before), so adding a micro
+    batch reads nothing back to the host; `averages` reads them once, when a line is logged.
+    """
+
+    def __init__(self, spec: MetricSpec = PMLM_METRICS, device: torch.device | str | None = None) -> None:
         self.spec = spec
-        self.values = torch.zeros(len(spec.names) + 1, dtype=torch.float64)  # + micro-batch count
+        self.values = torch.zeros(len(spec.names) + 1, dtype=torch.float64, device=device)  # + micro-batch count
 
     def add_tensor(self, metrics: torch.Tensor) -> None:
-        """metrics: one micro batch's vector, in `spec.names` order."""
-        self.values[:-1] += metrics.detach().double().cpu()
+        """metrics: one micro batch's vector, in `spec.names` order (on any device: the sums follow
+        it while they are still empty)."""
+        if self.values.device != metrics.device:
+            self._follow(metrics.device)
+        self.values[:-1] += metrics.detach().double()
         self.values[-1] += 1
 
     def merge(self, other: "MetricSums") -> None:
+        if self.values.device != other.values.device:
+            self._follow(other.values.device)
         self.values += other.values
 
+    def _follow(self, device: torch.device) -> None:
+        """Sums made before the metrics' device was known (the Trainer passes it) move there once."""
+        self.values = self.values.to(device)
+
     def averages(self) -> dict[str, float]:
-        v = dict(zip(self.spec.names, self.values.tolist()))
-        batches = max(1.0, float(self.values[-1]))
+        """The logged values: the sums' one read to the host."""
+        values = self.values.tolist()
+        v = dict(zip(self.spec.names, values))
+        batches = max(1.0, values[-1])
         out = {name: v[name] / batches for name in self.spec.losses}
         for name, correct, count in self.spec.accuracies:
             out[name] = v[correct] / max(1.0, v[count])

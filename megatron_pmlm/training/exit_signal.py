@@ -1,14 +1,18 @@
 """Preemption by signal: SIGTERM / SIGUSR1 (SLURM, `scancel --signal`) and SIGINT (Ctrl-C) ask the
-run to save at the current iteration and stop; every rank agrees on it before it acts."""
+run to save at the current iteration and stop; every rank agrees on it before it acts.
+
+The agreement runs every iteration (SLURM's KillWait between SIGTERM and SIGKILL is short), so it
+must not stall the device: it is an all-reduce of a host tensor over a CPU (gloo) group, read
+through numpy, never a device tensor read back with `.item()`.
+"""
 
 from __future__ import annotations
 
 import signal
 
+import numpy as np
 import torch
 import torch.distributed as dist
-
-from ..parallel.distributed import collective_device
 
 
 class ExitSignal:
@@ -28,6 +32,9 @@ class ExitSignal:
         self.received: int | None = None
         self.agreed: int | None = None
         """The signal all ranks act on (the highest number received on any rank), once they agreed."""
+        self._group = None
+        self._group_of: object = None
+        """The default process group `_group` was made under (a new one after re-initialisation)."""
         for sig in self.SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -43,13 +50,24 @@ class ExitSignal:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def any_rank_received(self) -> bool:
-        """All ranks agree (one tiny all-reduce per iteration) so they save together."""
-        flag = torch.tensor([float(self.received or 0)])
+        """All ranks agree (one tiny all-reduce per iteration, over `agreement_group`) so they save
+        together. Nothing is read from the device."""
+        flag = np.array([self.received or 0], dtype=np.int64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = flag.to(collective_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.agreed = int(flag.item()) or None
+            # The tensor shares the numpy array's memory: the result is read without a torch op.
+            dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self.agreement_group())
+        self.agreed = int(flag[0]) or None
         return self.agreed is not None
+
+    def agreement_group(self):
+        """The process group the agreement runs over: the default one when it is gloo already,
+        else a gloo group of all ranks, made once (a collective call: every rank makes it at the
+        same point, the first agreement or `Trainer.__init__`)."""
+        default = dist.group.WORLD
+        if self._group_of is not default:
+            self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            self._group_of = default
+        return self._group
 
 
 def signal_text(signum: int | None) -> str:

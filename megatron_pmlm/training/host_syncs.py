@@ -8,12 +8,16 @@ ops on the CPU, so the tests and `tools/bench_train.py` can hold the step to zer
 Each sync is attributed to the innermost frame outside torch and this module: ours
 (`megatron_pmlm`), DeepSpeed's, megatron-core's, or other code, so DeepSpeed's own per-step syncs
 (its overflow check) can be listed apart from ours.
+
+Only the thread that enters the counter is watched (torch's dispatch modes are per thread, and the
+patched methods follow suit): a loader thread reading its own CPU batch stalls no launch queue.
 """
 
 from __future__ import annotations
 
 import collections
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -77,6 +81,7 @@ class HostSyncCounter(TorchDispatchMode):
         self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._in_method = 0
         self._originals: dict[str, object] = {}
+        self._thread = threading.get_ident()
 
     # ---------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -90,6 +95,7 @@ class HostSyncCounter(TorchDispatchMode):
 
     # ---------------------------------------------------------------- methods
     def __enter__(self):
+        self._thread = threading.get_ident()
         for name in PATCHED_METHODS:
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
@@ -108,7 +114,7 @@ class HostSyncCounter(TorchDispatchMode):
         counter = self
 
         def method(tensor, *args, **kwargs):
-            if counter._in_method:
+            if counter._in_method or threading.get_ident() != counter._thread:
                 return original(tensor, *args, **kwargs)
             counter._record(f".{name}()")
             counter._in_method += 1

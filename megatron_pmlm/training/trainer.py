@@ -4,6 +4,11 @@ exactly, preemption by signal, and metrics to the console and TensorBoard.
 DeepSpeed owns ZeRO, mixed precision, gradient accumulation, pipeline scheduling and the checkpoint
 files; the optimizer, learning-rate schedule (UniLMv2 Table 7) and DeepSpeed config are built from
 training_config.py, and this module runs iterations of `gradient_accumulation_steps` micro batches.
+
+Between two log lines nothing of ours waits for the device (tests/test_sync_free_step.py counts it):
+batches arrive on the device through a `DevicePrefetcher` with their token counts taken on the
+host, metric sums accumulate on the device and are read once per log line, and the per-iteration
+signal agreement runs over a CPU group.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
+from ..data.loader import DevicePrefetcher
 from ..files import write_text_atomically
 from ..models.layout import PMLMBatch
 from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
@@ -142,6 +148,8 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.history_path = Path(history_path) if history_path else None
         self.exit_signal = ExitSignal.install()
+        if self.world_size > 1:
+            self.exit_signal.agreement_group()  # made here, on every rank at the same point
         self.stop_signal: int | None = None
         """The signal that stopped `train` (None: it ran to the end, or to --exit-interval)."""
         self.tensorboard = None
@@ -167,50 +175,51 @@ class Trainer:
             self._log(message)
 
     def train_step(self, batches: Iterator[PMLMBatch]) -> tuple[MetricSums, int]:
-        """One optimizer step; returns the metric sums and the number of processed tokens."""
+        """One optimizer step; returns the metric sums (on the device) and the number of processed
+        tokens. `batches`: a DevicePrefetcher (what `train` passes), or any iterator of batches."""
+        if not isinstance(batches, DevicePrefetcher):
+            batches = DevicePrefetcher(batches, self.device, background=False)
         self.engine.train()
-        sums, tokens = MetricSums(self.metrics), 0
+        sums, tokens_before = MetricSums(self.metrics, self.device), batches.tokens
         if self.pipeline:
-            counted = _CountingIterator(batches, self.device)
-            self.engine.train_batch(data_iter=counted)
+            self.engine.train_batch(data_iter=_PipelineInputs(batches))
             for metrics in self.engine.module.pop_metrics():
                 sums.add_tensor(metrics)
-            tokens = counted.tokens
         else:
             for _ in range(self.engine.gradient_accumulation_steps()):
-                batch = next(batches)
-                tokens += batch.num_tokens()
-                out = self.engine(*batch.to(self.device).as_tuple())
+                out = self.engine(*next(batches).as_tuple())
                 self.engine.backward(out.loss)
                 self.engine.step()
                 sums.add_tensor(out.metrics())
         self.iteration += 1
         self.consumed_samples += self.config.global_batch_size
-        return sums, tokens
+        return sums, batches.tokens - tokens_before
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[PMLMBatch], num_batches: int) -> dict[str, float]:
         self.engine.eval()
-        sums = MetricSums(self.metrics)
-        if self.pipeline:
-            for _ in range(max(1, num_batches // self.engine.gradient_accumulation_steps())):
-                self.engine.eval_batch(data_iter=_CountingIterator(batches, self.device))
-                for metrics in self.engine.module.pop_metrics():
-                    sums.add_tensor(metrics)
-        else:
-            for _ in range(num_batches):
-                out = self.engine(*next(batches).to(self.device).as_tuple())
-                sums.add_tensor(out.metrics())
+        sums = MetricSums(self.metrics, self.device)
+        with DevicePrefetcher(batches, self.device) as prefetched:
+            if self.pipeline:
+                for _ in range(max(1, num_batches // self.engine.gradient_accumulation_steps())):
+                    self.engine.eval_batch(data_iter=_PipelineInputs(prefetched))
+                    for metrics in self.engine.module.pop_metrics():
+                        sums.add_tensor(metrics)
+            else:
+                for _ in range(num_batches):
+                    out = self.engine(*next(prefetched).as_tuple())
+                    sums.add_tensor(out.metrics())
         return self._data_parallel_average(sums).averages()
 
     def _data_parallel_average(self, sums: MetricSums) -> MetricSums:
-        """Sum the metric sums over all ranks holding losses, so logs describe the global batch."""
+        """Sum the metric sums over all ranks holding losses, so logs describe the global batch
+        (in float32, as always); the result stays where the collective ran."""
         if self.world_size == 1:
             return sums
         values = sums.values.float().to(collective_device())
         dist.all_reduce(values)
-        reduced = MetricSums(self.metrics)
-        reduced.values = values.double().cpu()
+        reduced = MetricSums(self.metrics, values.device)
+        reduced.values = values.double()
         return reduced
 
     # ---------------------------------------------------------------- loop
@@ -219,23 +228,45 @@ class Trainer:
               save_dir: str | None = None) -> list[dict[str, float]]:
         """Train to `train_iters` (or `exit_interval`, or a signal), logging, evaluating and saving."""
         config = self.config
-        interval, interval_tokens = MetricSums(self.metrics), 0
-        interval_start, interval_first = time.time(), self.iteration
-        stop_reason = None
         if self.exit_signal.any_rank_received():
             # Signalled while starting: nothing new to save (the last checkpoint, if any, is current).
             self.stop_signal = self.exit_signal.agreed
             self.log(f"received signal {signal_text(self.exit_signal.received)} before the first "
                      f"iteration: exiting at iteration {self.iteration} without training")
             return self.history
+        try:
+            # The prefetch thread ends on every way out of the loop (an error, Ctrl-C twice included).
+            with DevicePrefetcher(train_batches, self.device) as batches:
+                stop_reason = self._iterations(batches, valid_batches, save_dir)
+        finally:
+            if self.tensorboard:
+                # Closed, not just flushed: its writer thread is then gone before the process ends.
+                self.tensorboard.close()
+                self.tensorboard = None
+        if stop_reason == "signal":
+            self.log(f"received signal {signal_text(self.exit_signal.received)}: "
+                     + (f"saved at iteration {self.iteration}" if save_dir else
+                        f"stopped at iteration {self.iteration} (no --save: nothing saved)")
+                     + (f", exiting with status {self.exit_status}" if self.exit_status else ", exiting"))
+        elif stop_reason == "exit-interval":
+            self.log(f"--exit-interval {config.exit_interval} reached: saved at iteration {self.iteration}, exiting")
+        return self.history
+
+    def _iterations(self, batches: DevicePrefetcher, valid_batches: Callable[[], Iterator[PMLMBatch]] | None,
+                    save_dir: str | None) -> str | None:
+        """The loop of `train`; returns why it stopped early ("signal", "exit-interval") or None."""
+        config = self.config
+        interval, interval_tokens = MetricSums(self.metrics, self.device), 0
+        interval_start, interval_first = time.time(), self.iteration
+        stop_reason = None
         while self.iteration < config.train_iters and stop_reason is None:
-            sums, tokens = self.train_step(train_batches)
+            sums, tokens = self.train_step(batches)
             interval.merge(sums)
             interval_tokens += tokens
             if self.iteration % config.log_interval == 0 or self.iteration == config.train_iters:
                 self._log_interval(interval, interval_tokens, time.time() - interval_start,
                                    self.iteration - interval_first)
-                interval, interval_tokens = MetricSums(self.metrics), 0
+                interval, interval_tokens = MetricSums(self.metrics, self.device), 0
                 interval_start, interval_first = time.time(), self.iteration
             if valid_batches is not None and config.eval_iters > 0 and (
                     self.iteration % config.eval_interval == 0 or self.iteration == config.train_iters):
@@ -248,18 +279,7 @@ class Trainer:
             if save_dir and (stop_reason or self.iteration == config.train_iters or (
                     config.save_interval and self.iteration % config.save_interval == 0)):
                 self.save_checkpoint(save_dir)
-        if stop_reason == "signal":
-            self.log(f"received signal {signal_text(self.exit_signal.received)}: "
-                     + (f"saved at iteration {self.iteration}" if save_dir else
-                        f"stopped at iteration {self.iteration} (no --save: nothing saved)")
-                     + (f", exiting with status {self.exit_status}" if self.exit_status else ", exiting"))
-        elif stop_reason == "exit-interval":
-            self.log(f"--exit-interval {config.exit_interval} reached: saved at iteration {self.iteration}, exiting")
-        if self.tensorboard:
-            # Closed, not just flushed: its writer thread is then gone before the process ends.
-            self.tensorboard.close()
-            self.tensorboard = None
-        return self.history
+        return stop_reason
 
     def _log_interval(self, interval: MetricSums, tokens: int, elapsed: float, iterations: int) -> None:
         config = self.config
@@ -551,19 +571,18 @@ class Trainer:
             tag_dir.name + UNIVERSAL_SUFFIX
 
 
-class _CountingIterator:
-    """Feeds a pipeline engine ((inputs...), label) tuples and counts the tokens it hands out."""
+class _PipelineInputs:
+    """Feeds a pipeline engine the ((inputs...), label) tuples it expects, from device batches
+    (the DevicePrefetcher counts their tokens)."""
 
-    def __init__(self, batches: Iterator[PMLMBatch], device: torch.device):
-        self.batches, self.device, self.tokens = batches, device, 0
+    def __init__(self, batches: DevicePrefetcher):
+        self.batches = batches
 
     def __iter__(self):
         return self
 
     def __next__(self):
         batch = next(self.batches)
-        self.tokens += batch.num_tokens()
-        batch = batch.to(self.device)
         return batch.as_tuple(), batch.labels
 
 

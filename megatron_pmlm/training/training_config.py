@@ -135,39 +135,50 @@ class AdamW(torch.optim.AdamW):
     DeepSpeed reports a norm only from its ZeRO/fp16/bf16 optimizers; in fp32 without ZeRO this
     fills the gap (one extra pass over the gradients, in that case only). Each gradient counts
     once: tensor-parallel slices on every rank, replicated parameters on tensor rank 0 only, and
-    a pipeline's tied copy of the word embedding once.
+    a pipeline's tied copy of the word embedding once. The norm (and the clipping coefficient)
+    stay on the device; `last_grad_norm` reads the norm when it is logged.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.norm_group = None  # set once the process groups exist; None: no norm
         self.tensor_parallel_rank = 0
-        self.last_grad_norm: float | None = None
+        self.last_grad_norm_tensor: torch.Tensor | None = None
+        """The norm of the last step, a float32 scalar on the gradients' device."""
         self.max_grad_norm = 0.0
         """Clip to this norm (0: off) after measuring it, so the logged norm is the unclipped one."""
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's norm as a number (a read from the device: call it at log time)."""
+        return None if self.last_grad_norm_tensor is None else float(self.last_grad_norm_tensor)
 
     @torch.no_grad()
     def step(self, closure=None):
         if self.norm_group is not None:
-            squares = torch.zeros((), dtype=torch.float32)
-            for group in self.param_groups:
-                for param in group["params"]:
-                    if param.grad is None or getattr(param, "ds_pipe_replicated", False):
-                        continue
-                    if self.tensor_parallel_rank == 0 or getattr(param, "tensor_model_parallel", False):
-                        squares = squares + param.grad.detach().float().pow(2).sum().cpu()
+            grads = [param.grad for group in self.param_groups for param in group["params"]
+                     if param.grad is not None and not getattr(param, "ds_pipe_replicated", False)
+                     and (self.tensor_parallel_rank == 0 or getattr(param, "tensor_model_parallel", False))]
+            device = grads[0].device if grads else collective_device()
+            squares = torch.zeros((), dtype=torch.float32, device=device)
+            for grad in grads:  # summed in parameter order, as before (same float32 result)
+                squares = squares + grad.detach().float().pow(2).sum()
             if dist.get_world_size(self.norm_group) > 1:
                 squares = squares.to(collective_device())
                 dist.all_reduce(squares, group=self.norm_group)
-            self.last_grad_norm = float(squares.sqrt())
+            self.last_grad_norm_tensor = squares.sqrt()
             if self.max_grad_norm > 0:
-                # torch.nn.utils.clip_grad_norm_'s rule, on the norm measured above.
-                coefficient = min(1.0, self.max_grad_norm / (self.last_grad_norm + 1e-6))
-                if coefficient < 1.0:
-                    for group in self.param_groups:
-                        for param in group["params"]:
-                            if param.grad is not None:
-                                param.grad.mul_(coefficient)
+                # torch.nn.utils.clip_grad_norm_'s rule, on the norm measured above, without a host
+                # read: the coefficient is computed in float64 as the Python number was, and a
+                # coefficient of 1 leaves the gradients as they are.
+                norm = self.last_grad_norm_tensor.double()
+                limit = torch.full((), self.max_grad_norm, dtype=torch.float64, device=norm.device)
+                ratio = torch.div(limit, norm + 1e-6)
+                coefficient = torch.where(ratio < 1.0, ratio, 1.0)  # as min(1.0, ratio): a NaN norm clips nothing
+                for group in self.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            param.grad.mul_(coefficient)
         return super().step(closure)
 
 
