@@ -194,6 +194,8 @@ def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8
               seq_length: int | None = None, seed: int = 0, rel_pos: bool = True,
               fault: str | None = None, vocab_size: int = 1000, attention_backend: str = "sdpa") -> LeakageReport:
     obj = get_objective(objective)
+    if examples < 1:  # no example checked would read as "no leakage"
+        raise ConfigError(f"--examples must be at least 1, got {examples}")
     if fault is not None and fault not in FAULTS:
         raise ConfigError(f"unknown fault {fault!r}; choose one of: {', '.join(FAULTS)}")
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,

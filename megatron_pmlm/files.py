@@ -12,6 +12,9 @@ Every output path (`--output`, `--json`, ...) follows the same rules (`open_outp
                            it: readers see the old file (or none) or the whole new one. A symbolic
                            link to a regular file keeps pointing where it did: the file it names is
                            the one replaced.
+A folder output (`check_output_folder`, `replacing_folder`) is never `-`, a device, a FIFO or a socket
+(or a link to one), whatever the flags; `--overwrite` replaces a regular file, or a folder holding
+OUTPUT_MARKER (which every folder written through `replacing_folder` gets), never someone else's.
 Files and folders are created with mode 0o666 / 0o777 less the umask (0644 / 0755 under umask 022),
 as any program the user runs creates them: teammates can resume, convert and read results.
 """
@@ -160,9 +163,11 @@ def holds_output_marker(folder: str | os.PathLike) -> bool:
 
 
 def write_output_marker(folder: str | os.PathLike) -> None:
-    """OUTPUT_MARKER in `folder`: the command line that wrote it."""
-    command = " ".join([os.path.basename(sys.argv[0] or "python"), *sys.argv[1:]]) if sys.argv else "python"
-    Path(folder, OUTPUT_MARKER).write_text(f"written by megatron-pmlm: {command}\n", encoding="utf-8")
+    """OUTPUT_MARKER in `folder`, naming the program that wrote it (not its arguments: two builds of
+    the same data stay identical byte for byte)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    Path(folder, OUTPUT_MARKER).write_text(f"written by megatron-pmlm ({program}); --overwrite may replace this "
+                                           "folder\n", encoding="utf-8")
 
 
 def check_output_folder(path: str | os.PathLike, flag: str, overwrite: bool | None = None,

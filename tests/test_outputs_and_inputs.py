@@ -176,8 +176,10 @@ def test_training_and_fine_tuning_folders_refuse_special_files(specials, kind, t
     assert exited.value.code == 2 and "refused" in argparse_error(capsys.readouterr().err)
 
 
-def test_fine_tuning_output_dirs_refuse_dash_and_special_files(specials, tiny_hf_model, tmp_path, capsys):
+def test_fine_tuning_output_dirs_refuse_dash_and_special_files(specials, tiny_hf_model, tmp_path, capsys,
+                                                              monkeypatch):
     """finetune_glue, finetune_squad and evaluate_downstream, on valid data and model: only the output is wrong."""
+    monkeypatch.chdir(tmp_path)  # where a folder named `-` would appear
     glue = tmp_path / "glue" / "RTE"
     glue.mkdir(parents=True)
     rows = "index\tsentence1\tsentence2\tlabel\n" + "".join(
@@ -222,6 +224,11 @@ def test_counts_that_would_do_nothing_are_refused_naming_the_flag(main, argv, fl
         main(argv)
     assert exited.value.code == 2
     assert f"argument {flag}: must be" in argparse_error(capsys.readouterr().err)
+
+
+def test_check_leakage_checks_at_least_one_example():
+    with pytest.raises(ConfigError, match="--examples must be at least 1, got 0"):
+        check_leakage.run_check("tiny", examples=0)
 
 
 @pytest.mark.parametrize("module, argv, flag", [
