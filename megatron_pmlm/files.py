@@ -188,7 +188,7 @@ def check_output_folder(path: str | os.PathLike, flag: str, overwrite: bool | No
         raise error(f"{flag} {text} is {kind}{link}, not a folder: refused, nothing is written there")
     if os.path.lexists(text) and not os.path.isdir(text):
         if overwrite is None:
-            raise error(f"{flag} {text} is a file, not a folder")
+            raise error(f"{flag} {text} is a file, not a directory")
         if not overwrite:
             raise error(f"{flag} {text} already exists and is a file (pass --overwrite to replace it)")
         return
