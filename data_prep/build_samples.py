@@ -32,12 +32,14 @@ import numpy as np
 
 from data_prep.palm_pairs import palm_pairs
 from data_prep.sentences import split_long_sentences
-from megatron_pmlm.config import HelpFormatter, MaskingConfig, add_dataclass_arguments, dataclass_overrides
+from megatron_pmlm.config import (HelpFormatter, MaskingConfig, add_dataclass_arguments, dataclass_overrides,
+                                  non_negative_int, positive_int)
 from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path,
                                         token_dtype_for_vocab)
 from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
                                         assemble_tokens)
 from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.files import check_output_folder, write_output_marker
 from megatron_pmlm.data.text_data import pack_sentences
 from megatron_pmlm.tokenizer import SpecialTokenIds, WordPieceTokenizer
 
@@ -341,6 +343,11 @@ def build(config: BuildConfig) -> dict:
     """Build (or reuse) the samples directory; returns its metadata."""
     started = time.perf_counter()
     output = Path(config.output)
+    # `-`, a device, FIFO or socket whatever the flags; --overwrite over a folder of ours only.
+    if config.overwrite:
+        check_output_folder(output, "--output", True, recognise=_older_samples, error=BuildError)
+    elif not output.is_dir():
+        check_output_folder(output, "--output", False, error=BuildError)
     entries, tokenizer = _corpus_entries(config)
     fractions = parse_split(config.split)
     settings = {"data_path": [[e["weight"], e["prefix"], e["bin_bytes"], e["idx_bytes"]] for e in entries],
@@ -390,6 +397,7 @@ def build(config: BuildConfig) -> dict:
     tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    write_output_marker(tmp)
     position_dtype = np.dtype(np.uint16) if config.seq_length < 65536 else np.dtype(np.int32)
     # Steps never outnumber the masked tokens: at most the budget plus one overshooting block.
     max_steps = int(np.ceil(config.masking.mask_prob * config.seq_length)) + config.masking.max_block_len
@@ -427,12 +435,23 @@ def build(config: BuildConfig) -> dict:
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         for warning in empty_split_warnings(entries, fractions, config, splits_meta):
             print(f"warning: {warning}", file=sys.stderr)
-        if output.exists():
+        if output.is_dir() and not output.is_symlink():
             shutil.rmtree(output)
+        elif output.is_symlink() or output.exists():  # a link (its target is kept) or a regular file
+            output.unlink()
         os.replace(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return metadata
+
+
+def _older_samples(folder: Path) -> bool:
+    """A samples directory build_samples wrote before folders got OUTPUT_MARKER (its metadata.json)."""
+    try:
+        metadata = json.loads((folder / METADATA_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(metadata, dict) and {"format_version", "settings", "splits"} <= set(metadata)
 
 
 def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixes: list[str],
@@ -476,20 +495,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="949,50,1", help="train,valid,test proportions of each corpus's documents")
     parser.add_argument("--layout", default="pmlm", choices=LAYOUTS,
                         help="pmlm: packed sentence pairs for PMLM; palm: PALM's context/continuation pairs")
-    parser.add_argument("--seq-length", type=int, default=None,
+    parser.add_argument("--seq-length", type=positive_int, default=None,
                         help="pmlm: longest sample, specials included (default: 512)")
     parser.add_argument("--short-seq-prob", type=float, default=None,
                         help="pmlm: probability of a shorter random target (default: 0.1)")
-    parser.add_argument("--context-length", type=int, default=None,
+    parser.add_argument("--context-length", type=positive_int, default=None,
                         help=f"palm: longest context, [CLS] and [SEP] included (default: {PALM_CONTEXT_LENGTH})")
-    parser.add_argument("--continuation-length", type=int, default=None,
+    parser.add_argument("--continuation-length", type=positive_int, default=None,
                         help=f"palm: longest continuation, its [SEP] included (default: {PALM_CONTINUATION_LENGTH})")
     parser.add_argument("--mask-epochs", type=int, default=10,
                         help="K precomputed masks per sample; training epoch e uses mask epoch e mod K")
-    parser.add_argument("--seed", type=int, default=1234, help="drives packing, blending and masks")
+    parser.add_argument("--seed", type=non_negative_int, default=1234, help="drives packing, blending and masks")
     parser.add_argument("--num-samples", help="samples per split of the blend: TRAIN[,VALID[,TEST]]")
     parser.add_argument("--workers", type=int, default=1, help="processes computing masks")
-    parser.add_argument("--documents-per-chunk", type=int, default=20000,
+    parser.add_argument("--documents-per-chunk", type=positive_int, default=20000,
                         help="packing unit (one generator per chunk); part of the result")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")

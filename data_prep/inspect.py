@@ -16,9 +16,10 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_pmlm.config import HelpFormatter
+from megatron_pmlm.config import HelpFormatter, non_negative_int
 from megatron_pmlm.data.indexed import IndexedDatasetError, IndexedDatasetReader, idx_path
 from megatron_pmlm.data.samples import (METADATA_FILE, PretrainingSamples, SamplesError, get_sample)
+from megatron_pmlm.files import exit_quietly_on_closed_pipe
 from megatron_pmlm.tokenizer import WordPieceTokenizer
 
 
@@ -90,9 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_prep.inspect", description=__doc__,
                                      formatter_class=HelpFormatter)
     parser.add_argument("prefix", help="a build_samples directory (or a preprocess PREFIX)")
-    parser.add_argument("--sample", type=int, required=True, help="sample index in the split (sentence index "
-                                                                   "for a preprocess PREFIX)")
-    parser.add_argument("--mask-epoch", type=int, default=0, help="which of the build's --mask-epochs masks")
+    parser.add_argument("--sample", type=non_negative_int, required=True,
+                        help="sample index in the split (sentence index for a preprocess PREFIX)")
+    parser.add_argument("--mask-epoch", type=non_negative_int, default=0,
+                        help="which of the build's --mask-epochs masks")
     parser.add_argument("--split", default="train", choices=("train", "valid", "test"), help="which split")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
@@ -111,4 +113,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -30,10 +31,11 @@ import numpy as np
 from data_prep.sentences import split_long_sentences
 from data_prep.sources import (InputError, ReadStats, Shard, iter_documents, plan_shards,
                                resolve_inputs)
-from megatron_pmlm.config import HelpFormatter
+from megatron_pmlm.config import HelpFormatter, non_negative_int, positive_int
 from megatron_pmlm.data.indexed import (IndexedDatasetWriter, bin_path, idx_path,
                                         merge_indexed_datasets, token_dtype_for_vocab)
-from megatron_pmlm.files import write_json_atomically
+from megatron_pmlm.files import STDOUT, check_output_folder, file_problem, special_file_kind, \
+    write_json_atomically
 from megatron_pmlm.data.text_data import split_sentences
 from megatron_pmlm.tokenizer import WordPieceTokenizer, train_wordpiece
 
@@ -302,6 +304,22 @@ def _check_or_write_plan(config: PreprocessConfig, plan: dict) -> None:
     write_json_atomically(plan_file, plan, indent=1)
 
 
+def _check_outputs(config: PreprocessConfig) -> None:
+    """What the run replaces (PREFIX.bin and .idx, renamed into place) or writes in (PREFIX.shards,
+    PREFIX-vocab) is never `-`, a device, FIFO or socket, whatever the flags (PREFIX.json is written
+    like any file output: `files.open_output`)."""
+    if config.output_prefix == STDOUT:
+        raise InputError("--output-prefix -: preprocess writes files PREFIX.bin, PREFIX.idx and PREFIX.json, not "
+                         "standard output; give a path prefix")
+    for path in (bin_path(config.output_prefix), idx_path(config.output_prefix)):
+        kind = special_file_kind(path)
+        if kind is not None:
+            raise InputError(f"--output-prefix {config.output_prefix}: {path} is {kind}: refused, nothing is "
+                             "written there")
+    check_output_folder(shard_dir(config.output_prefix), "--output-prefix", error=InputError)
+    check_output_folder(f"{config.output_prefix}-vocab", "--output-prefix", error=InputError)
+
+
 def _train_vocabulary(config: PreprocessConfig) -> str:
     if config.world_size > 1:
         raise InputError("--train-vocab runs on one process: train the vocabulary first, then pass "
@@ -315,8 +333,12 @@ def _train_vocabulary(config: PreprocessConfig) -> str:
                                           config.strict_utf8):
                 yield text
 
+    documents = texts()
+    first = next(documents, None)  # an empty input is found before a vocabulary is trained and written
+    if first is None:
+        raise InputError(f"empty input: no text in {', '.join(config.inputs)}")
     output_dir = Path(f"{config.output_prefix}-vocab")
-    vocab = train_wordpiece(texts(), config.train_vocab, output_dir)
+    vocab = train_wordpiece(itertools.chain([first], documents), config.train_vocab, output_dir)
     print(f"trained a WordPiece vocabulary of {config.train_vocab} entries: {vocab}", file=sys.stderr)
     return str(vocab)
 
@@ -326,6 +348,7 @@ def run(config: PreprocessConfig, mpi_comm=None) -> dict | None:
     after an MPI barrier, or --merge-only). Returns the summary, or None for a rank that did not merge."""
     started = time.perf_counter()
     output_prefix = Path(config.output_prefix)
+    _check_outputs(config)
     existing = [p for p in (bin_path(output_prefix), idx_path(output_prefix)) if p.exists()]
     if existing and not config.overwrite:
         raise InputError(f"output exists: {existing[0]} (use --overwrite to replace it)")
@@ -338,8 +361,9 @@ def run(config: PreprocessConfig, mpi_comm=None) -> dict | None:
         if config.vocab_only:
             print(f"vocabulary: {vocab_file}", file=sys.stderr)
             return None
-    if not Path(vocab_file).is_file():
-        raise InputError(f"vocabulary file not found: {vocab_file}")
+    problem = file_problem(vocab_file)
+    if problem:
+        raise InputError(f"vocabulary file {vocab_file} {problem}")
     _tokenizer(vocab_file)  # a file that is no vocabulary is refused before anything is written
     plan = build_plan(config, vocab_file)
     if not plan["shards"]:
@@ -458,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX.bin, PREFIX.idx, PREFIX.json")
     parser.add_argument("--vocab-file", help="WordPiece vocab.txt (uncased), e.g. bert-base-uncased's (the "
                                              "docs/data_prep.md says where to get it); or --train-vocab")
-    parser.add_argument("--train-vocab", type=int, metavar="SIZE",
+    parser.add_argument("--train-vocab", type=positive_int, metavar="SIZE",
                         help="train a WordPiece vocabulary of SIZE on the inputs (PREFIX-vocab/vocab.txt)")
     parser.add_argument("--json-key", default="text", help="the text field of JSONL lines and datasets")
     parser.add_argument("--workers", type=int, default=1, help="tokenizing processes on this node")
@@ -474,8 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --train-vocab: train PREFIX-vocab/vocab.txt and stop (then tokenize on many "
                              "ranks with --vocab-file PREFIX-vocab/vocab.txt)")
     parser.add_argument("--keep-shards", action="store_true", help="keep PREFIX.shards after the merge")
-    parser.add_argument("--rank", type=int, help="default: SLURM_PROCID, or the MPI rank")
-    parser.add_argument("--world-size", type=int, help="default: SLURM_NTASKS, or the MPI size")
+    parser.add_argument("--rank", type=non_negative_int, help="default: SLURM_PROCID, or the MPI rank")
+    parser.add_argument("--world-size", type=positive_int, help="default: SLURM_NTASKS, or the MPI size")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, batch jobs)")
     return parser
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset
+from .config import ATTENTION_BACKENDS, ConfigError, MaskingConfig, model_config_from_preset, positive_int
 from .data.batches import build_batch
-from .files import quiet_libraries
+from .files import exit_quietly_on_closed_pipe, quiet_libraries
 from .data.masking import mask_example
 from .models.layout import (CONTEXT, MASKED, ORIGINAL, PAD, PSEUDO, ROLE_NAMES, AttentionRule, PMLMBatch,
                             pmlm_attention_allowed)
@@ -194,6 +194,8 @@ def run_check(preset: str = "tiny", objective: str = "ae+par", examples: int = 8
               seq_length: int | None = None, seed: int = 0, rel_pos: bool = True,
               fault: str | None = None, vocab_size: int = 1000, attention_backend: str = "sdpa") -> LeakageReport:
     obj = get_objective(objective)
+    if examples < 1:  # no example checked would read as "no leakage"
+        raise ConfigError(f"--examples must be at least 1, got {examples}")
     if fault is not None and fault not in FAULTS:
         raise ConfigError(f"unknown fault {fault!r}; choose one of: {', '.join(FAULTS)}")
     config = model_config_from_preset(preset, vocab_size=vocab_size, hidden_dropout=0.0,
@@ -321,7 +323,7 @@ def main(argv=None) -> int:
     parser.add_argument("--objective", default="ae+par", help=f"one of {', '.join(OBJECTIVES)}")
     parser.add_argument("--mode", default=None, choices=["pseudo-masked", "masked", "causal"],
                         help="check a sequence-to-sequence fine-tuning mode's masks instead of a pre-training objective")
-    parser.add_argument("--examples", type=int, default=8, help="random examples to check")
+    parser.add_argument("--examples", type=positive_int, default=8, help="random examples to check")
     parser.add_argument("--seq-length", type=int, default=None, help="default: min(64, model maximum)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-rel-pos", action="store_true")
@@ -352,4 +354,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

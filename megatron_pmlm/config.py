@@ -189,6 +189,35 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         return super()._format_action(action)
 
 
+def _number(text: str, kind: type, minimum: float, meaning: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {meaning}, got {text!r}") from None
+    if not value >= minimum:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be {meaning}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count or size where 0 would do nothing and still "succeed": argparse's
+    one-line error names the flag (`argument --examples: must be a positive integer, got 0`)."""
+    return _number(text, int, 1, "a positive integer")
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type for an index, a seed, or a count whose 0 has a documented meaning."""
+    return _number(text, int, 0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    """An argparse type for an amount that must be above 0 (epochs, megabytes)."""
+    value = _number(text, float, 0, "a positive number")
+    if value == 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
                             skip: tuple[str, ...] = ()) -> None:
     """Add `--field-name` options for every field of `cls` (argparse default None = keep the
@@ -225,5 +254,5 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-__all__ = ["ConfigError", "HelpFormatter", "ModelConfig", "MaskingConfig", "UniLMMaskingConfig", "PRESETS", "model_config_from_preset",
+__all__ = ["ConfigError", "HelpFormatter", "positive_int", "non_negative_int", "positive_float", "ModelConfig", "MaskingConfig", "UniLMMaskingConfig", "PRESETS", "model_config_from_preset",
            "add_dataclass_arguments", "dataclass_overrides"]

@@ -23,11 +23,12 @@ from pathlib import Path
 
 from .generation.commands import PALM_MAX_CONTEXT_LENGTH as DEFAULT_MAX_CONTEXT_LENGTH
 from .generation.commands import PALM_MAX_TARGET_LENGTH as DEFAULT_MAX_TARGET_LENGTH
+from .files import exit_quietly_on_closed_pipe
 from .generation.commands import run_decode_command, run_palm
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .config import HelpFormatter
+    from .config import HelpFormatter, non_negative_int
 
     parser = argparse.ArgumentParser(prog="python -m megatron_pmlm.decode_palm", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens generated at most, [SEP] included")
     parser.add_argument("--max-context-length", type=int, default=DEFAULT_MAX_CONTEXT_LENGTH, metavar="N",
                         help="contexts are cut to N - 2 wordpieces ([CLS] and [SEP] added)")
-    parser.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+    parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, metavar="N",
                         help="beam search: never repeat an n-gram of N tokens (0: off)")
     parser.add_argument("--ngram-ignore-tokens", default="", metavar="TOKENS",
                         help="tokens exempt from n-gram blocking, separated by spaces or '|'")
@@ -60,4 +61,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

@@ -24,8 +24,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .config import HelpFormatter
-from .files import InputError
+from .config import HelpFormatter, non_negative_int
+from .files import InputError, exit_quietly_on_closed_pipe
 from .generation.commands import (PALM_MAX_CONTEXT_LENGTH, PALM_MAX_TARGET_LENGTH, check_batch_and_output,
                                   decode_and_write, encode_sources, read_sources, run_decode_command, run_palm)
 
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="source + target slots; sources are cut to N - 2 - max-target-length wordpieces "
                         "(default: the fine-tuning's source + target lengths, so sources are cut as in "
                         f"training; else s2s-ft's {DEFAULT_MAX_SEQ_LENGTH})")
-    parser.add_argument("--no-repeat-ngram-size", type=int, default=0, metavar="N",
+    parser.add_argument("--no-repeat-ngram-size", type=non_negative_int, default=0, metavar="N",
                         help="beam search: never repeat an n-gram of N tokens (default 0 = off; s2s-ft's "
                         "--forbid_duplicate_ngrams --ngram_size N)")
     parser.add_argument("--ngram-ignore-tokens", default="", metavar="TOKENS",
@@ -176,4 +176,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

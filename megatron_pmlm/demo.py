@@ -24,7 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from .files import write_text_atomically
+from .config import positive_int
+from .files import OutputError, check_output_folder, write_text_atomically
 from .models.objectives import OBJECTIVES, get_objective
 
 
@@ -50,13 +51,17 @@ def main(argv=None) -> int:
     parser.add_argument("--input", nargs="+", help="text files (documents separated by blank lines) or JSONL")
     parser.add_argument("--vocab-file", help="use this WordPiece vocab.txt instead of training one")
     parser.add_argument("--output-dir", default="outputs/demo")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--vocab-size", type=positive_int, default=8000)
     parser.add_argument("--train-iters", type=int, default=300)
     parser.add_argument("--objective", default="ae+par", help=f"one of {', '.join(OBJECTIVES)}")
-    parser.add_argument("--nproc", type=int, default=2, help="training processes (data parallel)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="training processes (data parallel)")
     args = parser.parse_args(argv)
     started = time.time()
     python = sys.executable
+    try:  # `-`, a file, a device, FIFO or socket: refused before anything is made
+        check_output_folder(args.output_dir, "--output-dir")
+    except OutputError as error:
+        parser.error(str(error))
     out = Path(args.output_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     if args.train_iters < 4:

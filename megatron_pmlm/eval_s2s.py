@@ -43,7 +43,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .files import InputError, OutputError, check_output, logs_to_stderr, write_json_atomically
+from .files import (InputError, OutputError, check_output, exit_quietly_on_closed_pipe, file_problem, logs_to_stderr,
+                    write_json_atomically)
 
 TOKENIZERS = ("bert", "13a", "none")
 COMPARABLE = ("Which numbers compare with what: without --benchmark, corpus BLEU-4 (sacrebleu) and "
@@ -105,10 +106,9 @@ def evaluate(predictions: list[str], references: list[str], tokenize: str = "ber
 
 def read_lines(path: Path, role: str) -> list[str]:
     """One example per line ('\\n'-separated, as `wc -l` counts; a final newline is optional)."""
-    if not path.exists():
-        raise InputError(f"{role} file {path} does not exist")
-    if not path.is_file():
-        raise InputError(f"{role} file {path} is not a file")
+    problem = file_problem(path)
+    if problem:
+        raise InputError(f"{role} file {path} {problem}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
@@ -189,6 +189,8 @@ def main(argv=None) -> int:
     try:
         with logs_to_stderr(args.output):
             return _evaluate_files(args)
+    except BrokenPipeError:  # the reader went away (`| head`): exit_quietly_on_closed_pipe ends quietly
+        raise
     except (InputError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -262,10 +264,12 @@ def _evaluate_files(args: argparse.Namespace) -> int:
         files = {"pred": str(args.pred), "ref": str(args.ref), **({"src": str(args.src)} if args.src else {})}
         try:
             write_json_atomically(args.output, {**results, **files})
+        except BrokenPipeError:
+            raise
         except OSError as error:
             raise InputError(f"cannot write {args.output}: {error.strerror or error}") from None
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from .parallel.distributed import ends_process_groups
-from .files import (OutputError, check_output, logs_to_stderr, quiet_libraries, write_json_atomically,
-                    write_text_atomically, written_through)
+from .files import (OutputError, check_output, check_output_folder, logs_to_stderr, quiet_libraries,
+                    write_json_atomically, write_text_atomically, written_through)
 from .tasks import glue as glue_tasks, hf_trainer
 from .tasks.glue import SHARED_DATA, get_task
 from .tasks.hf_trainer import InputError
@@ -209,6 +209,7 @@ class Evaluation:
         if self.json_output == self.output:
             raise InputError(f"--output {self.output} ends in .json; give the markdown file (e.g. results.md)")
         self.work_dir = Path(args.work_dir) if args.work_dir else self.output.parent / f"{self.output.stem}-runs"
+        check_output_folder(self.work_dir, "--work-dir", error=InputError)  # `-`, a file, a device, FIFO, socket
         self.glue_extra = shlex.split(args.glue_args)
         self.qg_finetune_extra = shlex.split(args.qg_finetune_args)
         self.qg_decode_extra = shlex.split(args.qg_decode_args)

@@ -12,6 +12,9 @@ Every output path (`--output`, `--json`, ...) follows the same rules (`open_outp
                            it: readers see the old file (or none) or the whole new one. A symbolic
                            link to a regular file keeps pointing where it did: the file it names is
                            the one replaced.
+A folder output (`check_output_folder`, `replacing_folder`) is never `-`, a device, a FIFO or a socket
+(or a link to one), whatever the flags; `--overwrite` replaces a regular file, or a folder holding
+OUTPUT_MARKER (which every folder written through `replacing_folder` gets), never someone else's.
 Files and folders are created with mode 0o666 / 0o777 less the umask (0644 / 0755 under umask 022),
 as any program the user runs creates them: teammates can resume, convert and read results.
 """
@@ -27,7 +30,7 @@ import shutil
 import stat
 import sys
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 STDOUT = "-"
 """The output path that means standard output."""
@@ -124,6 +127,89 @@ def check_output(path: str | os.PathLike, flag: str = "--output", create_folders
         raise OutputError(f"{flag} {text}: the file is read-only")
 
 
+# ------------------------------------------------------------------------------------------------
+# Folder outputs: never `-`, never a device, FIFO or socket, and --overwrite only over what is ours
+# ------------------------------------------------------------------------------------------------
+
+OUTPUT_MARKER = ".megatron-pmlm"
+"""The small file every output folder this project writes holds (what wrote it): `--overwrite`
+replaces a non-empty folder only when it holds this (or is recognised as an older output of ours),
+so that a mistyped path never deletes a folder someone else wrote (a downloaded bert-base has a
+config.json too)."""
+
+
+def special_file_kind(path: str | os.PathLike) -> str | None:
+    """'a FIFO', 'a device', 'a socket' (or 'a process's open file' under /proc) for what `path` is or
+    names through links; None for a regular file, a folder or nothing."""
+    text = os.fspath(path)
+    try:
+        mode = os.stat(text).st_mode
+    except OSError:
+        return None
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if _through_proc(text):
+        return "a process's open file"
+    return None
+
+
+def holds_output_marker(folder: str | os.PathLike) -> bool:
+    """Whether `folder` is an output folder this project wrote (it holds OUTPUT_MARKER)."""
+    return os.path.isfile(os.path.join(os.fspath(folder), OUTPUT_MARKER))
+
+
+def write_output_marker(folder: str | os.PathLike) -> None:
+    """OUTPUT_MARKER in `folder`, naming the program that wrote it (not its arguments: two builds of
+    the same data stay identical byte for byte)."""
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    Path(folder, OUTPUT_MARKER).write_text(f"written by megatron-pmlm ({program}); --overwrite may replace this "
+                                           "folder\n", encoding="utf-8")
+
+
+def check_output_folder(path: str | os.PathLike, flag: str, overwrite: bool | None = None,
+                        recognise: Callable[[Path], bool] | None = None,
+                        error: type[Exception] = OutputError) -> None:
+    """Refuse, before any work and in one line naming `flag`, a folder output that is `-`, a device,
+    FIFO or socket (or a link to one) whatever the flags, or a file. `overwrite` None: the command
+    adds to an existing folder (fine-tuning outputs, --save). `overwrite` False/True: the command
+    replaces the folder, so a non-empty one needs --overwrite, and --overwrite replaces only a
+    regular file or a folder this project wrote (OUTPUT_MARKER, or `recognise`: an older output of
+    ours written before the marker existed). The refusal is an `error`."""
+    text = os.fspath(path)
+    if text == STDOUT:
+        raise error(f"{flag} -: this command writes a folder, not standard output; give a folder name")
+    kind = special_file_kind(text)
+    if kind is not None:
+        link = " (through a link)" if os.path.islink(text) else ""
+        raise error(f"{flag} {text} is {kind}{link}, not a folder: refused, nothing is written there")
+    if os.path.lexists(text) and not os.path.isdir(text):
+        if overwrite is None:
+            raise error(f"{flag} {text} is a file, not a directory")
+        if not overwrite:
+            raise error(f"{flag} {text} already exists and is a file (pass --overwrite to replace it)")
+        return
+    if overwrite is None or not os.path.isdir(text) or not any(os.scandir(text)):
+        return
+    if not overwrite:
+        raise error(f"{flag} {text} already exists and is not empty (pass --overwrite to replace it)")
+    if not holds_output_marker(text) and not (recognise is not None and recognise(Path(text))):
+        raise error(f"{flag} {text} was not written by this project (it holds no {OUTPUT_MARKER}): not "
+                          "replaced, even with --overwrite; remove it yourself or choose another folder")
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be read as a file ('does not exist', 'is a directory, not a file'), or None."""
+    if os.path.isdir(path):
+        return "is a directory, not a file"
+    if not os.path.exists(path):
+        return "does not exist"
+    return None
+
+
 def _new_temporary_file(folder: Path, name: str, binary: bool) -> tuple[Path, IO]:
     """A fresh hidden file in `folder`, created with mode 0o666 less the umask (tempfile's are 0600)."""
     for _ in range(100):
@@ -152,12 +238,17 @@ def new_temporary_folder(destination: str | os.PathLike) -> Path:
 
 @contextlib.contextmanager
 def replacing_folder(destination: str | os.PathLike) -> Iterator[Path]:
-    """A temporary folder beside `destination`, renamed to it when the block completes (an existing
-    `destination` is moved aside first and then deleted); removed if the block fails."""
+    """A temporary folder beside `destination` (holding OUTPUT_MARKER), renamed to it when the block
+    completes (an existing `destination` is moved aside first and then deleted); removed if the block
+    fails. A device, FIFO or socket at `destination` is never replaced (OutputError)."""
     destination = Path(destination)
+    kind = special_file_kind(destination)
+    if kind is not None:  # never replaced, whoever calls (the commands refuse it first: check_output_folder)
+        raise OutputError(f"{destination} is {kind}, not a folder: refused, nothing is written there")
     destination.parent.mkdir(parents=True, exist_ok=True)
     staging = new_temporary_folder(destination)
     try:
+        write_output_marker(staging)
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -254,6 +345,28 @@ def logs_to_stderr(*outputs: str | os.PathLike | None) -> Iterator[None]:
             yield
     finally:
         _data_stdouts.pop()
+
+
+CLOSED_PIPE_STATUS = 128 + 13
+"""The exit status of a tool whose reader went away (`| head`): what the shell reports for `cat`,
+killed by SIGPIPE."""
+
+
+def exit_quietly_on_closed_pipe(main: Callable[[], int | None]) -> int | None:
+    """Run a tool that prints results (`main()`, its status returned) so that `tool | head` ends
+    quietly: when the reader has closed the pipe, the rest of the output is dropped, standard output
+    is pointed at /dev/null (so that Python's own flush at exit finds no pipe either, as Python's
+    documentation on SIGPIPE recommends) and the status is CLOSED_PIPE_STATUS, without a traceback.
+    Training commands do not use it: a log piped to `tee` that dies should stop a run loudly."""
+    try:
+        status = main()
+        sys.stdout.flush()  # what is still buffered meets the closed pipe here, not at exit
+        return status
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return CLOSED_PIPE_STATUS
 
 
 # ------------------------------------------------------------------------------------------------

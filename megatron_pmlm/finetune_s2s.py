@@ -18,7 +18,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-from .config import ConfigError, HelpFormatter
+from .config import ConfigError, HelpFormatter, positive_float
 from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = parser.add_argument_group("training (pre-training's names)")
     train.add_argument("--train-iters", type=int, default=None, help=f"default: --epochs {DEFAULT_EPOCHS} worth")
-    train.add_argument("--epochs", type=float, default=None,
+    train.add_argument("--epochs", type=positive_float, default=None,
                        help=f"passes over the training set (default: {DEFAULT_EPOCHS}, when no --train-iters)")
     train.add_argument("--lr-warmup-iters", type=int, default=None,
                        help=f"linear warmup to --lr (default: {TRAINING_DEFAULTS['lr_warmup_iters']}, s2s-ft's; a run "

@@ -14,7 +14,7 @@ import sys
 from typing import Sequence
 
 from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
-                     add_dataclass_arguments, dataclass_overrides)
+                     add_dataclass_arguments, dataclass_overrides, non_negative_int)
 from .files import quiet_libraries
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sdpa: a dense additive mask + relative bias per batch; flex: torch FlexAttention "
                             "(block mask from roles/steps, relative bias as a score_mod; needs --attention-dropout 0)")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
-    model.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    model.add_argument("--make-vocab-size-divisible-by", type=non_negative_int, default=128,
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")
 
     data = parser.add_argument_group("data")

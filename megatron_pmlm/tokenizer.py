@@ -16,6 +16,8 @@ from typing import Iterable, Sequence
 import numpy as np
 from tokenizers import BertWordPieceTokenizer
 
+from .files import file_problem
+
 PAD, UNK, CLS, SEP, MASK, PSEUDO = "[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[P]"
 TRAINED_SPECIAL_TOKENS = [PAD, UNK, CLS, SEP, MASK, PSEUDO]
 
@@ -81,8 +83,9 @@ def check_vocabulary_tokens(tokens: Iterable[str], source: Path) -> None:
 def read_vocabulary_file(vocab_file: str | os.PathLike, do_lower_case: bool = True) -> Vocabulary:
     """A vocab.txt: UTF-8 text, one token per line, with BERT's special tokens."""
     vocab_file = Path(vocab_file)
-    if not vocab_file.is_file():
-        raise VocabularyError(f"vocabulary file not found: {vocab_file}")
+    problem = file_problem(vocab_file)
+    if problem:
+        raise VocabularyError(f"vocabulary file {vocab_file} {problem}")
     try:
         tokens = tuple(vocab_file.read_text(encoding="utf-8").rstrip("\n").split("\n"))
     except UnicodeDecodeError:
@@ -160,8 +163,9 @@ class WordPieceTokenizer:
     def __init__(self, vocab: str | os.PathLike | Vocabulary, lowercase: bool | None = None):
         """`vocab`: a vocab.txt, or a Vocabulary (in memory); `lowercase`: default the Vocabulary's, else on."""
         if not isinstance(vocab, Vocabulary):
-            if not Path(vocab).is_file():
-                raise FileNotFoundError(f"vocabulary file not found: {vocab}")
+            problem = file_problem(vocab)
+            if problem:
+                raise FileNotFoundError(f"vocabulary file {vocab} {problem}")
             vocab = read_vocabulary_file(vocab)
         self.vocabulary = vocab
         self.vocab_file = vocab.source

@@ -17,6 +17,7 @@ from pmlm_testing import REPO_ROOT, run_module
 transformers = pytest.importorskip("transformers")
 
 from megatron_pmlm.config import ModelConfig  # noqa: E402
+from megatron_pmlm.files import OUTPUT_MARKER  # noqa: E402
 from megatron_pmlm.hf import pmlm_adapter  # noqa: E402
 from megatron_pmlm.hf.convert import main  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining, relative_position_bucket  # noqa: E402
@@ -316,8 +317,16 @@ def test_an_existing_output_is_kept_unless_overwrite(converted, trained, tmp_pat
     # Refused before the checkpoint is read: even a load directory that does not exist gets this answer.
     assert "--output " + str(out) + " already exists" in _fails(["--load", str(tmp_path / "nowhere"), "--output",
                                                                  str(out)], capsys)
-    assert main(["--load", str(trained("zero0")), "--output", str(out), "--overwrite"], log=Lines()) == 0
-    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+    # --overwrite replaces only a folder this project wrote (it holds the marker): not this one.
+    assert "not written by this project" in _fails(["--load", str(trained("zero0")), "--output", str(out),
+                                                    "--overwrite"], capsys)
+    assert (out / "keep.txt").read_text() == "mine"
+    ours = tmp_path / "ours"
+    assert main(["--load", str(trained("zero0")), "--output", str(ours)], log=Lines()) == 0
+    assert (ours / OUTPUT_MARKER).is_file()
+    (ours / "stale.txt").write_text("from an earlier export")
+    assert main(["--load", str(trained("zero0")), "--output", str(ours), "--overwrite"], log=Lines()) == 0
+    assert not (ours / "stale.txt").exists() and (ours / "config.json").is_file()
 
 
 def test_a_failed_verification_exits_1_and_writes_nothing(trained, tmp_path, capsys, monkeypatch):

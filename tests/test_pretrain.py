@@ -82,7 +82,7 @@ def _bad(pretraining_samples, *args):
      "--global-batch-size must be a positive number (samples per optimizer step), got -16"),
     (["--preset", "tiny", "--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size must be a positive"),
     (["--preset", "tiny", "--eval-iters", "-1"], "--eval-iters must be 0 or more, got -1"),
-    (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config not found: nope.json"),
+    (["--preset", "tiny", "--deepspeed-config", "nope.json"], "DeepSpeed config nope.json does not exist"),
     (["--preset", "tiny", "--data-path", "0.3", "a", "0.7", "b"], "blend corpora when building the samples"),
 ])
 def test_bad_arguments_give_a_clear_error(pretraining_samples, args, message):

@@ -26,7 +26,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from megatron_pmlm.config import ATTENTION_BACKENDS, model_config_from_preset  # noqa: E402
+from megatron_pmlm.config import ATTENTION_BACKENDS, model_config_from_preset, positive_int  # noqa: E402
 
 
 def peak_rss_bytes() -> int:
@@ -66,8 +66,8 @@ def measure(backend: str, preset: str, seq_length: int, micro_batch_size: int) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/bench_attention_memory.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="base")
-    parser.add_argument("--seq-length", type=int, default=512)
-    parser.add_argument("--micro-batch-size", type=int, default=20)
+    parser.add_argument("--seq-length", type=positive_int, default=512)
+    parser.add_argument("--micro-batch-size", type=positive_int, default=20)
     parser.add_argument("--backends", default=",".join(ATTENTION_BACKENDS))
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_pmlm.config import positive_int  # noqa: E402
 from megatron_pmlm.training.checkpoint_files import _CHUNK_BYTES, CHECKSUM_ALGORITHM, file_checksum  # noqa: E402
 
 CHECKPOINTS = {"base": (0.44, 1.3), "large": (1.4, 4.0)}  # GB: (model states, optimizer states)
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="0.44,1.3,1.4,4.0", help="file sizes in GB (10^9 bytes)")
     parser.add_argument("--algorithms", default="read only,sha256,blake2b,xxh64,xxh3_128,blake3,file_checksum",
                         help="comma-separated; blake3 only where installed")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where the files go (default: a temporary folder)")
     args = parser.parse_args(argv)
     available = factories()

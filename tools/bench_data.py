@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_pmlm.config import positive_int  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
 
 
@@ -130,9 +131,9 @@ def main() -> int:
     shared = REPO / ".." / "shared" / "data"
     parser.add_argument("--corpus", default=str(shared / "corpus"))
     parser.add_argument("--vocab-file", default=str(shared / "vocab" / "bert-base-uncased-vocab.txt"))
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--batches", type=int, default=300)
-    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--batches", type=positive_int, default=300)
+    parser.add_argument("--micro-batch", type=positive_int, default=32)
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output, the "
                         "printed copy then goes to standard error)")
     args = parser.parse_args()

@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHARED = REPO.parent / "shared" / "data"
 
+from megatron_pmlm.config import non_negative_int, positive_int  # noqa: E402
+
 
 def load_sources(tokenizer, count: int, vocab_size: int, seed: int) -> tuple[list[list[int]], str]:
     qg = SHARED / "qg" / "src-dev.txt"
@@ -83,15 +85,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="model shape with random weights (tiny, base, large)")
     parser.add_argument("--model", default=None, help="a model folder instead of --preset")
-    parser.add_argument("--sources", type=int, default=32, help="how many sources to decode")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-target-length", type=int, default=48)
-    parser.add_argument("--max-seq-length", type=int, default=512)
-    parser.add_argument("--beams", type=int, nargs="+", default=[1, 5])
+    parser.add_argument("--sources", type=positive_int, default=32, help="how many sources to decode")
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--max-target-length", type=positive_int, default=48)
+    parser.add_argument("--max-seq-length", type=positive_int, default=512)
+    parser.add_argument("--beams", type=positive_int, nargs="+", default=[1, 5])
     parser.add_argument("--modes", nargs="+", default=["standard", "pos_shift"], choices=["standard", "pos_shift"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--threads", type=non_negative_int, default=1,
                         help="torch CPU threads (default 1: per-core figures, immune to a busy neighbour)")
     args = parser.parse_args()
 

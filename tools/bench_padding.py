@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from megatron_pmlm.config import positive_int  # noqa: E402
 from megatron_pmlm.data import build_pretraining_loaders  # noqa: E402
 from megatron_pmlm.models.layout import PAD, padded_width  # noqa: E402
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--global-batch-sizes", default="80,160,320")
     parser.add_argument("--objective", default="ae+par")
     parser.add_argument("--quanta", help="comma-separated layout width quanta: report their cost instead")
-    parser.add_argument("--epochs", type=int, default=1, help="with --quanta: epochs to iterate (each reshuffled)")
+    parser.add_argument("--epochs", type=positive_int, default=1, help="with --quanta: epochs to iterate (each reshuffled)")
     args = parser.parse_args(argv)
     micros = [int(v) for v in args.micro_batch_sizes.split(",")]
     globals_ = [int(v) for v in args.global_batch_sizes.split(",")]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_pmlm.files import logs_to_stderr, open_output  # noqa: E402
+from megatron_pmlm.config import positive_int  # noqa: E402
+from megatron_pmlm.files import exit_quietly_on_closed_pipe, logs_to_stderr, open_output  # noqa: E402
 
 Series = list[tuple[int, float]]
 SPLITS = ("train", "valid")
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tags", nargs="+", default=None,
                         help="exactly these tags, one panel each (default: every logged loss and accuracy)")
     parser.add_argument("--labels", nargs="+", default=None, help="a name per run (default: its path)")
-    parser.add_argument("--columns", type=int, default=3, help="panels per row (default: 3)")
+    parser.add_argument("--columns", type=positive_int, default=3, help="panels per row (default: 3)")
     args = parser.parse_args(argv)
     try:
         with logs_to_stderr(args.output):
@@ -165,4 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

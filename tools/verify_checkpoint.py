@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megatron_pmlm.files import exit_quietly_on_closed_pipe  # noqa: E402
 from megatron_pmlm.training.checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, checkpoint_dirs, checksum_note,  # noqa: E402
                                                      verify)
 
@@ -63,4 +64,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(exit_quietly_on_closed_pipe(main))

@@ -20,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..files import file_problem
+
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8
@@ -127,8 +129,9 @@ class IndexedDatasetReader:
         self.prefix = Path(prefix)
         index_file, data_file = idx_path(prefix), bin_path(prefix)
         for path in (index_file, data_file):
-            if not path.is_file():
-                raise IndexedDatasetError(f"indexed dataset file not found: {path}")
+            problem = file_problem(path)
+            if problem:
+                raise IndexedDatasetError(f"indexed dataset file {path} {problem}")
         size = index_file.stat().st_size
         with open(index_file, "rb") as handle:
             header = handle.read(_HEADER_BYTES)

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
+from ..files import file_problem
 from ..tokenizer import SpecialTokenIds, WordPieceTokenizer
 
 # A sentence ends at . ! or ? (optionally closed by quotes/brackets) followed by whitespace and an
@@ -30,8 +31,9 @@ def read_text_documents(paths: Iterable[str | Path]) -> Iterator[str]:
     """Documents of plain-text files: runs of non-blank lines separated by blank lines."""
     for path in paths:
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"input file not found: {path}")
+        problem = file_problem(path)
+        if problem:
+            raise FileNotFoundError(f"input file {path} {problem}")
         lines: list[str] = []
         with open(path, encoding="utf-8", errors="replace") as handle:
             for line in handle:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ConfigError
-from ..files import InputError, check_output, logs_to_stderr, quiet_libraries, write_text_atomically
+from ..files import InputError, check_output, file_problem, logs_to_stderr, quiet_libraries, write_text_atomically
 
 PALM_MAX_TARGET_LENGTH = 100
 """PALM's continuations: at most 100 tokens (§3.1)."""
@@ -38,10 +38,9 @@ def run_decode_command(build_parser: Callable[[], argparse.ArgumentParser],
 def read_sources(path: Path) -> list[str | list[str]]:
     """Sources from a text file (one per line) or a .jsonl file (`src` per line); a final newline is
     optional, empty sources are refused with their line number."""
-    if not path.exists():
-        raise InputError(f"input file {path} does not exist")
-    if not path.is_file():
-        raise InputError(f"input {path} is not a file")
+    problem = file_problem(path)
+    if problem:
+        raise InputError(f"input file {path} {problem}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:

@@ -35,13 +35,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..config import ConfigError, HelpFormatter
-from ..files import quiet_libraries
+from ..config import ConfigError, HelpFormatter, non_negative_int, positive_int
+from ..files import OutputError, check_output_folder, quiet_libraries
 from ..training.checkpoint_reader import ConversionError, run_state_of
 from . import palm_adapter, pmlm_adapter
 from .family import PALM, PMLM, check_family
 from .folder import NO_HELD_OUT_NOTE, VERIFY_TOLERANCE, Verification, VerificationFailed, find_vocab_file, \
-    held_out_samples, staged_output
+    held_out_samples, older_output, staged_output
 from .pmlm_adapter import import_from_hf
 
 ADAPTERS = {PMLM: pmlm_adapter, PALM: palm_adapter}
@@ -117,16 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt or "
                                             "the tokenizer.json save_pretrained writes)")
     from_hf.add_argument("--save", help="the checkpoint directory to write")
-    from_hf.add_argument("--tensor-model-parallel-size", type=int, default=1,
+    from_hf.add_argument("--tensor-model-parallel-size", type=positive_int, default=1,
                          help="write tensor-parallel shards for a run of this size")
-    from_hf.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    from_hf.add_argument("--make-vocab-size-divisible-by", type=non_negative_int, default=128,
                          help="vocabulary padding, as the run will use it")
     from_hf.add_argument("--objective", default="ae+par",
                          help="the objective the run will train: a UniLM v1 one (unilm, unilm-bi, ...) keeps BERT's "
                               "pooler and next-sentence head and grows its 2 segment embeddings to UniLM v1's 6")
     from_hf.add_argument("--add-rel-pos", action="store_true",
                          help="a BERT without relative position bias: add a zero one (outputs unchanged)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing output: a regular file or a folder this project wrote (never a "
+                             "device, FIFO or socket)")
     return parser
 
 
@@ -137,11 +139,14 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
     if bool(args.load) == bool(args.from_hf):
         parser.error("give either --load SAVE_DIR --output HF_DIR, or --from-hf HF_DIR --save SAVE_DIR")
     for flag, destination in (("--output", args.output), ("--save", args.save)):
-        # Before anything is read (a large checkpoint takes minutes): an occupied output is refused.
-        if destination and not args.overwrite and Path(destination).is_dir() and any(Path(destination).iterdir()):
-            print(f"error: {flag} {destination} already exists and is not empty (pass --overwrite to replace it)",
-                  file=sys.stderr)
-            return 2
+        # Before anything is read (a large checkpoint takes minutes): an occupied output is refused, and
+        # --overwrite replaces only a regular file or a folder this project wrote.
+        if destination is not None:
+            try:
+                check_output_folder(destination, flag, args.overwrite, recognise=older_output)
+            except OutputError as error:
+                print(f"error: {error}", file=sys.stderr)
+                return 2
     try:
         if args.load:
             if not args.output:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..files import replacing_folder
-from ..training.checkpoint_files import RUN_STATE_FILE
+from ..files import OUTPUT_MARKER, check_output_folder, file_problem, replacing_folder
+from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
 from ..training.checkpoint_reader import ConversionError
 
 VERIFY_TOLERANCE = 1e-4
@@ -47,8 +47,9 @@ def find_vocab_file(checkpoint, override: str | None) -> Path:
     args = checkpoint.run_state.get("args", {})
     if override:
         path = Path(override)
-        if not path.is_file():
-            raise ConversionError(f"--vocab-file {path} does not exist")
+        problem = file_problem(path)
+        if problem:
+            raise ConversionError(f"--vocab-file {path} {problem}")
     elif (checkpoint.tag_dir / "vocab.txt").is_file():
         path = checkpoint.tag_dir / "vocab.txt"
     else:
@@ -75,12 +76,39 @@ def find_vocab_file(checkpoint, override: str | None) -> Path:
 # Writing
 # ------------------------------------------------------------------------------------------------
 
-def staged_output(destination: Path, overwrite: bool):
-    """A temporary folder next to `destination`, renamed to it when the block completes (its mode
-    and its files' follow the umask: `files.replacing_folder`)."""
-    destination = Path(destination)
-    if destination.exists() and not overwrite and (not destination.is_dir() or any(destination.iterdir())):
-        raise ConversionError(f"{destination} already exists and is not empty (pass --overwrite to replace it)")
+EXPORT_FILES = frozenset({"config.json", "pytorch_model.bin", "model.safetensors", "vocab.txt", "tokenizer.json",
+                          "tokenizer_config.json", "special_tokens_map.json", "configuration_pmlm.py",
+                          "modeling_pmlm.py", "configuration_palm.py", "modeling_palm.py", OUTPUT_MARKER})
+"""Every file a Hugging Face export of ours holds."""
+
+
+def older_output(folder: Path) -> bool:
+    """Whether `folder`, without OUTPUT_MARKER, is still recognisably an output of ours written before
+    the marker existed: a checkpoint (`latest` naming a tag with run_state.json, which no other tool
+    writes), or an export of a model only this project defines (config.json's model_type pmlm or
+    palm) holding nothing but an export's files. A BERT export without the marker is not recognised:
+    a downloaded bert-base looks the same."""
+    latest = folder / LATEST_FILE
+    if latest.is_file():
+        tag = latest.read_text(errors="replace").strip()
+        return bool(tag) and "/" not in tag and (folder / tag / RUN_STATE_FILE).is_file()
+    config = folder / "config.json"
+    if not config.is_file() or not {p.name for p in folder.iterdir()} <= EXPORT_FILES:
+        return False
+    try:
+        values = json.loads(config.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(values, dict) and values.get("model_type") in ("pmlm", "palm")
+
+
+def staged_output(destination: Path, overwrite: bool, flag: str = "--output"):
+    """A temporary folder next to `destination` (holding OUTPUT_MARKER), renamed to it when the
+    block completes (its mode and its files' follow the umask: `files.replacing_folder`). The
+    command line checks the destination first (`check_output_folder`, which --overwrite cannot pass
+    for a folder not ours); here, for callers replacing a folder of their own (a fine-tuning run's
+    hf/), only what is never replaced is refused."""
+    check_output_folder(destination, flag, overwrite, recognise=lambda folder: True, error=ConversionError)
     return replacing_folder(destination)
 
 

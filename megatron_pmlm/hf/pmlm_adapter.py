@@ -421,7 +421,7 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
                 "data_path": None}
     run_state = {"iteration": 0, "consumed_samples": 0, "training_config": {"zero_stage": 0, "precision": "fp32"},
                  "args": run_args, "world_size": tp, "data_parallel_size": 1}
-    with staged_output(save_dir, overwrite) as staging:
+    with staged_output(save_dir, overwrite, "--save") as staging:
         tag_dir = staging / IMPORT_TAG
         tag_dir.mkdir()
         for rank in range(tp):

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ConfigError
+from ..files import file_problem
 from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch
 from .model import PMLMForPreTraining
 from .metrics import MetricSpec
@@ -140,8 +141,9 @@ def read_pairs(jsonl: str | None = None, src: str | None = None, tgt: str | None
 
 def _existing(name: str, flag: str) -> Path:
     path = Path(name)
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path} does not exist")
+    problem = file_problem(path)
+    if problem:
+        raise ConfigError(f"{flag} {path} {problem}")
     return path
 
 

@@ -32,7 +32,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..files import write_json_atomically
+from ..files import check_output_folder, file_problem, write_json_atomically
 from ..config import HelpFormatter
 from .hf_trainer import (InputError, add_trainer_arguments, check_trainer_arguments, declare_mean_loss, load_tokenizer,
                          model_max_positions, quiet_libraries, remove_if_created_empty, resolve_model, save_fine_tuned,
@@ -151,8 +151,9 @@ def parse_label(task: GlueTask, value: str, where: str):
 def read_glue_tsv(path: Path, task: GlueTask) -> Split:
     """GLUE's original TSV (tab-separated, no quoting; a header line except CoLA's), checked: every
     needed column present on every line, every label in the task's set. Errors name file and line."""
-    if not path.is_file():
-        raise InputError(f"{task.name} file {path} does not exist")
+    problem = file_problem(path)
+    if problem:
+        raise InputError(f"{task.name} file {path} {problem}")
     try:
         text = path.read_text(encoding="utf-8-sig")  # MRPC's header starts with a byte-order mark
     except UnicodeDecodeError as error:
@@ -349,8 +350,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     splits = load_splits(args, task)  # all data checked before anything is written
     check_model_path(args.model, "finetune_glue")
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise InputError(f"--output-dir {output_dir} is a file")
+    check_output_folder(output_dir, "--output-dir", error=InputError)  # `-`, a file, a device, FIFO, socket
     existed = output_dir.exists()
     try:
         return _train_and_evaluate(args, task, splits, output_dir, log)

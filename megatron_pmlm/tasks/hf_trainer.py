@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from ..config import non_negative_int, positive_int
 from ..files import InputError, write_json_atomically
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
@@ -119,7 +120,7 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
     train.add_argument("--gradient-accumulation-steps", type=int, default=1)
     train.add_argument("--warmup-ratio", type=float, default=defaults["warmup_ratio"],
                        help="linear warmup over this fraction of the steps, then linear decay")
-    train.add_argument("--warmup-steps", type=int, default=None, help="warmup steps instead of --warmup-ratio")
+    train.add_argument("--warmup-steps", type=non_negative_int, default=None, help="warmup steps instead of --warmup-ratio")
     train.add_argument("--weight-decay", type=float, default=defaults["weight_decay"])
     train.add_argument("--adam-epsilon", type=float, default=1e-8)
     train.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -135,10 +136,10 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
     train.add_argument("--save-strategy", choices=("no", "steps", "epoch"), default="no",
                        help="Trainer checkpoints during training (checkpoint-N/ in --output-dir)")
     train.add_argument("--save-steps", type=float, default=500)
-    train.add_argument("--save-total-limit", type=int, default=None,
+    train.add_argument("--save-total-limit", type=positive_int, default=None,
                        help="Trainer checkpoints kept (default: all)")
     train.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned model at the end")
-    train.add_argument("--dataloader-num-workers", type=int, default=0)
+    train.add_argument("--dataloader-num-workers", type=non_negative_int, default=0)
     train.add_argument("--report-to", default="none", help="Trainer's integrations: none, tensorboard, wandb, ...")
     train.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     train.add_argument("--use-cpu", action="store_true", help="train on the CPU even when a GPU is present")

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..files import write_json_atomically
+from ..files import check_output_folder, file_problem, write_json_atomically
 from ..config import HelpFormatter
 from .hf_trainer import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
                          load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
@@ -57,8 +57,9 @@ def read_squad(path: Path, version_2_with_negative: bool, role: str = "--predict
     """The questions of a SQuAD JSON file, flattened: id, title, context, question, answers
     ({'text': [...], 'answer_start': [...]}, empty for an unanswerable question), checked."""
     path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{role} {path} does not exist")
+    problem = file_problem(path)
+    if problem:
+        raise InputError(f"{role} {path} {problem}")
     try:
         data = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as error:
@@ -399,8 +400,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     evaluation = read_squad(args.predict_file, v2, "--predict-file")[:args.max_eval_samples] if args.predict_file else None
     check_model_path(args.model, "finetune_squad")
     output_dir = Path(args.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise InputError(f"--output-dir {output_dir} is a file")
+    check_output_folder(output_dir, "--output-dir", error=InputError)  # `-`, a file, a device, FIFO, socket
     existed = output_dir.exists()
     try:
         return _train_and_predict(args, train, evaluation, output_dir, log)

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .checkpoint_files import LATEST_FILE, CheckpointError, newest_complete_checkpoint
 from ..config import ConfigError
+from ..files import check_output_folder
 
 
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -94,6 +95,7 @@ def check_output_dir(path: str | None, flag: str) -> None:
     """`path` is a writable directory or can be created as one."""
     if not path:
         return
+    check_output_folder(path, flag, error=ConfigError)  # `-`, a device, FIFO or socket, whatever the flags
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise ConfigError(f"{flag} {path} is a file, not a directory")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
-from ..files import read_json
+from ..files import file_problem, read_json
 from ..parallel.distributed import collective_device
 
 
@@ -193,8 +193,9 @@ def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
     if not path:
         return None
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"DeepSpeed config not found: {path}")
+    problem = file_problem(path)
+    if problem:
+        raise FileNotFoundError(f"DeepSpeed config {path} {problem}")
     return read_json(path, ConfigError)
 
 
