@@ -24,6 +24,7 @@ from pathlib import Path
 from .generation.commands import PALM_MAX_CONTEXT_LENGTH as DEFAULT_MAX_CONTEXT_LENGTH
 from .generation.commands import PALM_MAX_TARGET_LENGTH as DEFAULT_MAX_TARGET_LENGTH
 from .generation.commands import run_decode_command, run_palm
+from .training.checkpoint_files import add_no_checksums_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="contexts per batch")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_checksums_argument(parser)
     return parser
 
 

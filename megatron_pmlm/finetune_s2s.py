@@ -21,7 +21,7 @@ from typing import Sequence
 from .config import ConfigError, HelpFormatter
 from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
-from .training.checkpoint_files import LATEST_FILE
+from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
 from .training.preflight import check_run_paths
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face folder or a checkpoint directory (pre-training or fine-tuning --save)")
+    add_no_checksums_argument(parser)
     data = parser.add_argument_group("data (s2s-ft's JSONL with src/tgt fields, or aligned text files)")
     for what in ("train", "valid"):
         data.add_argument(f"--{what}-file", help=f"{what} examples, JSONL with 'src' and 'tgt'")
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     has_valid = bool(args.valid_file or args.valid_src or args.valid_tgt)
     valid_pairs = read_pairs(args.valid_file, args.valid_src, args.valid_tgt, "valid") if has_valid else None
     check_family("--model", args.model, "finetune_s2s")
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.checksums)
     s2s = seq2seq_config_from_args(args, loaded.settings)
     for name, value in (("--source-type-id", s2s.source_type_id), ("--target-type-id", s2s.target_type_id)):
         if not 0 <= value < loaded.config.type_vocab_size:

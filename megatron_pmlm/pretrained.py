@@ -60,9 +60,11 @@ class LoadedModel:
         return int(self.settings.get("target_type_id", 1))
 
 
-def load_model(path: str | os.PathLike):
-    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date): a
-    LoadedModel, or for a PALM model the PALM adapter's LoadedPalm (`family` tells them apart)."""
+def load_model(path: str | os.PathLike, checksums: bool = True):
+    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date; else the
+    checkpoint, its files checked against its manifest unless `checksums` is False: see
+    checkpoint_reader.resolve_tag): a LoadedModel, or for a PALM model the PALM adapter's
+    LoadedPalm (`family` tells them apart)."""
     from .hf.family import PALM, model_family
     from .training.checkpoint_reader import ConversionError
 
@@ -73,7 +75,7 @@ def load_model(path: str | os.PathLike):
         from .hf.palm_adapter import load_palm
 
         try:
-            return load_palm(path)
+            return load_palm(path, checksums)
         except ConversionError as error:
             raise ConfigError(str(error)) from None
     if (path / "config.json").is_file():
@@ -86,7 +88,7 @@ def load_model(path: str | os.PathLike):
                 if json.loads((export / "config.json").read_text()).get("checkpoint_tag") == latest:
                     return load_hf_folder(export)
         try:
-            return load_checkpoint_dir(path)
+            return load_checkpoint_dir(path, checksums)
         except ConversionError as error:
             raise ConfigError(str(error)) from None
     raise ConfigError(f"--model {path} is neither a Hugging Face folder (no config.json) nor a checkpoint "
@@ -117,12 +119,12 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     return LoadedModel(config, state, vocabulary, f"Hugging Face folder {folder}", settings)
 
 
-def load_checkpoint_dir(directory: Path) -> LoadedModel:
+def load_checkpoint_dir(directory: Path, checksums: bool = True) -> LoadedModel:
     from .hf.folder import find_vocab_file
     from .hf.pmlm_adapter import to_hf_state_dict
     from .training.checkpoint_reader import load_pretraining_checkpoint
 
-    checkpoint = load_pretraining_checkpoint(directory)
+    checkpoint = load_pretraining_checkpoint(directory, checksums=checksums)
     args = checkpoint.run_state.get("args", {})
     if args.get("vocab_file") and Path(args["vocab_file"]).is_file():
         vocab_file = Path(args["vocab_file"])

@@ -49,13 +49,15 @@ def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
                      f"(no '{LATEST_FILE}' file)")
 
 
-def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str], None] = print) -> Path:
+def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str], None] = print,
+                  checksums: bool = True) -> Path:
     """A Hugging Face folder for `path`: itself; for a checkpoint directory its `hf/` export when that
-    is of the latest checkpoint, else `convert_to` (converted now with export_to_hf, or reused when
-    it already holds this checkpoint)."""
+    is of the latest checkpoint, else `convert_to` (reused when it already holds that checkpoint,
+    else converted now from the checkpoint checkpoint_reader.resolve_tag chooses and verifies:
+    a damaged latest one is passed over, saying so; `checksums` False skips the check)."""
     from ..config import ConfigError
     from ..hf.convert import export_to_hf
-    from ..training.checkpoint_reader import ConversionError
+    from ..training.checkpoint_reader import ConversionError, resolve_tag
     from ..pretrained import HF_EXPORT_DIR
     from ..training.checkpoint_files import LATEST_FILE
 
@@ -74,7 +76,9 @@ def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str]
             return candidate
     convert_to = Path(convert_to)
     try:
-        export_to_hf(path, convert_to, overwrite=True, log=log)
+        _, tag = resolve_tag(path, None, checksums, log)
+        marker["checkpoint_tag"] = tag  # what the folder holds (an older one when `latest`'s is damaged)
+        export_to_hf(path, convert_to, tag, overwrite=True, log=log, checksums=None)
     except (ConversionError, ConfigError) as error:
         raise InputError(f"--model {path}: {error}") from None
     config_file = convert_to / "config.json"
