@@ -23,6 +23,7 @@ from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
 from .training.preflight import check_run_paths
+from .training.save_lock import add_no_lock_argument
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
 from .training.checkpoint_files import CheckpointError
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory (and, at the end, its Hugging Face export in hf/)")
+    add_no_lock_argument(output)
     output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
                                            "holding none is refused unless it is --save (a first start)")
     output.add_argument("--tensorboard-dir")
@@ -146,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be refused is checked before processes start talking to each other;
     # --load and the outputs first, so a refused run has written nothing.
     check_run_paths(args.save, args.load, tensorboard_dir=args.tensorboard_dir, history_json=args.history_json,
+                    lock=args.lock,
                     weights_hint="a model to fine-tune goes to --model")
     if args.train_iters is not None and args.epochs is not None:
         raise ConfigError("give --train-iters or --epochs, not both")
