@@ -36,10 +36,19 @@ def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
     if tool:
         check_family("--model", path, tool, error=InputError)
     if (path / "config.json").is_file():
+        from ..pretrained import vocabulary_problem
+
         try:
-            folder_vocabulary(path)
+            vocabulary = folder_vocabulary(path)
         except VocabularyError as error:
             raise InputError(f"--model {path}: {error}") from None
+        try:
+            vocab_size = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            vocab_size = None  # the model's own loader names what is wrong with its config.json
+        problem = vocab_size and vocabulary_problem(vocabulary, vocab_size, str(vocabulary.source))
+        if problem:
+            raise InputError(f"--model {path}: {problem}")
         if not any((path / name).is_file() for name in WEIGHT_FILES):
             raise InputError(f"--model {path} has no weights ({' or '.join(WEIGHT_FILES[:2])})")
         return "hf"
