@@ -23,7 +23,7 @@ from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
 from .training.preflight import check_run_paths
-from .training.save_lock import add_no_lock_argument
+from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
 from .training.checkpoint_files import CheckpointError
@@ -137,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        release_save_dirs()  # --save's lock (held from check_run_paths on)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
 from .training.preflight import check_run_paths, check_sizes
-from .training.save_lock import add_no_lock_argument
+from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .training.exit_signal import ExitSignal
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
@@ -136,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        release_save_dirs()  # --save's lock (held from check_run_paths on)
 
 
 def check_load_family(args: argparse.Namespace) -> None:

@@ -42,8 +42,9 @@ SAME_JOB_WAIT_SECONDS = 300.0
 NFS v4's default 90 s lease and Lustre's lock timeouts, so a dead node's lock has expired by then."""
 RETRY_SECONDS = 5.0
 
-_held: dict[str, int] = {}
-"""Locks this process holds: directory -> file descriptor (kept open for the process's life)."""
+_held: dict[str, tuple[int, Path, bool]] = {}
+"""Locks this process holds: resolved directory -> (file descriptor, directory, whether this
+process created the directory)."""
 
 
 class SaveDirInUse(RuntimeError):
@@ -154,15 +155,25 @@ def lock_save_dir(save: str | os.PathLike, enabled: bool = True, log: Callable[[
     os.ftruncate(fd, 0)
     os.pwrite(fd, record, 0)
     os.fsync(fd)
-    _held[key] = fd
-    atexit.register(_remove_if_only_lock, directory, created)
+    if not _held:
+        atexit.register(release_save_dirs)
+    _held[key] = (fd, directory, created)
 
 
 def release_save_dir(save: str | os.PathLike) -> None:
-    """Give the lock back before the process ends (the kernel does it at exit otherwise)."""
-    fd = _held.pop(os.path.realpath(save), None)
-    if fd is not None:
+    """Give the lock back (the kernel does it when the process ends otherwise); a directory the
+    lock created and nothing else used goes too (a run refused after taking it)."""
+    held = _held.pop(os.path.realpath(save), None)
+    if held is not None:
+        fd, directory, created = held
+        _remove_if_only_lock(directory, created)
         os.close(fd)
+
+
+def release_save_dirs() -> None:
+    """Every lock this process holds: at the end of a command's main (and at exit)."""
+    for key in list(_held):
+        release_save_dir(key)
 
 
 def _remove_if_only_lock(directory: Path, created: bool) -> None:
