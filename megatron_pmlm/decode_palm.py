@@ -25,6 +25,7 @@ from .generation.commands import PALM_MAX_CONTEXT_LENGTH as DEFAULT_MAX_CONTEXT_
 from .generation.commands import PALM_MAX_TARGET_LENGTH as DEFAULT_MAX_TARGET_LENGTH
 from .files import exit_quietly_on_closed_pipe
 from .generation.commands import run_decode_command, run_palm
+from .training.checkpoint_files import add_no_checksums_argument
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=32, metavar="B", help="contexts per batch")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_checksums_argument(parser)
     return parser
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from .config import HelpFormatter, non_negative_int
 from .files import InputError, exit_quietly_on_closed_pipe
+from .training.checkpoint_files import add_no_checksums_argument
 from .generation.commands import (PALM_MAX_CONTEXT_LENGTH, PALM_MAX_TARGET_LENGTH, check_batch_and_output,
                                   decode_and_write, encode_sources, read_sources, run_decode_command, run_palm)
 
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{PALM_MAX_CONTEXT_LENGTH})")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_checksums_argument(parser)
     return parser
 
 
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--fp16: this torch cannot multiply float16 matrices on the CPU; use --bf16 or --device cuda")
     dtype = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else torch.float32
 
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.checksums)
     if not loaded.settings:
         print(NOT_FINE_TUNED_WARNING.format(model=args.model), file=sys.stderr)
     pos_shift = args.pos_shift or loaded.settings.get("s2s_mode") == "causal"

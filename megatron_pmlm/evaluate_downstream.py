@@ -42,6 +42,7 @@ from .files import (OutputError, check_output, check_output_folder, logs_to_stde
 from .tasks import glue as glue_tasks, hf_trainer
 from .tasks.glue import SHARED_DATA, get_task
 from .tasks.hf_trainer import InputError
+from .training.checkpoint_files import add_no_checksums_argument
 
 QG = "qg"
 QG_TRAIN, QG_DEV = 9570, 1000
@@ -146,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", required=True, help="a Hugging Face folder or a checkpoint directory of ours")
+    add_no_checksums_argument(parser)
     parser.add_argument("--tasks", default="mrpc,rte",
                         help=f"comma-separated: {', '.join(glue_tasks.TASKS)}, {QG}")
     parser.add_argument("--output", required=True, type=Path,
@@ -323,7 +325,8 @@ class Evaluation:
         new_folders = [p for p in (self.work_dir, *self.work_dir.parents) if not p.exists()]
         self.work_dir.mkdir(parents=True, exist_ok=True)
         try:
-            model = hf_trainer.resolve_model(self.args.model, self.work_dir / "model", log=self.log)
+            model = hf_trainer.resolve_model(self.args.model, self.work_dir / "model", log=self.log,
+                                                 checksums=self.args.checksums)
         except InputError:  # a checkpoint directory that does not convert: leave nothing behind
             for folder in new_folders:
                 hf_trainer.remove_if_created_empty(folder, existed=False)

@@ -21,8 +21,9 @@ from typing import Sequence
 from .config import ConfigError, HelpFormatter, positive_float
 from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
-from .training.checkpoint_files import LATEST_FILE
+from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
 from .training.preflight import check_run_paths
+from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
 from .training.checkpoint_files import CheckpointError
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
                         help="a Hugging Face folder or a checkpoint directory (pre-training or fine-tuning --save)")
+    add_no_checksums_argument(parser)
     data = parser.add_argument_group("data (s2s-ft's JSONL with src/tgt fields, or aligned text files)")
     for what in ("train", "valid"):
         data.add_argument(f"--{what}-file", help=f"{what} examples, JSONL with 'src' and 'tgt'")
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory (and, at the end, its Hugging Face export in hf/)")
+    add_no_lock_argument(output)
     output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
                                            "holding none is refused unless it is --save (a first start)")
     output.add_argument("--tensorboard-dir")
@@ -134,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        release_save_dirs()  # --save's lock (held from check_run_paths on)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be refused is checked before processes start talking to each other;
     # --load and the outputs first, so a refused run has written nothing.
     check_run_paths(args.save, args.load, tensorboard_dir=args.tensorboard_dir, history_json=args.history_json,
+                    lock=args.lock,
                     weights_hint="a model to fine-tune goes to --model")
     if args.train_iters is not None and args.epochs is not None:
         raise ConfigError("give --train-iters or --epochs, not both")
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     has_valid = bool(args.valid_file or args.valid_src or args.valid_tgt)
     valid_pairs = read_pairs(args.valid_file, args.valid_src, args.valid_tgt, "valid") if has_valid else None
     check_family("--model", args.model, "finetune_s2s")
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.checksums)
     s2s = seq2seq_config_from_args(args, loaded.settings)
     for name, value in (("--source-type-id", s2s.source_type_id), ("--target-type-id", s2s.target_type_id)):
         if not 0 <= value < loaded.config.type_vocab_size:

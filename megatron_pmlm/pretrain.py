@@ -20,6 +20,7 @@ from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
 from .training.preflight import check_run_paths, check_sizes
+from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .training.exit_signal import ExitSignal
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     output = parser.add_argument_group("checkpoints and logs")
     output.add_argument("--save", help="checkpoint directory")
+    add_no_lock_argument(output)
     output.add_argument("--load", help="resume from this directory's newest complete checkpoint; a directory "
                                            "holding none is refused unless it is --save (a first start)")
     output.add_argument("--universal-checkpoint", action="store_true",
@@ -134,6 +136,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        release_save_dirs()  # --save's lock (held from check_run_paths on)
 
 
 def check_load_family(args: argparse.Namespace) -> None:
@@ -153,7 +157,7 @@ def check_load_family(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
-    check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json)
+    check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json, lock=args.lock)
     check_load_family(args)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")
     if unilm_overrides and (args.model != "pmlm" or not get_objective(args.objective).is_unilm):

@@ -60,9 +60,11 @@ class LoadedModel:
         return int(self.settings.get("target_type_id", 1))
 
 
-def load_model(path: str | os.PathLike):
-    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date): a
-    LoadedModel, or for a PALM model the PALM adapter's LoadedPalm (`family` tells them apart)."""
+def load_model(path: str | os.PathLike, checksums: bool = True):
+    """A Hugging Face folder, or a checkpoint directory (its export when it is up to date; else the
+    checkpoint, its files checked against its manifest unless `checksums` is False: see
+    checkpoint_reader.resolve_tag): a LoadedModel, or for a PALM model the PALM adapter's
+    LoadedPalm (`family` tells them apart)."""
     from .hf.family import PALM, model_family
     from .training.checkpoint_reader import ConversionError
 
@@ -73,7 +75,7 @@ def load_model(path: str | os.PathLike):
         from .hf.palm_adapter import load_palm
 
         try:
-            return load_palm(path)
+            return load_palm(path, checksums)
         except ConversionError as error:
             raise ConfigError(str(error)) from None
     if (path / "config.json").is_file():
@@ -86,18 +88,52 @@ def load_model(path: str | os.PathLike):
                 if json.loads((export / "config.json").read_text()).get("checkpoint_tag") == latest:
                     return load_hf_folder(export)
         try:
-            return load_checkpoint_dir(path)
+            return load_checkpoint_dir(path, checksums)
         except ConversionError as error:
             raise ConfigError(str(error)) from None
     raise ConfigError(f"--model {path} is neither a Hugging Face folder (no config.json) nor a checkpoint "
                       f"directory (no '{LATEST_FILE}' file)")
 
 
-def _check_vocab(vocabulary: Vocabulary, config: ModelConfig) -> None:
+def recorded_vocab_sha256(run_args: dict[str, Any]) -> str | None:
+    """The sha256 of the vocabulary a checkpoint's run was trained with, where it is recorded: the
+    metadata.json of the run's samples (data_prep.build_samples writes it); None when unknown."""
+    data_path = run_args.get("data_path")
+    if not data_path:
+        return None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((Path(data_path) / "metadata.json").read_text()).get("vocab_sha256") or None
+    return None
+
+
+def vocabulary_problem(vocabulary: Vocabulary | None, vocab_size: int, source: str,
+                       recorded_sha256: str | None = None) -> str | None:
+    """Why `vocabulary` is not the one of a model whose embedding has `vocab_size` rows (None: it
+    is): another size, or, where the model records its vocabulary's sha256, other content. The one
+    check of finetune_s2s, decode_s2s, finetune_glue/squad and evaluate_downstream."""
     size = len(vocabulary.tokens)
-    if size != config.vocab_size:
-        raise ConfigError(f"{vocabulary.source} has {size} entries but the model's embedding has {config.vocab_size} "
-                          "rows: not this model's vocabulary")
+    if size != vocab_size:
+        return f"{source} has {size} entries but the model's embedding has {vocab_size} rows: not this model's vocabulary"
+    return vocabulary_content_problem(vocabulary.file, source, recorded_sha256)
+
+
+def vocabulary_content_problem(vocab_file: Path | None, source: str, recorded_sha256: str | None) -> str | None:
+    """A vocab.txt whose sha256 is not the recorded one (None: it is, or nothing is recorded)."""
+    if not recorded_sha256 or vocab_file is None:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256(Path(vocab_file).read_bytes()).hexdigest()
+    if digest != recorded_sha256:
+        return (f"{source} is not the vocabulary the model was trained with (same size, other content: sha256 "
+                f"{digest[:12]}..., recorded {recorded_sha256[:12]}...)")
+    return None
+
+
+def check_vocabulary(vocabulary: Vocabulary, vocab_size: int, recorded_sha256: str | None = None) -> None:
+    problem = vocabulary_problem(vocabulary, vocab_size, str(vocabulary.source), recorded_sha256)
+    if problem:
+        raise ConfigError(problem)
 
 
 def load_hf_folder(folder: Path) -> LoadedModel:
@@ -109,7 +145,7 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     try:
         config = model_config_from_hf(hf, str(config_file), padded_vocab_size=0)
         vocabulary = folder_vocabulary(folder)
-        _check_vocab(vocabulary, config)
+        check_vocabulary(vocabulary, config.vocab_size)
         state, _ = from_hf_state_dict(read_hf_weights(folder), config, str(folder))
     except (ConversionError, VocabularyError) as error:
         raise ConfigError(str(error)) from None
@@ -117,12 +153,12 @@ def load_hf_folder(folder: Path) -> LoadedModel:
     return LoadedModel(config, state, vocabulary, f"Hugging Face folder {folder}", settings)
 
 
-def load_checkpoint_dir(directory: Path) -> LoadedModel:
+def load_checkpoint_dir(directory: Path, checksums: bool = True) -> LoadedModel:
     from .hf.folder import find_vocab_file
     from .hf.pmlm_adapter import to_hf_state_dict
     from .training.checkpoint_reader import load_pretraining_checkpoint
 
-    checkpoint = load_pretraining_checkpoint(directory)
+    checkpoint = load_pretraining_checkpoint(directory, checksums=checksums)
     args = checkpoint.run_state.get("args", {})
     if args.get("vocab_file") and Path(args["vocab_file"]).is_file():
         vocab_file = Path(args["vocab_file"])
@@ -132,7 +168,7 @@ def load_checkpoint_dir(directory: Path) -> LoadedModel:
         vocabulary = read_vocabulary_file(vocab_file, bool(args.get("do_lower_case", True)))
     except VocabularyError as error:
         raise ConfigError(str(error)) from None
-    _check_vocab(vocabulary, checkpoint.model_config)
+    check_vocabulary(vocabulary, checkpoint.model_config.vocab_size, recorded_vocab_sha256(args))
     config = replace(checkpoint.model_config, padded_vocab_size=0)
     state = to_hf_state_dict(checkpoint.state_dict, checkpoint.model_config)  # vocabulary padding cut
     settings = {k: args[k] for k in SETTINGS if k in args}

@@ -265,12 +265,17 @@ def test_bad_checkpoints_are_refused_naming_what_is_missing(trained, tmp_path, c
     err = _fails(["--load", str(trained("zero0")), "--tag", "iter_0000099", "--output", str(out)], capsys)
     assert "iter_0000099" in err and "does not exist" in err and "iter_0000001" in err
     tp2 = _copy_without(trained("tp2"), tmp_path / "tp2", "mp_rank_01_model_states.pt")
+    # The manifest names a missing file first (checkpoint_reader.resolve_tag); past it
+    # (--no-checksums), each layout's reader names what it lacks.
     err = _fails(["--load", str(tp2), "--output", str(out)], capsys)
+    assert f"{tp2 / 'iter_0000001'}: mp_rank_01_model_states.pt is missing" in err
+    err = _fails(["--load", str(tp2), "--output", str(out), "--no-checksums"], capsys)
     assert "tensor-parallel rank(s) 1 of 2 missing" in err and "mp_rank_01_model_states.pt" in err
     pp2 = _copy_without(trained("pp2"), tmp_path / "pp2", "layer_03-model_00-model_states.pt")
-    assert "layer_03 of tensor-parallel rank 0 is missing" in _fails(["--load", str(pp2), "--output", str(out)], capsys)
+    assert "layer_03 of tensor-parallel rank 0 is missing" in _fails(["--load", str(pp2), "--output", str(out),
+                                                                      "--no-checksums"], capsys)
     zero3 = _copy_without(trained("zero3"), tmp_path / "zero3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
-    err = _fails(["--load", str(zero3), "--output", str(out)], capsys)
+    err = _fails(["--load", str(zero3), "--output", str(out), "--no-checksums"], capsys)
     assert "could not consolidate the ZeRO partitions" in err and "optim_states" in err
     # A checkpoint of another model: run_state.json describes 3 layers, the weights hold 2.
     other = _copy_without(trained("zero0"), tmp_path / "other")
@@ -281,9 +286,14 @@ def test_bad_checkpoints_are_refused_naming_what_is_missing(trained, tmp_path, c
     err = _fails(["--load", str(other), "--output", str(out)], capsys)
     assert "another model" in err and "bert.encoder.layer.2.attention.self.query.weight" in err
     run_state_file.write_bytes(b"\xff\xfe{ not text, not JSON")
-    assert f"{run_state_file} is not valid JSON" in _fails(["--load", str(other), "--output", str(out)], capsys)
+    assert "run_state.json is unreadable" in _fails(["--load", str(other), "--output", str(out)], capsys)
+    assert f"{run_state_file} is not valid JSON" in _fails(["--load", str(other), "--output", str(out),
+                                                            "--no-checksums"], capsys)
     (other / "iter_0000001" / "run_state.json").unlink()
-    assert "not a megatron-pmlm checkpoint" in _fails(["--load", str(other), "--output", str(out)], capsys)
+    assert "run_state.json is missing (the save did not finish)" in _fails(["--load", str(other), "--output",
+                                                                            str(out)], capsys)
+    assert "not a megatron-pmlm checkpoint" in _fails(["--load", str(other), "--output", str(out), "--no-checksums"],
+                                                      capsys)
     # Nothing was written, not even a partial folder.
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))
 

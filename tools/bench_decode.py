@@ -19,6 +19,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from megatron_pmlm.training.checkpoint_files import add_no_checksums_argument  # noqa: E402
+
 SHARED = REPO.parent / "shared" / "data"
 
 from megatron_pmlm.config import non_negative_int, positive_int  # noqa: E402
@@ -47,7 +50,7 @@ def build(args):
         from megatron_pmlm.pretrained import load_model
 
         check_family("--model", args.model, "tools/bench_decode.py")
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, args.checksums)
         tokenizer = WordPieceTokenizer(loaded.vocabulary)
         model = build_decoding_model(loaded, args.max_seq_length, device=args.device)
         return model, tokenizer, tokenizer.special, (loaded.source_type_id, loaded.target_type_id), str(args.model)
@@ -85,6 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", help="model shape with random weights (tiny, base, large)")
     parser.add_argument("--model", default=None, help="a model folder instead of --preset")
+    add_no_checksums_argument(parser)
     parser.add_argument("--sources", type=positive_int, default=32, help="how many sources to decode")
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--max-target-length", type=positive_int, default=48)

@@ -139,7 +139,7 @@ def run_palm(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available")
     check_family("--model", args.model, "decode_palm", takes=PALM)  # before the weights are read
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, args.checksums)
     if loaded.family != PALM:
         raise ConfigError(wrong_family("--model", args.model, loaded.family, "decode_palm", takes=PALM))
     tokenizer = WordPieceTokenizer(loaded.vocab_file, lowercase=loaded.do_lower_case)

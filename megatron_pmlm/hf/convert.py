@@ -37,7 +37,8 @@ import torch
 
 from ..config import ConfigError, HelpFormatter, non_negative_int, positive_int
 from ..files import OutputError, check_output_folder, quiet_libraries
-from ..training.checkpoint_reader import ConversionError, run_state_of
+from ..training.checkpoint_files import add_no_checksums_argument
+from ..training.checkpoint_reader import ConversionError, resolve_tag, run_state_of
 from . import palm_adapter, pmlm_adapter
 from .family import PALM, PMLM, check_family
 from .folder import NO_HELD_OUT_NOTE, VERIFY_TOLERANCE, Verification, VerificationFailed, find_vocab_file, \
@@ -47,11 +48,11 @@ from .pmlm_adapter import import_from_hf
 ADAPTERS = {PMLM: pmlm_adapter, PALM: palm_adapter}
 
 
-def checkpoint_adapter(load_dir: str | os.PathLike, tag: str | None = None):
-    """The adapter of the family `pretrain --model` recorded (PMLM when the run state is unreadable:
-    its reader then says what is wrong)."""
+def checkpoint_adapter(load_dir: str | os.PathLike, tag: str):
+    """The adapter of the family `pretrain --model` recorded in checkpoint `tag` (PMLM when the run
+    state is unreadable: its reader then says what is wrong)."""
     try:
-        _, _, run_state = run_state_of(load_dir, tag)
+        _, _, run_state = run_state_of(load_dir, tag, checksums=None)
     except ConversionError:
         return pmlm_adapter
     return ADAPTERS[PALM if run_state.get("args", {}).get("model") == PALM else PMLM]
@@ -60,10 +61,13 @@ def checkpoint_adapter(load_dir: str | os.PathLike, tag: str | None = None):
 def export_to_hf(load_dir: str | os.PathLike, output: str | os.PathLike, tag: str | None = None,
                  vocab_file: str | None = None, run_verify: bool = False, data_path: str | None = None,
                  verify_samples: int = 64, weights_format: str = "bin", overwrite: bool = False,
-                 log: Callable[[str], None] = print) -> Verification | None:
-    """Checkpoint -> Hugging Face folder with its family's adapter; verified with `run_verify`."""
+                 log: Callable[[str], None] = print, checksums: bool | None = True) -> Verification | None:
+    """Checkpoint -> Hugging Face folder with its family's adapter; verified with `run_verify`.
+    The checkpoint's files are checked against its manifest first (unless `checksums` is False, or
+    None: the caller verified `tag`): checkpoint_reader.resolve_tag."""
+    load_dir, tag = resolve_tag(load_dir, tag, checksums, log)
     adapter = checkpoint_adapter(load_dir, tag)
-    checkpoint = adapter.load_checkpoint(load_dir, tag)
+    checkpoint = adapter.load_checkpoint(load_dir, tag, checksums=None)
     config = checkpoint.model_config
     log(adapter.describe(checkpoint))
     vocab = find_vocab_file(checkpoint, vocab_file)
@@ -113,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--verify-samples", type=int, default=64, help="held-out samples --verify runs")
     to_hf.add_argument("--format", choices=("bin", "safetensors"), default="bin",
                        help="pytorch_model.bin (what s2s-ft loads) or model.safetensors")
+    add_no_checksums_argument(to_hf)
     from_hf = parser.add_argument_group("from Hugging Face")
     from_hf.add_argument("--from-hf", help="a Hugging Face BERT or PMLM folder (config.json + weights + vocab.txt or "
                                             "the tokenizer.json save_pretrained writes)")
@@ -154,7 +159,7 @@ def main(argv: Sequence[str] | None = None, log: Callable[[str], None] = print) 
             if args.verify_samples < 1:
                 parser.error("--verify-samples must be >= 1")
             export_to_hf(args.load, args.output, args.tag, args.vocab_file, args.verify, args.data_path,
-                         args.verify_samples, args.format, args.overwrite, log)
+                         args.verify_samples, args.format, args.overwrite, log, args.checksums)
         else:
             if not args.save:
                 parser.error("--from-hf needs --save (the checkpoint directory to write)")

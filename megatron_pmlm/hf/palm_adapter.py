@@ -21,14 +21,14 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import ConfigError
 from ..models.palm import PalmConfig, PalmForPreTraining
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE
-from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of
+from ..training.checkpoint_reader import ConversionError, read_module_states, read_zero_states, run_state_of, warn
 from .family import PALM, checkpoint_family
 from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, find_vocab_file, held_out_samples, pad_token_id, read_vocab,
                      write_hf_tokenizer, write_weights)
@@ -67,11 +67,13 @@ class PalmCheckpoint:
     layout: str
 
 
-def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PalmCheckpoint:
-    """The full fp32 state dict of a PALM pre-training checkpoint (ZeRO 0-3, any tensor-parallel size)."""
+def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None, checksums: bool | None = True,
+                    log: Callable[[str], None] = warn) -> PalmCheckpoint:
+    """The full fp32 state dict of a PALM pre-training checkpoint (ZeRO 0-3, any tensor-parallel
+    size); which one and its verification: checkpoint_reader.resolve_tag."""
     from ..parallel.layers import merge_state_dicts
 
-    directory, tag, run_state = run_state_of(load_dir, tag)
+    directory, tag, run_state = run_state_of(load_dir, tag, checksums, log)
     tag_dir = directory / tag
     config = palm_config_of(run_state, str(tag_dir / RUN_STATE_FILE))
     tp = int(run_state.get("args", {}).get("tensor_model_parallel_size") or 1)
@@ -236,8 +238,9 @@ class LoadedPalm:
     """None recorded (PMLM models record their seq2seq settings here)."""
 
 
-def load_palm(path: str | os.PathLike) -> LoadedPalm:
-    """A PALM model from a pre-training checkpoint directory or a converted Hugging Face folder."""
+def load_palm(path: str | os.PathLike, checksums: bool = True, log: Callable[[str], None] = warn) -> LoadedPalm:
+    """A PALM model from a pre-training checkpoint directory (verified unless `checksums` is
+    False) or a converted Hugging Face folder."""
     path = Path(path)
     if (path / "config.json").is_file():
         hf = json.loads((path / "config.json").read_text())
@@ -251,7 +254,7 @@ def load_palm(path: str | os.PathLike) -> LoadedPalm:
     if (path / LATEST_FILE).is_file():
         if checkpoint_family(path) != PALM:
             raise ConversionError(f"{path} holds a PMLM checkpoint, not PALM (decode it with megatron_pmlm.decode_s2s)")
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, checksums=checksums, log=log)
         config = dataclasses.replace(checkpoint.model_config, padded_vocab_size=0)
         return LoadedPalm(config, unpadded(checkpoint.state_dict, checkpoint.model_config),
                           find_vocab_file(checkpoint, None), bool(checkpoint.run_state.get("args", {}).get(

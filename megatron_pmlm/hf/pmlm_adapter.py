@@ -22,7 +22,7 @@ from ..config import ConfigError, ModelConfig
 from ..files import read_json
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, expected_shapes, has_nsp_head,
-                                          load_pretraining_checkpoint)
+                                          load_pretraining_checkpoint, warn)
 from ..tokenizer import VOCAB_FILE
 from .folder import (VERIFY_TOLERANCE, Verification, copy_remote_code, held_out_samples, hf_vocabulary, pad_token_id,
                      read_vocab, staged_output, write_hf_tokenizer, write_weights)
@@ -247,8 +247,9 @@ def _read_weight_file(path: Path) -> dict[str, torch.Tensor]:
 # Writing and verifying a folder (the converter's driver, convert.py, calls these)
 # ------------------------------------------------------------------------------------------------
 
-def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PretrainingCheckpoint:
-    return load_pretraining_checkpoint(load_dir, tag)
+def load_checkpoint(load_dir: str | os.PathLike, tag: str | None = None, checksums: bool | None = True,
+                    log: Callable[[str], None] = warn) -> PretrainingCheckpoint:
+    return load_pretraining_checkpoint(load_dir, tag, checksums, log)
 
 
 def describe(checkpoint: PretrainingCheckpoint) -> str:

@@ -34,6 +34,7 @@ import numpy as np
 
 from ..files import check_output_folder, file_problem, write_json_atomically
 from ..config import HelpFormatter
+from ..training.checkpoint_files import add_no_checksums_argument
 from .hf_trainer import (InputError, add_trainer_arguments, check_trainer_arguments, declare_mean_loss, load_tokenizer,
                          model_max_positions, quiet_libraries, remove_if_created_empty, resolve_model, save_fine_tuned,
                          training_arguments, check_model_path)
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a Hugging Face folder or a checkpoint directory of ours (pre-training or fine-tuning "
                              "--save; converted first into OUTPUT_DIR/model)")
     parser.add_argument("--task", required=True, help=f"one of {', '.join(TASKS)}")
+    add_no_checksums_argument(parser)
     data = parser.add_mutually_exclusive_group(required=True)
     data.add_argument("--data-dir", type=Path,
                       help="GLUE TSV files: the task's folder (train.tsv, dev.tsv; MNLI dev_matched.tsv) or the "
@@ -366,7 +368,7 @@ def _train_and_evaluate(args, task: GlueTask, splits: dict[str, Split], output_d
     quiet_libraries()
     training_args = training_arguments(args, output_dir)
     with training_args.main_process_first(local=False, desc="model conversion"):
-        folder = resolve_model(args.model, output_dir / "model", log=log)
+        folder = resolve_model(args.model, output_dir / "model", log=log, checksums=args.checksums)
     tokenizer = load_tokenizer(folder)
     max_length = args.max_seq_length
     positions = model_max_positions(folder)

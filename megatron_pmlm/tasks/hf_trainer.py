@@ -37,10 +37,19 @@ def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
     if tool:
         check_family("--model", path, tool, error=InputError)
     if (path / "config.json").is_file():
+        from ..pretrained import vocabulary_problem
+
         try:
-            folder_vocabulary(path)
+            vocabulary = folder_vocabulary(path)
         except VocabularyError as error:
             raise InputError(f"--model {path}: {error}") from None
+        try:
+            vocab_size = int(json.loads((path / "config.json").read_text())["vocab_size"])
+        except (OSError, ValueError, KeyError, TypeError):
+            vocab_size = None  # the model's own loader names what is wrong with its config.json
+        problem = vocab_size and vocabulary_problem(vocabulary, vocab_size, str(vocabulary.source))
+        if problem:
+            raise InputError(f"--model {path}: {problem}")
         if not any((path / name).is_file() for name in WEIGHT_FILES):
             raise InputError(f"--model {path} has no weights ({' or '.join(WEIGHT_FILES[:2])})")
         return "hf"
@@ -50,13 +59,15 @@ def check_model_path(path: str | os.PathLike, tool: str | None = None) -> str:
                      f"(no '{LATEST_FILE}' file)")
 
 
-def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str], None] = print) -> Path:
+def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str], None] = print,
+                  checksums: bool = True) -> Path:
     """A Hugging Face folder for `path`: itself; for a checkpoint directory its `hf/` export when that
-    is of the latest checkpoint, else `convert_to` (converted now with export_to_hf, or reused when
-    it already holds this checkpoint)."""
+    is of the latest checkpoint, else `convert_to` (reused when it already holds that checkpoint,
+    else converted now from the checkpoint checkpoint_reader.resolve_tag chooses and verifies:
+    a damaged latest one is passed over, saying so; `checksums` False skips the check)."""
     from ..config import ConfigError
     from ..hf.convert import export_to_hf
-    from ..training.checkpoint_reader import ConversionError
+    from ..training.checkpoint_reader import ConversionError, resolve_tag
     from ..pretrained import HF_EXPORT_DIR
     from ..training.checkpoint_files import LATEST_FILE
 
@@ -75,7 +86,9 @@ def resolve_model(path: str | os.PathLike, convert_to: Path, log: Callable[[str]
             return candidate
     convert_to = Path(convert_to)
     try:
-        export_to_hf(path, convert_to, overwrite=True, log=log)
+        _, tag = resolve_tag(path, None, checksums, log)
+        marker["checkpoint_tag"] = tag  # what the folder holds (an older one when `latest`'s is damaged)
+        export_to_hf(path, convert_to, tag, overwrite=True, log=log, checksums=None)
     except (ConversionError, ConfigError) as error:
         raise InputError(f"--model {path}: {error}") from None
     config_file = convert_to / "config.json"

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..files import check_output_folder, file_problem, write_json_atomically
 from ..config import HelpFormatter
+from ..training.checkpoint_files import add_no_checksums_argument
 from .hf_trainer import (InputError, add_trainer_arguments, check_model_path, check_trainer_arguments, declare_mean_loss,
                          load_tokenizer, model_max_positions, quiet_libraries, remove_if_created_empty,
                          resolve_model, save_fine_tuned, training_arguments)
@@ -368,6 +369,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version-2-with-negative", action="store_true",
                         help="SQuAD 2.0: unanswerable questions (empty answers) in training and prediction")
     parser.add_argument("--output-dir", required=True, type=Path)
+    add_no_checksums_argument(parser)
     qa = parser.add_argument_group("windows and answers (run_qa.py's defaults)")
     qa.add_argument("--max-seq-length", type=int, default=DEFAULT_MAX_SEQ_LENGTH,
                     help="tokens per window (lowered to the model's positions when it has fewer)")
@@ -417,7 +419,7 @@ def _train_and_predict(args, train: list[dict] | None, evaluation: list[dict] | 
     quiet_libraries()
     training_args = training_arguments(args, output_dir, has_eval=False)
     with training_args.main_process_first(local=False, desc="model conversion"):
-        folder = resolve_model(args.model, output_dir / "model", log=log)
+        folder = resolve_model(args.model, output_dir / "model", log=log, checksums=args.checksums)
     tokenizer = load_tokenizer(folder)
     max_length = args.max_seq_length
     positions = model_max_positions(folder)

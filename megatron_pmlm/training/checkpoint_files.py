@@ -152,17 +152,37 @@ def checksum_note(tag_dir: Path) -> str | None:
     return f"{tag_dir} has no checksums (saved by an older version): checked sizes only"
 
 
-def newest_complete_checkpoint(directory: Path, contents: bool = False) -> tuple[str | None, list[str]]:
+def newest_complete_checkpoint(directory: Path, contents: bool = False,
+                               first: str | None = None) -> tuple[str | None, list[str]]:
     """The tag of the newest complete checkpoint in `directory` (None if none), and a note for
     every newer one passed over ("DIR/iter_N: why"); with `contents`, checksums are checked too
-    (reads every file of each checkpoint it checks)."""
+    (reads every file of each checkpoint it checks). `first`: a tag tried before the others (the
+    one `latest` names, for the readers of checkpoint_reader.py)."""
     skipped = []
-    for _, path in sorted(checkpoint_dirs(directory), reverse=True):
+    candidates = [directory / first] if first else []
+    candidates += [path for _, path in sorted(checkpoint_dirs(directory), reverse=True) if path.name != first]
+    for path in candidates:
         problem = checkpoint_problem(path, contents)
         if problem is None:
             return path.name, skipped
         skipped.append(f"{path}: {problem}")
     return None, skipped
+
+
+def newest_verified_checkpoint(directory: Path, first: str | None = None) -> tuple[str | None, list[str], str | None]:
+    """What a resume and every reader of a checkpoint load: `newest_complete_checkpoint` with
+    checksums, plus what could not be checked of the one chosen (`checksum_note`, None if all)."""
+    tag, skipped = newest_complete_checkpoint(directory, contents=True, first=first)
+    return tag, skipped, checksum_note(directory / tag) if tag else None
+
+
+NO_CHECKSUMS_HELP = ("read the checkpoint without checking its files' checksums (they are checked by default: a "
+                     "damaged newest checkpoint is passed over for the newest one that verifies)")
+
+
+def add_no_checksums_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The one definition of `--no-checksums` for every command that reads a checkpoint."""
+    parser.add_argument("--no-checksums", dest="checksums", action="store_false", help=NO_CHECKSUMS_HELP)
 
 
 def newest_run_state(directory: Path) -> dict | None:

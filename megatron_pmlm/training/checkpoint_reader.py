@@ -2,8 +2,12 @@
 pipeline parallel) back to the full fp32 state dict, with the run state saved beside it. Used by
 conversion (hf/convert.py and its adapters), fine-tuning and decoding (pretrained.py).
 
-Which checkpoint: `resolve_tag` (a named tag, or the one DIR/latest names); the files and names
-are checkpoint_files.py's. Bad input raises `ConversionError`, whose message names the culprit.
+Which checkpoint: `resolve_tag` (a named tag, or the one DIR/latest names), verified there before
+anything is read: every file of its manifest must have the checksum it was saved with (as a
+resume checks, with the same checkpoint_files.newest_verified_checkpoint). A damaged checkpoint
+`latest` names is passed over for the newest one that verifies, naming the bad file and the tag
+used; a damaged `--tag` is refused; `checksums=False` (`--no-checksums`) skips the check, saying
+so. Bad input raises `ConversionError`, whose message names the culprit.
 """
 
 from __future__ import annotations
@@ -13,15 +17,16 @@ import dataclasses
 import io
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..config import ConfigError, ModelConfig
 from ..files import read_json
-from .checkpoint_files import LATEST_FILE, RUN_STATE_FILE
+from .checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_problem, checksum_note, newest_verified_checkpoint
 
 
 class ConversionError(ValueError):
@@ -52,9 +57,13 @@ def torch_load(path: Path) -> Any:
         raise ConversionError(f"{path} cannot be read ({type(error).__name__}: {error})") from None
 
 
-def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str]:
-    """(checkpoint directory, tag): `tag`, or the one DIR/latest names."""
-    load_dir = Path(load_dir)
+def warn(message: str) -> None:
+    """Where the reader's notes go by default: stderr (a decode may write its output to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def _existing_tag(load_dir: Path, tag: str | None) -> str:
+    """`tag`, or the one DIR/latest names; refused when it is not there."""
     if not load_dir.is_dir():
         raise ConversionError(f"checkpoint directory {load_dir} does not exist")
     if tag is None:
@@ -73,11 +82,44 @@ def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Pa
         tags = sorted(p.name for p in load_dir.iterdir() if p.is_dir() and (p / RUN_STATE_FILE).is_file())
         raise ConversionError(f"--tag {tag}: {load_dir / tag} does not exist"
                               + (f" (there are: {', '.join(tags)})" if tags else " (no checkpoints there)"))
+    return tag
+
+
+def resolve_tag(load_dir: str | os.PathLike, tag: str | None = None, checksums: bool | None = True,
+                log: Callable[[str], None] = warn) -> tuple[Path, str]:
+    """(checkpoint directory, tag): `tag`, or the one DIR/latest names, verified (see the module's
+    docstring). `checksums`: False skips the check and says so; None: the caller has verified
+    this very tag already (it came from resolve_tag), nothing is checked or said."""
+    load_dir = Path(load_dir)
+    named = tag
+    tag = _existing_tag(load_dir, tag)
+    if checksums is None:
+        return load_dir, tag
+    if not checksums:
+        log(f"not checking the checksums of {load_dir / tag} (--no-checksums)")
+        return load_dir, tag
+    if named is not None:
+        problem = checkpoint_problem(load_dir / tag, contents=True)
+        if problem:
+            raise ConversionError(f"--tag {tag}: {load_dir / tag} fails its check: {problem} (tools/verify_checkpoint.py "
+                                  f"{load_dir} lists those that pass; --no-checksums reads it anyway)")
+        note = checksum_note(load_dir / tag)
+    else:
+        chosen, skipped, note = newest_verified_checkpoint(load_dir, first=tag)
+        if chosen is None:
+            raise ConversionError(f"no checkpoint in {load_dir} passes its check: {'; '.join(skipped)} (--no-checksums "
+                                  "reads the one 'latest' names anyway)")
+        if chosen != tag:
+            log(f"warning: {'; '.join(skipped)}; using {load_dir / chosen}, the newest checkpoint that verifies")
+        tag = chosen
+    if note:
+        log(note)
     return load_dir, tag
 
 
-def run_state_of(load_dir: str | os.PathLike, tag: str | None = None) -> tuple[Path, str, dict[str, Any]]:
-    directory, tag = resolve_tag(load_dir, tag)
+def run_state_of(load_dir: str | os.PathLike, tag: str | None = None, checksums: bool | None = True,
+                 log: Callable[[str], None] = warn) -> tuple[Path, str, dict[str, Any]]:
+    directory, tag = resolve_tag(load_dir, tag, checksums, log)
     return directory, tag, read_json(directory / tag / RUN_STATE_FILE, ConversionError,
                                      missing=f"{directory / tag} is not a megatron-pmlm checkpoint")
 
@@ -292,11 +334,13 @@ def check_state_dict(state: dict[str, torch.Tensor], config: ModelConfig, source
                               f"{', '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
 
 
-def load_pretraining_checkpoint(load_dir: str | os.PathLike, tag: str | None = None) -> PretrainingCheckpoint:
-    """The full fp32 state dict of any checkpoint our pre-training writes."""
+def load_pretraining_checkpoint(load_dir: str | os.PathLike, tag: str | None = None, checksums: bool | None = True,
+                                log: Callable[[str], None] = warn) -> PretrainingCheckpoint:
+    """The full fp32 state dict of any checkpoint our pre-training writes (which one, and its
+    verification: `resolve_tag`)."""
     from ..parallel.layers import merge_state_dicts
 
-    directory, tag = resolve_tag(load_dir, tag)
+    directory, tag = resolve_tag(load_dir, tag, checksums, log)
     tag_dir = directory / tag
     run_state, config = read_run_state(tag_dir)
     args = run_state.get("args", {})

@@ -145,10 +145,21 @@ def check_sizes(args: Any) -> None:
 
 
 def check_run_paths(save: str | None, load: str | None, finetune: bool = False, tensorboard_dir: str | None = None,
-                    history_json: str | None = None, **load_options: Any) -> None:
-    """A training run's --load, --save, --tensorboard-dir and --history-json, before anything is built."""
+                    history_json: str | None = None, lock: bool = True, **load_options: Any) -> None:
+    """A training run's --load, --save, --tensorboard-dir and --history-json, before anything is built;
+    then global rank 0 takes --save's lock (save_lock.py: one run per directory; `lock` False:
+    --no-lock, warned). The other ranks write nothing before the process group exists, which
+    needs rank 0, so rank 0 holds the lock by then."""
+    from ..parallel.distributed import launcher_rank
+    from .save_lock import SaveDirInUse, lock_save_dir
+
     check_load(load, save, finetune, **load_options)
     check_output_dir(save, "--save")
+    if save and launcher_rank() == 0:
+        try:
+            lock_save_dir(save, lock)
+        except SaveDirInUse as error:
+            raise ConfigError(str(error)) from None
     check_output_dir(tensorboard_dir, "--tensorboard-dir")
     check_output_file(history_json, "--history-json")
 
@@ -169,6 +180,7 @@ LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
 --universal-checkpoint re-shards them for another one (relayout.py), --finetune does not."""
 
 NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "local_rank", "finetune", "universal_checkpoint",
+                "lock", "checksums",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
                 "converted_from", "vocab_file", "s2s_max_source_length", "s2s_max_target_length"}
 """Arguments that are where the run reads and writes, how it is launched, or are stored resolved

@@ -35,8 +35,8 @@ from ..models.layout import PMLMBatch
 from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
 from ..parallel.distributed import collective_device
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
-                               checkpoint_listing, checksum_note, checksum_share, file_checksums, manifest,
-                               newest_complete_checkpoint)
+                               checkpoint_listing, checksum_share, file_checksums, manifest,
+                               newest_verified_checkpoint)
 from .exit_signal import ExitSignal, signal_text
 from .preflight import check_resumed_settings
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
@@ -414,12 +414,11 @@ class Trainer:
         return {name: entry for share in shares for name, entry in share.items()} if self.rank == 0 else {}
 
     def _newest_verified_checkpoint(self, load_dir: Path) -> tuple[str | None, list[str]]:
-        """`newest_complete_checkpoint` with checksums, run on rank 0 only (not once per rank over
-        a shared file system); every rank gets its answer."""
+        """`newest_verified_checkpoint` (what every reader of a checkpoint uses), run on rank 0 only
+        (not once per rank over a shared file system); every rank gets its answer."""
         answer = [None]
         if self.rank == 0:
-            tag, skipped = newest_complete_checkpoint(load_dir, contents=True)
-            answer = [(tag, skipped, checksum_note(load_dir / tag) if tag else None)]
+            answer = [newest_verified_checkpoint(load_dir)]
         if self.world_size > 1:
             dist.broadcast_object_list(answer, src=0, device=collective_device())
         tag, skipped, note = answer[0]
