@@ -168,7 +168,8 @@ def test_under_bf16_autocast_too():
 def test_one_gemm_for_query_key_and_value(fused, expected):
     model, _ = pmlm_case()
     attention = model.bert.encoder.layer[0].attention.self
-    attention.fuse_projections = fused
+    if not fused:  # fused is the default
+        attention.fuse_projections = False
     hidden = torch.randn(2, 9, model.config.hidden_size)
     with GemmCounter() as counter:
         attention(hidden, None)
@@ -184,7 +185,8 @@ def test_one_gemm_for_query_key_and_value(fused, expected):
 def test_palm_cross_attention_keys_and_values_are_one_gemm(fused, expected):
     model, _ = palm_case()
     cross = model.decoder.layer[0].crossattention.self
-    cross.fuse_projections = fused
+    if not fused:  # fused is the default
+        cross.fuse_projections = False
     with GemmCounter() as counter:
         key, value = cross.encoder_keys_values(torch.randn(2, 7, model.config.hidden_size))
     assert counter.count == expected
@@ -201,6 +203,32 @@ def test_parameters_and_state_dict_keys_are_those_of_three_linears():
     keys = list(model.state_dict())
     set_fused(model, False)
     assert list(model.state_dict()) == keys
+
+
+def test_parameters_partitioned_by_zero3_go_through_their_own_modules():
+    """ZeRO-3 gathers a parameter only for its own module's forward (DeepSpeed's module hooks), so
+    linears whose parameters carry ZeRO-3's `ds_id` are called one by one: each module's forward
+    runs, and no stacked weight is read from outside. (The ZeRO-3 layouts of test_distributed and
+    test_convert_checkpoint run this path end to end.)"""
+    from megatron_pmlm.parallel.layers import fused_column_linear
+
+    model, _ = pmlm_case()
+    attention = model.bert.encoder.layer[0].attention.self
+    linears = (attention.query, attention.key, attention.value)
+    called = []
+    for linear in linears:
+        linear.register_forward_hook(lambda module, args, output: called.append(module))
+    hidden = torch.randn(2, 5, model.config.hidden_size)
+    with GemmCounter() as counter:
+        fused = fused_column_linear(hidden, linears)
+    assert (called, counter.count) == ([], 1)
+    for linear in linears:
+        linear.weight.ds_id = linear.bias.ds_id = id(linear)  # what deepspeed.zero.Init marks its parameters with
+    with GemmCounter() as counter:
+        separate = fused_column_linear(hidden, linears)
+    assert (called, counter.count) == (list(linears), 3)
+    for ours, reference in zip(fused, separate):
+        assert_equal_to_rounding(ours, reference, 1e-6, "projection")
 
 
 def test_incremental_decoding_with_fused_projections_equals_three_gemms():
