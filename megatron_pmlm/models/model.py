@@ -25,7 +25,7 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
                      predicted_slots)
 from .objectives import Objective, get_objective
-from ..parallel.layers import LocalLayers, ParallelLayers
+from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
 
 if TYPE_CHECKING:
     from .unilm import UniLMLosses
@@ -104,6 +104,18 @@ class BertSelfAttention(nn.Module):
         self.key = layers.column_linear(config.hidden_size, config.hidden_size)
         self.value = layers.column_linear(config.hidden_size, config.hidden_size)
         self.dropout_p = config.attention_dropout
+        self.fuse_projections = True
+        """Compute projections that share an input (query, key and value here) as one GEMM over
+        their stacked weights (`fused_column_linear`); the parameters stay three modules, so
+        checkpoints and Hugging Face exports are unchanged. False: one GEMM each (same values)."""
+
+    def _project(self, hidden: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The linears' outputs for `hidden`, split into heads."""
+        if self.fuse_projections and len(linears) > 1:
+            outputs = fused_column_linear(hidden, linears)
+        else:
+            outputs = tuple(linear(hidden) for linear in linears)
+        return tuple(self._split_heads(output) for output in outputs)
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -113,9 +125,7 @@ class BertSelfAttention(nn.Module):
                 cache: "LayerKeyValues | None" = None) -> torch.Tensor:
         """`attention`: the dense additive bias (sdpa) or a FlexAttentionMask (flex), see
         `attention_inputs`."""
-        query = self._split_heads(self.query(hidden))
-        key = self._split_heads(self.key(hidden))
-        value = self._split_heads(self.value(hidden))
+        query, key, value = self._project(hidden, self.query, self.key, self.value)
         if cache is not None:
             key, value = cache.extend(key, value)
         if isinstance(attention, FlexAttentionMask):

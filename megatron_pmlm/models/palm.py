@@ -148,11 +148,11 @@ def key_padding_bias(key_valid: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 class CrossSelfAttention(BertSelfAttention):
     """Queries from the decoder, keys and values from the encoder states; heads split under TP
-    (BertSelfAttention's projections and head split, another forward)."""
+    (BertSelfAttention's projections and head split, another forward; key and value as one GEMM)."""
 
     def encoder_keys_values(self, encoder_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed once per sequence when decoding."""
-        return self._split_heads(self.key(encoder_hidden)), self._split_heads(self.value(encoder_hidden))
+        return self._project(encoder_hidden, self.key, self.value)
 
     def forward(self, hidden, encoder_hidden, encoder_bias, keys_values=None) -> torch.Tensor:
         key, value = keys_values if keys_values is not None else self.encoder_keys_values(encoder_hidden)

@@ -10,7 +10,7 @@ without touching the model.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +150,64 @@ def _row_parallel_linear_class():
 
     return RowLinear
 
+
+
+def fused_column_linear(input_: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:
+    """Each of `linears`' outputs for the same input, from ONE GEMM over their stacked weights.
+
+    The linears (column-parallel: nn.Linear at TP=1, megatron-core's ColumnParallelLinear above)
+    keep their own parameters, so names, shapes, tensor-parallel splits and per-parameter optimizer
+    state are untouched; only the forward stacks this rank's shards [W_1; W_2; ...] (a copy the
+    size of the weights, whose backward is a split) and cuts the output back into views. Under
+    tensor parallelism the input gradient is all-reduced once instead of once per linear.
+
+    Falls back to one call per linear where stacking would be wrong: parameters partitioned by
+    ZeRO-3 (they are gathered only when their own module runs) and megatron-core options whose
+    forward is more than "replicated input, local linear" (sequence parallelism, gradient
+    accumulation fusion, deferred weight gradients, gathered outputs, separate bias).
+    """
+    if not _can_fuse(linears):
+        return tuple(linear(input_) for linear in linears)
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = torch.cat([linear.bias for linear in linears])
+    first = linears[0]
+    if isinstance(first, nn.Linear):
+        output = F.linear(input_, weight, bias)
+    else:
+        output = _megatron_column_linear(first, input_, weight, bias)
+    return output.split([linear.weight.shape[0] for linear in linears], dim=-1)
+
+
+def _can_fuse(linears: Sequence[nn.Module]) -> bool:
+    if any(hasattr(param, "ds_id") for linear in linears for param in linear.parameters(recurse=False)):
+        return False  # ZeRO-3: the weights are empty until each linear's own forward gathers them
+    if any(linear.bias is None for linear in linears):
+        return False
+    if all(isinstance(linear, nn.Linear) for linear in linears):
+        return True
+    return all(
+        hasattr(linear, "allreduce_dgrad") and linear.tp_group is linears[0].tp_group
+        and linear.allreduce_dgrad == linears[0].allreduce_dgrad
+        and not (linear.sequence_parallel or linear.gradient_accumulation_fusion or linear.gather_output
+                 or linear.skip_bias_add or linear.explicit_expert_comm or linear.disable_grad_reduce
+                 or linear.config.defer_embedding_wgrad_compute
+                 or linear.config._cpu_offloading_context is not None)
+        for linear in linears)
+
+
+def _megatron_column_linear(first: nn.Module, input_: torch.Tensor, weight: torch.Tensor,
+                            bias: torch.Tensor) -> torch.Tensor:
+    """ColumnParallelLinear.forward's path for our options (see `_can_fuse`) with another weight:
+    the input gradient is all-reduced across the TP group in the linear's backward (or, at TP=1,
+    by the identity `copy_to_tensor_model_parallel_region`)."""
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+
+    if not first.allreduce_dgrad:
+        input_ = copy_to_tensor_model_parallel_region(input_, group=first.tp_group)
+    return first._forward_impl(
+        input=input_, weight=weight, bias=bias, gradient_accumulation_fusion=False,
+        allreduce_dgrad=first.allreduce_dgrad, sequence_parallel=False, grad_output_buffer=None,
+        wgrad_deferral_limit=None, tp_group=first.tp_group)
 
 # How each parameter is split across tensor-parallel ranks: name suffix -> dimension (None:
 # replicated). Column-parallel outputs, the vocabulary and the attention heads are split;
