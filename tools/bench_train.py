@@ -317,6 +317,11 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             _synchronize(device)
             seconds = (time.perf_counter() - start) / args.iterations
             memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            # What the engine runs, read back from DeepSpeed rather than from the arguments given.
+            engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
+                      "precision": "fp16" if trainer.engine.fp16_enabled() else
+                      "bf16" if trainer.engine.bfloat16_enabled() else "fp32",
+                      "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
             with HostSyncCounter() as syncs:
                 trainer.train_step(loaders.train)
             kernels = count_kernels(lambda: trainer.train_step(loaders.train), compiled=False)
@@ -324,8 +329,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             end_distributed()
     tokens_per_step = tokens / args.iterations
     tflops = plan.flops_per_token * tokens_per_step / seconds / 1e12
-    return {"precision": precision, "zero_stage": 1, "data_path": str(args.data_path or f"built from {SHARED_DATA}"),
-            "padded_vocab_size": plan.model_config.embedding_rows, "hidden_dropout": plan.model_config.hidden_dropout,
+    return {**engine, "data_path": str(args.data_path or f"built from {SHARED_DATA}"),
+            "hidden_dropout": plan.model_config.hidden_dropout,
             "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
             "tokens_per_step": tokens_per_step, "tokens_per_sec": tokens_per_step / seconds, "model_tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
