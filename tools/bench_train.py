@@ -17,6 +17,16 @@ not recomputation. MFU divides by the device's dense peak for the precision (tab
 predictions without PMLM's layout: one forward/backward per factorization step over the plain
 sequence (tokens of later steps still masked, those of earlier steps revealed), plus the AE pass.
 It prints the cost ratio PMLM / naive (UniLMv2's claim: one pass serves AE and every PAR step).
+
+Every run also reports the step's CPU proxies of GPU cost (training/host_syncs.py,
+training/kernel_count.py): host_syncs_per_step (our code's; every owner's in --json),
+kernels_per_step (eager: dispatched ATen ops less views/aliases/bare allocations; compiled: generated
+kernels + extern calls + the eager rest) and bias_bytes_per_step (bytes of [B, heads or 1, T, >=T]
+tensors one forward+backward allocates). --deepspeed also times pretrain's own step
+(`Trainer.train_step`: DeepSpeed ZeRO-1, the real loader, the padded vocabulary); --huggingface,
+BertForMaskedLM of the same size three ways; --profile-trace, one step in a Chrome trace.
+
+    python tools/bench_train.py --preset base --seq-length 128 --micro-batch-size 64 --bf16 --deepspeed --huggingface
 """
 
 from __future__ import annotations
@@ -240,8 +250,11 @@ def proxies_line(figures: dict) -> str:
 # --deepspeed: pretrain's own step (DeepSpeed, ZeRO-1, the real loader, the padded vocabulary)
 # ------------------------------------------------------------------------------------------------
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-"""../shared/data beside the repository: corpus text and bert-base-uncased's vocabulary."""
+SHARED_DATA_PLACES = (Path(__file__).resolve().parents[2] / "shared" / "data",
+                      Path(__file__).resolve().parents[1] / "shared" / "data")
+SHARED_DATA = next((place for place in SHARED_DATA_PLACES if place.is_dir()), SHARED_DATA_PLACES[0])
+"""../shared/data beside the repository (or shared/data inside it, as a lent GPU machine's copy of the
+checkout may carry it): corpus text and bert-base-uncased's vocabulary."""
 SHARED_CORPUS = SHARED_DATA / "corpus" / "wikitext-2-valid.txt"
 SHARED_VOCAB = SHARED_DATA / "vocab" / "bert-base-uncased-vocab.txt"
 
