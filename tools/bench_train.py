@@ -316,6 +316,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
              "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else []))
         check_sizes(pretrain_args)
         plan = pmlm_pretraining_run(pretrain_args, UniLMMaskingConfig())
+        held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # the bare model's
         try:
             with contextlib.redirect_stdout(sys.stderr):
                 trainer, loaders = start_pretraining(pretrain_args, plan)
@@ -329,7 +330,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                 tokens += trainer.train_step(loaders.train)[1]
             _synchronize(device)
             seconds = (time.perf_counter() - start) / args.iterations
-            memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            memory = (torch.cuda.max_memory_allocated(device) - held_before) / 2**30 if device.type == "cuda" else None
             # What the engine runs, read back from DeepSpeed rather than from the arguments given.
             engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
                       "precision": "fp16" if trainer.engine.fp16_enabled() else
@@ -347,6 +348,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
             "tokens_per_step": tokens_per_step, "tokens_per_sec": tokens_per_step / seconds, "model_tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
+            "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
             "host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels}
 

@@ -189,18 +189,20 @@ def markdown(report: dict) -> str:
                   "loader, the padded vocabulary, pretrain's dropout; the bare model (no DeepSpeed, no dropout, "
                   "random ids) beside it.", "",
                   "| seq | micro batch | precision | vocabulary | tokens/s | samples/s | TFLOP/s | MFU | bare-model MFU "
-                  "| real / bare step time | host syncs | kernels |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| real / bare step time | host syncs | kernels | peak memory GB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in real_rows:
             f, real = row["figures"], row["figures"].get("deepspeed", {})
             head = f"| {row['seq_length']} | {row['micro_batch_size']} |"
             if "seconds_per_step" not in real:
-                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} ||||||||||")
+                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} |||||||||||")
                 continue
             lines.append(f"{head} {real['precision']} | {real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
                          f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / f['seconds_per_step']:.2f} | "
                          f"{real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | "
-                         f"{real['kernels_per_step']:,} |")
+                         f"{real['kernels_per_step']:,} | "
+                         + (f"{real['peak_memory_gb']:.1f} |" if real.get("peak_memory_gb") is not None else "? |"))
         lines += ["", "## Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch)", "",
                   "Forward + backward + AdamW per step; ours = the bare-model step above; ratio = ours / theirs "
                   "(below 1: ours is faster).", "",
