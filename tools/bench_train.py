@@ -408,7 +408,6 @@ def huggingface_steps(config, args: argparse.Namespace, width: int, device: torc
         _synchronize(device)
         rows.append({"name": name, "length": length, "masked_head_only": masked_only,
                      "seconds_per_step": (time.perf_counter() - start) / args.iterations})
-    del model, optimizer
     return rows
 
 
