@@ -86,6 +86,8 @@ def count_profiled_kernels(events: Sequence) -> int:
     outside them, from `torch.profiler`'s CPU events of one step."""
     kernels = 0
     for event in events:
+        if getattr(event, "device_type", torch.autograd.DeviceType.CPU) != torch.autograd.DeviceType.CPU:
+            continue  # a CUDA kernel's own device event: its launch is counted on the host side
         name = event.name
         if any(prefix in name for prefix in GENERATED_KERNEL_PREFIXES):
             kernels += 1
