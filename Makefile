@@ -39,7 +39,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu} $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 
-# GPU_CHECK_ARGS="--skip-tests" etc. are optional; results go to outputs/gpu-check/<time>/ (printed).
+# GPU_CHECK_ARGS="--skip-tests" etc. are optional ("--cpu-dry-run": the tooling at the tiny preset on a
+# CPU); results go to outputs/gpu-check/<time>/ (printed).
 gpu-check: $(STAMP)
 	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 

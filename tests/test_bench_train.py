@@ -48,5 +48,32 @@ def test_bench_train_runs_on_cpu_and_reports_its_figures(tmp_path):
     figures = json.loads(out.read_text())
     assert figures["tokens_per_sec"] > 0 and figures["model_tflops"] > 0 and 0 < figures["mfu"]
     assert figures["layout_width"] > 64 and figures["naive_passes"] > 2 and figures["pmlm_over_naive"] > 0
+    # The CPU proxies (issue 33, item 9): syncs in our code over one eager step, kernels, bias bytes.
+    assert "proxies: host syncs/step" in result.stdout
+    ours = sum(int(line.split()[0]) for line in figures["host_syncs"] if line.split()[1] == "ours")
+    assert figures["host_syncs_per_step"] == ours and figures["host_syncs_all_owners"] >= ours
+    assert figures["kernels_per_step"] > 100 and figures["kernels_counted"] == "eager (dispatch)"
+    heads, width = 4, figures["padded_width"]  # tiny: 4 heads
+    assert figures["bias_bytes_per_step"] >= 4 * heads * width * width * 4  # at least one fp32 [B, H, T, T]
+    assert figures["bias_bytes_per_step"] == sum(figures["bias_tensors"].values())
     bad = run_module("tools.bench_train", "--preset", "tiny", "--micro-batch-size", "0")
     assert bad.returncode == 2 and "--micro-batch-size must be >= 1" in bad.stderr
+
+
+def test_peak_from_device_name_tells_the_h100_forms_apart_and_names_its_source():
+    peak = bench_train.peak_from_device_name
+    assert peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.0 and "H100 SXM" in peak("NVIDIA H100 80GB HBM3", "bf16")[1]
+    assert peak("NVIDIA H100 PCIe", "bf16")[0] == 756.0
+    assert peak("NVIDIA H100 NVL", "fp16")[0] == 835.0
+    assert peak("NVIDIA H200", "bf16") == (989.0, "H200 SXM datasheet, dense bf16 (device 'NVIDIA H200')")
+    assert peak("Tesla V100-SXM2-32GB", "fp16")[0] == 125.0
+    assert peak("Tesla V100-SXM2-32GB", "bf16")[0] is None  # Volta has no bf16
+    assert peak("NVIDIA A100-SXM4-80GB", "bf16")[0] == 312.0
+    assert peak("Some Future GPU", "bf16") == (None, "unknown GPU 'Some Future GPU': pass --peak-tflops")
+
+
+def test_data_path_needs_deepspeed_and_an_existing_folder(tmp_path):
+    alone = run_module("tools.bench_train", "--preset", "tiny", "--data-path", str(tmp_path))
+    assert alone.returncode == 2 and "--data-path is for --deepspeed" in alone.stderr
+    missing = run_module("tools.bench_train", "--preset", "tiny", "--deepspeed", "--data-path", str(tmp_path / "no"))
+    assert missing.returncode == 2 and "no such samples folder" in missing.stderr

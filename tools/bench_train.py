@@ -17,11 +17,22 @@ not recomputation. MFU divides by the device's dense peak for the precision (tab
 predictions without PMLM's layout: one forward/backward per factorization step over the plain
 sequence (tokens of later steps still masked, those of earlier steps revealed), plus the AE pass.
 It prints the cost ratio PMLM / naive (UniLMv2's claim: one pass serves AE and every PAR step).
+
+Every run also reports the step's CPU proxies of GPU cost (training/host_syncs.py,
+training/kernel_count.py): host_syncs_per_step (our code's; every owner's in --json),
+kernels_per_step (eager: dispatched ATen ops less views/aliases/bare allocations; compiled: generated
+kernels + extern calls + the eager rest) and bias_bytes_per_step (bytes of [B, heads or 1, T, >=T]
+tensors one forward+backward allocates). --deepspeed also times pretrain's own step
+(`Trainer.train_step`: DeepSpeed ZeRO-1, the real loader, the padded vocabulary); --huggingface,
+BertForMaskedLM of the same size three ways; --profile-trace, one step in a Chrome trace.
+
+    python tools/bench_train.py --preset base --seq-length 128 --micro-batch-size 64 --bf16 --deepspeed --huggingface
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import resource
 import sys
@@ -35,7 +46,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from megatron_pmlm.models import flex_attention  # noqa: E402
-from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
+from megatron_pmlm.config import ATTENTION_BACKENDS, ConfigError, HelpFormatter, MaskingConfig, model_config_from_preset  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
 from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, padded_width  # noqa: E402
 from megatron_pmlm.data.batches import build_batch  # noqa: E402
@@ -44,13 +55,33 @@ from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backe
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
 from megatron_pmlm.training.recipe import flops_per_token  # noqa: E402
 
-# Dense peak TFLOP/s per device and precision (vendor datasheets, without sparsity).
-PEAK_TFLOPS = {
-    "V100": {"fp16": 125.0, "bf16": None, "fp32": 15.7},
-    "A100": {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5},
-    "H100": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
-    "H200": {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0},
-}
+# Dense peak TFLOP/s per device and precision (NVIDIA datasheets, without sparsity), the most specific
+# name first: (what the device name contains, the product, {precision: peak}).
+PEAK_TFLOPS = (
+    (("H100", "PCIE"), "H100 PCIe", {"fp16": 756.0, "bf16": 756.0, "fp32": 51.0}),
+    (("H100", "NVL"), "H100 NVL", {"fp16": 835.0, "bf16": 835.0, "fp32": 60.0}),
+    (("H100",), "H100 SXM", {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0}),
+    (("H200", "NVL"), "H200 NVL", {"fp16": 835.0, "bf16": 835.0, "fp32": 60.0}),
+    (("H200",), "H200 SXM", {"fp16": 989.0, "bf16": 989.0, "fp32": 67.0}),
+    (("A100",), "A100", {"fp16": 312.0, "bf16": 312.0, "fp32": 19.5}),
+    (("V100", "PCIE"), "V100 PCIe", {"fp16": 112.0, "bf16": None, "fp32": 14.0}),
+    (("V100",), "V100 SXM2", {"fp16": 125.0, "bf16": None, "fp32": 15.7}),
+)
+"""H100 SXM reports itself as e.g. "NVIDIA H100 80GB HBM3", the others name their form factor."""
+
+
+def peak_from_device_name(name: str, precision: str) -> tuple[float | None, str]:
+    """(dense peak TFLOP/s, its source) for a CUDA device name and a precision (fp16, bf16, fp32)."""
+    upper = name.upper()
+    for needles, product, peaks in PEAK_TFLOPS:
+        if all(needle in upper for needle in needles):
+            peak = peaks[precision]
+            if peak is None:
+                return None, f"{product} datasheet: no {precision} (pass --peak-tflops)"
+            return peak, f"{product} datasheet, dense {precision} (device {name!r})"
+    return None, f"unknown GPU {name!r}: pass --peak-tflops"
+
+
 CPU_FP32_FLOPS_PER_CYCLE = 32
 """Per core: two 256-bit FMA units x 8 fp32 lanes x 2 (AVX2); an estimate for x86 CPUs."""
 SPECIAL_IDS = np.array([0, 100, 101, 102, 103])  # [PAD] [UNK] [CLS] [SEP] [MASK] of bert-base-uncased
@@ -60,11 +91,7 @@ CLS, SEP, MASK, PAD_ID = 101, 102, 103, 0
 def device_peak_tflops(device: torch.device, precision: str) -> tuple[float | None, str]:
     """(peak, where the number comes from) for this device and precision."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, peaks in PEAK_TFLOPS.items():
-            if key in name:
-                return peaks[precision], f"{key} datasheet, {precision}"
-        return None, f"unknown GPU {name!r}: pass --peak-tflops"
+        return peak_from_device_name(torch.cuda.get_device_name(device), precision)
     cores = os.cpu_count() or 1
     ghz = _cpu_ghz()
     peak = cores * ghz * CPU_FP32_FLOPS_PER_CYCLE / 1e3
@@ -134,10 +161,9 @@ def naive_cloze_batches(examples) -> list[PMLMBatch]:
     return batches
 
 
-def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
-                iterations: int, warmup: int, first_step: list[float] | None = None) -> float:
-    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step.
-    `first_step` (if given) receives the seconds of the first warmup iteration: compilation included."""
+def training_iteration(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
+                       optimizer_step: bool = True):
+    """The step `timed_steps` times: fwd+bwd on every batch, then (with `optimizer_step`) AdamW."""
     batches = [b.to(device) for b in batches]
 
     def iteration():
@@ -145,13 +171,23 @@ def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dty
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(*batch.as_tuple()).loss
             (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
+        if not optimizer_step:
+            pass
+        elif scaler:
             scaler.step(optimizer)
             scaler.update()
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    return iteration
+
+
+def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
+                iterations: int, warmup: int, first_step: list[float] | None = None) -> float:
+    """Seconds per iteration, where one iteration runs fwd+bwd on every batch then one optimizer step.
+    `first_step` (if given) receives the seconds of the first warmup iteration: compilation included."""
+    iteration = training_iteration(model, optimizer, batches, device, autocast_dtype, scaler)
     for number in range(warmup):
         start = time.perf_counter()
         iteration()
@@ -179,6 +215,226 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, scaler, heads: int, width: int,
+                 compiled: bool) -> dict:
+    """The CPU proxies of one step (issue 33, item 9), measured after the timed steps.
+
+    host_syncs_per_step: training.host_syncs over forward+backward+AdamW, our code's syncs only
+    (the list of every owner's in host_syncs); kernels_per_step: training.kernel_count over the same
+    step; bias_bytes_per_step: bytes of the [B, heads or 1, T, >=T] tensors that forward+backward
+    allocate (the attention bias, its copies and its gradient). Syncs and bias bytes are counted by
+    dispatch modes, which run a compiled model eagerly: they describe the eager step."""
+    from megatron_pmlm.training.host_syncs import HostSyncCounter
+    from megatron_pmlm.training.kernel_count import attention_bias_bytes, count_kernels
+
+    step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
+    forward_backward = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler,
+                                          optimizer_step=False)
+    with HostSyncCounter() as syncs:
+        step()
+    kernels = count_kernels(step, compiled=compiled)
+    bias_bytes, bias_tensors = attention_bias_bytes(forward_backward, batch.input_ids.shape[0], heads, width)
+    return {"host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
+            "host_syncs": syncs.report().splitlines() if syncs.count() else [],
+            "kernels_per_step": kernels, "kernels_counted": "compiled (profiler)" if compiled else "eager (dispatch)",
+            "bias_bytes_per_step": bias_bytes, "bias_tensors": bias_tensors}
+
+
+def proxies_line(figures: dict) -> str:
+    return (f"  proxies: host syncs/step {figures['host_syncs_per_step']} ours ({figures['host_syncs_all_owners']} "
+            f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | attention-bias "
+            f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB")
+
+
+# ------------------------------------------------------------------------------------------------
+# --deepspeed: pretrain's own step (DeepSpeed, ZeRO-1, the real loader, the padded vocabulary)
+# ------------------------------------------------------------------------------------------------
+
+SHARED_DATA_PLACES = (Path(__file__).resolve().parents[2] / "shared" / "data",
+                      Path(__file__).resolve().parents[1] / "shared" / "data")
+SHARED_DATA = next((place for place in SHARED_DATA_PLACES if place.is_dir()), SHARED_DATA_PLACES[0])
+"""../shared/data beside the repository (or shared/data inside it, as a lent GPU machine's copy of the
+checkout may carry it): corpus text and bert-base-uncased's vocabulary."""
+SHARED_CORPUS = SHARED_DATA / "corpus" / "wikitext-2-valid.txt"
+SHARED_VOCAB = SHARED_DATA / "vocab" / "bert-base-uncased-vocab.txt"
+
+
+def build_shared_samples(directory: Path, seq_length: int) -> Path | str:
+    """A samples folder at `seq_length` built from ../shared/data with data_prep.preprocess and
+    data_prep.build_samples (as a user would); or why it cannot be built (one line)."""
+    from data_prep import build_samples, preprocess
+
+    missing = [str(p) for p in (SHARED_CORPUS, SHARED_VOCAB) if not p.is_file()]
+    if missing:
+        return f"{', '.join(missing)} absent: pass --data-path SAMPLES_DIR (a data_prep.build_samples folder)"
+    with contextlib.redirect_stdout(sys.stderr):
+        if preprocess.main(["--input", str(SHARED_CORPUS), "--output-prefix", str(directory / "corpus"),
+                            "--vocab-file", str(SHARED_VOCAB), "--no-progress"]):
+            return "data_prep.preprocess failed on ../shared/data (see above)"
+        if build_samples.main(["--data-path", str(directory / "corpus"), "--output", str(directory / "samples"),
+                               "--seq-length", str(seq_length), "--split", "99,1,0", "--mask-epochs", "1",
+                               "--no-progress"]):
+            return "data_prep.build_samples failed (see above)"
+    return directory / "samples"
+
+
+def deepspeed_precision(device: torch.device, precision: str) -> str:
+    """pretrain's precision on this device: the bench's on a GPU (bf16 where the GPU has it, else
+    fp16), fp32 on the CPU (DeepSpeed's CPU accelerator trains in fp32 here)."""
+    if device.type != "cuda":
+        return "fp32"
+    if precision == "fp32":
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return precision
+
+
+def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: str, peak: float | None) -> dict:
+    """Times `Trainer.train_step` of a one-process `python -m megatron_pmlm.pretrain` run (its own
+    argument parsing, checks, model, DeepSpeed engine with ZeRO-1 and loader): global batch = micro
+    batch, so one step is one micro batch and one optimizer step."""
+    import tempfile
+
+    from megatron_pmlm.config import UniLMMaskingConfig
+    from megatron_pmlm.parallel.distributed import end_distributed
+    from megatron_pmlm.pretrain import build_parser as pretrain_parser
+    from megatron_pmlm.training.host_syncs import HostSyncCounter
+    from megatron_pmlm.training.kernel_count import count_kernels
+    from megatron_pmlm.training.pmlm_recipe import pmlm_pretraining_run
+    from megatron_pmlm.training.preflight import check_sizes
+    from megatron_pmlm.training.recipe import start_pretraining
+
+    precision = deepspeed_precision(device, precision)
+    with tempfile.TemporaryDirectory(prefix="bench-deepspeed-") as scratch:
+        samples = Path(args.data_path) if args.data_path else build_shared_samples(Path(scratch), args.seq_length)
+        if isinstance(samples, str):
+            return {"skipped": samples}
+        steps = args.warmup + args.iterations + 2
+        pretrain_args = pretrain_parser().parse_args(
+            ["--data-path", str(samples), "--preset", args.preset, "--seq-length", str(args.seq_length),
+             "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
+             "--zero-stage", "1", "--attention-backend", args.attention_backend, "--train-iters", str(steps),
+             "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else []))
+        check_sizes(pretrain_args)
+        plan = pmlm_pretraining_run(pretrain_args, UniLMMaskingConfig())
+        held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # the bare model's
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                trainer, loaders = start_pretraining(pretrain_args, plan)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            for _ in range(args.warmup):
+                trainer.train_step(loaders.train)
+            _synchronize(device)
+            start, tokens = time.perf_counter(), 0
+            for _ in range(args.iterations):
+                tokens += trainer.train_step(loaders.train)[1]
+            _synchronize(device)
+            seconds = (time.perf_counter() - start) / args.iterations
+            memory = (torch.cuda.max_memory_allocated(device) - held_before) / 2**30 if device.type == "cuda" else None
+            # What the engine runs, read back from DeepSpeed rather than from the arguments given.
+            engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
+                      "precision": "fp16" if trainer.engine.fp16_enabled() else
+                      "bf16" if trainer.engine.bfloat16_enabled() else "fp32",
+                      "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
+            with HostSyncCounter() as syncs:
+                trainer.train_step(loaders.train)
+            kernels = count_kernels(lambda: trainer.train_step(loaders.train), compiled=False)
+        finally:
+            end_distributed()
+    tokens_per_step = tokens / args.iterations
+    tflops = plan.flops_per_token * tokens_per_step / seconds / 1e12
+    return {**engine, "data_path": str(args.data_path or f"built from {SHARED_DATA}"),
+            "hidden_dropout": plan.model_config.hidden_dropout,
+            "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
+            "tokens_per_step": tokens_per_step, "tokens_per_sec": tokens_per_step / seconds, "model_tflops": tflops,
+            "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
+            "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
+            "host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
+            "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels}
+
+
+# ------------------------------------------------------------------------------------------------
+# --huggingface: BertForMaskedLM of the same size, side by side
+# ------------------------------------------------------------------------------------------------
+
+def huggingface_steps(config, args: argparse.Namespace, width: int, device: torch.device, autocast_dtype,
+                      mask_prob: float = 0.15) -> list[dict]:
+    """Seconds per step (forward + backward + AdamW) of Hugging Face's BertForMaskedLM (sdpa, random
+    init, our size, same micro batch and precision) over (a) the sequence length, (b) our layout
+    width T, (c) the sequence length with the MLM head applied to the masked positions only."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    hf_config = BertConfig(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+                           num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
+                           intermediate_size=config.ffn_hidden_size, max_position_embeddings=max(width, 512),
+                           hidden_dropout_prob=config.hidden_dropout,
+                           attention_probs_dropout_prob=config.attention_dropout, attn_implementation="sdpa")
+    torch.manual_seed(args.seed)
+    model = BertForMaskedLM(hf_config).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    scaler = torch.amp.GradScaler("cuda") if autocast_dtype == torch.float16 else None
+    generator = torch.Generator().manual_seed(args.seed)
+    rows = []
+    for name, length, masked_only in (("hf-seq", args.seq_length, False), ("hf-width", width, False),
+                                      ("hf-seq-masked-head", args.seq_length, True)):
+        input_ids = torch.randint(1000, config.vocab_size, (args.micro_batch_size, length), generator=generator)
+        masked = torch.rand(input_ids.shape, generator=generator) < mask_prob
+        labels = torch.where(masked, input_ids, IGNORE_INDEX)
+        input_ids, masked, labels = input_ids.to(device), masked.to(device), labels.to(device)
+        masked_index = masked.flatten().nonzero().squeeze(1)  # built once, outside the timed step
+
+        def step():
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                if masked_only:
+                    hidden = model.bert(input_ids=input_ids).last_hidden_state
+                    logits = model.cls(hidden.flatten(0, 1).index_select(0, masked_index))
+                    loss = torch.nn.functional.cross_entropy(logits.float(), labels.flatten()[masked_index])
+                else:
+                    loss = model(input_ids=input_ids, labels=labels).loss
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        for _ in range(args.warmup):
+            step()
+        _synchronize(device)
+        start = time.perf_counter()
+        for _ in range(args.iterations):
+            step()
+        _synchronize(device)
+        rows.append({"name": name, "length": length, "masked_head_only": masked_only,
+                     "seconds_per_step": (time.perf_counter() - start) / args.iterations})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# --profile-trace: one step under torch.profiler
+# ------------------------------------------------------------------------------------------------
+
+def profile_step(step, device: torch.device, trace_path: str, top: int = 20) -> list[dict]:
+    """One call of `step` traced to a Chrome trace file; the `top` kernels by self device time on
+    CUDA (self CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as trace:
+        step()
+        _synchronize(device)
+    Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+    trace.export_chrome_trace(trace_path)
+    on_device = device.type == "cuda"
+    averages = [e for e in trace.key_averages()
+                if (e.self_device_time_total if on_device else e.self_cpu_time_total) > 0]
+    averages.sort(key=lambda e: -(e.self_device_time_total if on_device else e.self_cpu_time_total))
+    return [{"name": e.key, "calls": e.count,
+             "self_us": e.self_device_time_total if on_device else e.self_cpu_time_total}
+            for e in averages[:top]]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--preset", default="base", help="tiny, base or large")
@@ -201,6 +457,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--naive-cloze", action="store_true",
                         help="also time one pass per factorization step on the same examples; print the ratio")
     parser.add_argument("--seed", type=int, default=1234, help="token ids and masks")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="also time pretrain's own step (Trainer.train_step: DeepSpeed ZeRO-1, bf16 on a GPU with "
+                             "bf16, else fp16; fp32 on a CPU; the real loader, the padded vocabulary, pretrain's "
+                             "dropout) on one process")
+    parser.add_argument("--data-path", help="with --deepspeed: a data_prep.build_samples folder at --seq-length "
+                                            "(default: built in a temporary folder from ../shared/data)")
+    parser.add_argument("--huggingface", action="store_true",
+                        help="also time Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch) at "
+                             "the sequence length, at our layout width, and with its head on the masked positions "
+                             "only; print our step's ratio to each")
+    parser.add_argument("--profile-trace", help="trace one step with torch.profiler to this Chrome trace file (JSON) "
+                                                "and report its top-20 kernels")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output, the table "
                         "then goes to standard error)")
     return parser
@@ -211,9 +479,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.layout_quantum < 0:
         print("error: --layout-quantum must be >= 0 (0: the model's default)", file=sys.stderr)
         return 2
-    if args.json:
+    if args.data_path and not args.deepspeed:
+        print("error: --data-path is for --deepspeed (the samples pretrain's loader reads)", file=sys.stderr)
+        return 2
+    if args.data_path and not Path(args.data_path).is_dir():
+        print(f"error: --data-path {args.data_path}: no such samples folder", file=sys.stderr)
+        return 2
+    if args.json or args.profile_trace:
         try:
-            check_output(args.json, "--json")
+            for path, flag in ((args.json, "--json"), (args.profile_trace, "--profile-trace")):
+                if path:
+                    check_output(path, flag)
         except OutputError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2
@@ -233,6 +509,10 @@ def benchmark(args: argparse.Namespace) -> int:
     if args.fp16 and device.type != "cuda":
         print("error: --fp16 needs a GPU here (CPU autocast supports bf16)", file=sys.stderr)
         return 2
+    if getattr(args, "compile", False):
+        from megatron_pmlm.training.kernel_count import prepare_compiled_counting
+
+        prepare_compiled_counting()  # before anything compiles: inductor's C++ kernels show in the profiler
     try:
         config = model_config_from_preset(args.preset, hidden_dropout=0.0, attention_dropout=0.0,
                                           max_position_embeddings=max(args.seq_length, 128),
@@ -288,6 +568,42 @@ def benchmark(args: argparse.Namespace) -> int:
           + f" | peak memory {memory[0]:.2f} GB ({memory[1]}) | compilations {compilations}"
           + (f" (first step {first_step[0]:.1f} s)" if first_step else ""))
 
+    compiled = bool(getattr(args, "compile", False))  # the --compile flag, where this version has it
+    figures.update(step_proxies(model, optimizer, batch, device, autocast_dtype, scaler, config.num_attention_heads,
+                                width, compiled))
+    print(proxies_line(figures))
+    if args.profile_trace:
+        figures["profile_trace"] = args.profile_trace
+        figures["top_kernels"] = profile_step(training_iteration(model, optimizer, [batch], device, autocast_dtype,
+                                                                 scaler), device, args.profile_trace)
+        print(f"  profile: one step traced to {args.profile_trace}; top kernel "
+              f"{figures['top_kernels'][0]['name']} ({figures['top_kernels'][0]['self_us'] / 1e3:.1f} ms)")
+    if args.huggingface:
+        rows = huggingface_steps(config, args, width, device, autocast_dtype)
+        for row in rows:
+            row["ours_over_theirs"] = seconds / row["seconds_per_step"]
+            print(f"  {row['name']} (BertForMaskedLM sdpa, length {row['length']}"
+                  + (", head on the masked positions only" if row["masked_head_only"] else "")
+                  + f"): {row['seconds_per_step'] * 1e3:.1f} ms/step; ours/theirs {row['ours_over_theirs']:.2f}")
+        figures["huggingface"] = rows
+    if args.deepspeed:
+        try:
+            real_peak = args.peak_tflops or device_peak_tflops(device, deepspeed_precision(device, precision))[0]
+            real = deepspeed_step(args, device, precision, real_peak)
+        except (ConfigError, ValueError) as error:
+            print(f"error: --deepspeed: {error}", file=sys.stderr)
+            return 2
+        figures["deepspeed"] = real
+        if "skipped" in real:
+            print(f"  deepspeed: skipped: {real['skipped']}")
+        else:
+            print(f"  deepspeed (pretrain's Trainer.train_step, ZeRO-1, {real['precision']}, vocabulary padded to "
+                  f"{real['padded_vocab_size']}): {real['seconds_per_step'] * 1e3:.1f} ms/step | "
+                  f"{real['samples_per_sec']:.2f} samples/s | {real['tokens_per_sec']:,.0f} tokens/s | "
+                  f"{real['model_tflops']:.3f} model TFLOP/s | "
+                  + (f"MFU {real['mfu']:.1%}" if real["mfu"] is not None else "MFU ?")
+                  + f" | host syncs/step {real['host_syncs_per_step']} ours ({real['host_syncs_all_owners']} all) | "
+                  f"kernels/step {real['kernels_per_step']}")
     if args.naive_cloze:
         naive = naive_cloze_batches(examples)
         naive_seconds = timed_steps(model, optimizer, naive, device, autocast_dtype, scaler, args.iterations,

@@ -31,6 +31,11 @@ def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelCo
 
 def run_pmlm(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> int:
     """pretrain's `run` for --model pmlm (every --objective, UniLM v1's included)."""
+    return run_pretraining(args, pmlm_pretraining_run(args, unilm_masking))
+
+
+def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> PretrainingRun:
+    """The checked plan of a --model pmlm run (also what tools/bench_train.py --deepspeed times)."""
     # Everything that can be refused is checked before processes start talking to each other.
     objective = get_objective(args.objective)
     if len(args.data_path) != 1:
@@ -85,7 +90,7 @@ def run_pmlm(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> int
             global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
             unilm_masking=unilm_masking)
 
-    return run_pretraining(args, PretrainingRun(
+    return PretrainingRun(
         model_config=model_config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         build_model=lambda layout: build_model(model_config, objective, layout, args.checkpoint_activations,
@@ -99,7 +104,7 @@ def run_pmlm(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> int
         describe_data=lambda loaders: (
             f"data: {len(loaders.train_samples):,} training samples"
             + (f", {len(loaders.valid_samples):,} validation samples" if loaders.valid_samples else "")
-            + f" from {args.data_path}")))
+            + f" from {args.data_path}"))
 
 
 def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):

@@ -159,6 +159,14 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
     model, the universal-checkpoint decision, Trainer, resume, data, iterations. The exit status."""
     import torch.distributed as dist
 
+    trainer, loaders = start_pretraining(args, plan)
+    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
+    dist.barrier()
+    return trainer.exit_status
+
+
+def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[Any, Any]:
+    """Everything of `run_pretraining` before the iterations: (Trainer, data.PretrainingLoaders)."""
     from ..parallel.distributed import MegatronMPU
     from .trainer import Trainer, seed_everything
 
@@ -182,6 +190,4 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(plan.model_config), finetune=args.finetune)
     loaders = plan.build_loaders(processes, trainer.consumed_samples)
     log(plan.describe_data(loaders))
-    trainer.train(loaders.train, loaders.valid, save_dir=args.save)
-    dist.barrier()
-    return trainer.exit_status
+    return trainer, loaders

@@ -1,0 +1,143 @@
+"""CPU proxies for a step's GPU cost: how many kernels it launches, and how many bytes it allocates
+for the attention bias (SPEC §14: eager launches one kernel per op; the dense bias and its gradient
+are the largest activations of the sdpa path). Both run on any machine, so a change that cuts
+launches or bias copies shows on the CPU before a GPU is lent.
+
+Eager, `count_kernels(step, compiled=False)` counts the ATen ops a `TorchDispatchMode` sees while
+`step()` runs, less the ones that launch nothing: view and alias ops (`OpOverload.is_view`:
+`view`, `t`, `expand`, `detach`, `split`, ...; and the `inplace_view` ones such as `as_strided_`)
+and bare allocations (`empty`, `empty_strided`, `empty_like`). A dispatch mode switches
+torch.compile off, so compiled code is counted from a `torch.profiler` trace of one step instead:
+the kernels inductor generated (C++ `cpp_fused_*` on the CPU, `triton_*` on CUDA), the extern calls
+its graphs make (the ATen ops directly under a `## Call CompiledFxGraph` event: GEMMs, attention),
+and the outermost ATen ops run outside compiled graphs (same view/allocation exclusions).
+`prepare_compiled_counting()` must run before the first compilation: it makes inductor's C++
+kernels visible to the profiler (`cpp.enable_kernel_profile`, one record-function per call).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+ALLOCATION_ONLY_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
+"""Ops that reserve memory and run no kernel."""
+GENERATED_KERNEL_PREFIXES = ("cpp_fused", "triton_")
+"""Profiler names of inductor's generated kernels (CPU graphs prefix them with `graph_N_`)."""
+COMPILED_GRAPH_EVENT = "## Call CompiledFxGraph"
+
+
+def launches_kernel(func) -> bool:
+    """Whether an ATen op does device work: not a view/alias, not a metadata-only in-place op,
+    not a bare allocation."""
+    return not (func.is_view or torch.Tag.inplace_view in func.tags or func in ALLOCATION_ONLY_OPS)
+
+
+class _KernelCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if launches_kernel(func):
+            self.kernels += 1
+        return func(*args, **(kwargs or {}))
+
+
+def prepare_compiled_counting() -> None:
+    """Call before torch.compile compiles anything whose kernels `count_kernels(..., compiled=True)`
+    is to see on the CPU."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.enable_kernel_profile = True
+
+
+def count_kernels(step_fn: Callable[[], object], compiled: bool) -> int:
+    """Kernels one call of `step_fn` launches (see the module docstring for what counts)."""
+    if not compiled:
+        with _KernelCounter() as counter:
+            step_fn()
+        return counter.kernels
+    from torch.profiler import profile
+
+    with profile() as trace:
+        step_fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return count_profiled_kernels(trace.events())
+
+
+def _aten_launches_kernel(name: str) -> bool:
+    """The profiler's "aten::op" name judged like `launches_kernel` (by the op's default overload,
+    or any overload when it has none)."""
+    packet = getattr(aten, name.removeprefix("aten::"), None)
+    if packet is None:
+        return True
+    overloads = [getattr(packet, overload) for overload in packet.overloads()]
+    return not overloads or all(launches_kernel(op) for op in overloads)
+
+
+def count_profiled_kernels(events: Sequence) -> int:
+    """Generated kernels + extern calls of compiled graphs + outermost kernel-launching ATen ops
+    outside them, from `torch.profiler`'s CPU events of one step."""
+    kernels = 0
+    for event in events:
+        if getattr(event, "device_type", torch.autograd.DeviceType.CPU) != torch.autograd.DeviceType.CPU:
+            continue  # a CUDA kernel's own device event: its launch is counted on the host side
+        name = event.name
+        if any(prefix in name for prefix in GENERATED_KERNEL_PREFIXES):
+            kernels += 1
+            continue
+        if not name.startswith("aten::"):
+            continue
+        parent, outermost_aten, in_graph = event.cpu_parent, True, False
+        direct_graph_call = parent is not None and parent.name.startswith(COMPILED_GRAPH_EVENT)
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                outermost_aten = False
+            if parent.name.startswith(COMPILED_GRAPH_EVENT):
+                in_graph = True
+            parent = parent.cpu_parent
+        if direct_graph_call or (outermost_aten and not in_graph and _aten_launches_kernel(name)):
+            kernels += 1
+    return kernels
+
+
+class _BiasBytes(TorchDispatchMode):
+    def __init__(self, batch_size: int, heads: int, width: int) -> None:
+        super().__init__()
+        self.batch_size, self.heads, self.width = batch_size, heads, width
+        self.bytes = 0
+        self.shapes: dict[tuple[str, tuple[int, ...], str], int] = {}
+
+    def is_bias_shaped(self, tensor) -> bool:
+        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
+        return (len(shape) == 4 and shape[0] == self.batch_size and shape[1] in (1, self.heads)
+                and shape[2] == self.width and shape[3] >= self.width)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        # A fresh output: not a view of an input, not an input written in place.
+        if not func.is_view and not any(r.alias_info is not None for r in func._schema.returns):
+            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
+                if self.is_bias_shaped(tensor):
+                    self.bytes += tensor.nbytes
+                    key = (str(func), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+                    self.shapes[key] = self.shapes.get(key, 0) + tensor.nbytes
+        return out
+
+
+def attention_bias_bytes(step_fn: Callable[[], object], batch_size: int, heads: int,
+                         width: int) -> tuple[int, dict[str, int]]:
+    """Bytes allocated during one call of `step_fn` (run eagerly) for tensors shaped like an attention
+    bias or its gradient, [batch_size, heads or 1, width, >= width] (width: the layout width the
+    model sees; a last dimension above it is sdpa's padding to a multiple of 8), produced by an op
+    that allocates its output (not a view, not in place). Also returns bytes per "op shape dtype"."""
+    with _BiasBytes(batch_size, heads, width) as counter:
+        step_fn()
+    return counter.bytes, {f"{op} {list(shape)} {dtype}": n for (op, shape, dtype), n in
+                           sorted(counter.shapes.items(), key=lambda item: -item[1])}
