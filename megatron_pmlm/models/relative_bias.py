@@ -135,15 +135,16 @@ class RelativeBiasGather(torch.autograd.Function):
 def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
     """[heads, bins] gradient of the table: grad[b, h, i, j] summed over the pairs of each bucket.
 
-    A one-hot contraction, grad[b, :, rows] [heads, keys] @ one_hot(buckets[b, rows]) [keys, bins]
-    batched over query rows and chunked so the one-hot stays <= ONE_HOT_CHUNK_BYTES; accumulated in
-    fp32 (bf16 bias gradients included). GEMMs instead of F.embedding's backward: no sort of the
-    B x T x T indices on a GPU, no atomics, deterministic; the bias gradient is read in whatever
-    layout it arrives (an aligned view included) without a copy.
+    A one-hot contraction: grad[b, :, rows] [heads, rows x keys] @ one_hot(buckets[b, rows])
+    [rows x keys, bins], over chunks of query rows whose one-hot stays <= ONE_HOT_CHUNK_BYTES,
+    accumulated in fp32 (bf16 bias gradients included). GEMMs instead of F.embedding's backward: no
+    sort of the B x T x T indices on a GPU, no atomics, deterministic, and the bias gradient is read
+    in the layout it arrives in (an aligned view is batched over rows instead of copied).
     """
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    flat_rows = grad.stride(2) == keys  # rows follow each other: [heads, rows x keys] is a view
     rows_per_chunk = max(1, ONE_HOT_CHUNK_BYTES // (keys * bins * torch.finfo(accumulate).bits // 8))
     bin_ids = torch.arange(bins, dtype=buckets.dtype, device=buckets.device)
     total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
@@ -151,8 +152,11 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
         for start in range(0, queries, rows_per_chunk):
             rows = slice(start, start + rows_per_chunk)
             one_hot = (buckets[b, rows, :, None] == bin_ids).to(accumulate)  # [rows, keys, bins]
-            chunk = grad[b, :, rows].transpose(0, 1).to(accumulate)  # [rows, heads, keys]
-            total += torch.bmm(chunk, one_hot).sum(0)
+            chunk = grad[b, :, rows].to(accumulate)  # [heads, rows, keys]
+            if flat_rows:
+                total.addmm_(chunk.reshape(heads, -1), one_hot.view(-1, bins))
+            else:
+                total += torch.bmm(chunk.transpose(0, 1), one_hot).sum(0)
     return total.to(dtype)
 
 
