@@ -171,6 +171,21 @@ def test_without_the_relative_bias_outputs_and_gradients_are_unchanged():
         assert all(torch.equal(grads[name], former_grads[name]) for name in grads)
 
 
+def test_with_bf16_weights_as_deepspeed_casts_them_only_the_table_gradients_summation_changes():
+    """DeepSpeed's bf16 casts the weights (no autocast): the bias was bf16 already, so outputs and
+    every other gradient are unchanged; the table's gradient is now summed in fp32 (F.embedding's
+    CPU backward summed ~10^4 bf16 terms per bucket in bf16, see the pieces' test below)."""
+    model, loss_of = pmlm_case("ae+par")
+    model = model.to(torch.bfloat16)
+    with former_bias():
+        former_loss, former_grads = output_and_gradients(model, loss_of, None)
+    loss, grads = output_and_gradients(model, loss_of, None)
+    assert torch.equal(loss, former_loss)
+    table = "bert.rel_pos_bias.weight"
+    assert all(torch.equal(grads[name], former_grads[name]) for name in grads if name != table)
+    assert grads[table].dtype == torch.bfloat16 and relative_difference(grads[table], former_grads[table]) <= 0.05
+
+
 # ------------------------------------------------------------------------------ per-layer work
 
 PER_LAYER_COPIES = ("_to_copy", "clone", "copy_", "constant_pad_nd", "contiguous")
@@ -239,6 +254,8 @@ def test_table_gradient_equals_the_embedding_backward_across_chunks(grad_dtype, 
         monkeypatch.setattr(relative_bias, "ONE_HOT_CHUNK_BYTES", chunk_bytes)
         ours = table_gradient(grad, buckets, 32, torch.float32)
         assert relative_difference(ours, expected) <= FP32_RELATIVE
+    exact = table_gradient(grad.double(), buckets, 32, torch.float64)
+    assert relative_difference(table_gradient(grad, buckets, 32, grad_dtype), exact) <= 2 ** -8  # one rounding
 
 
 def test_gather_forward_masks_and_gradients():
