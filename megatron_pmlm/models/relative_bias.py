@@ -171,6 +171,9 @@ def relative_attention_bias(table: torch.Tensor, position_ids: torch.Tensor, key
 
 # ------------------------------------------------------------------------------ measuring
 
+UNWRITTEN_ALLOCATIONS = (torch.ops.aten.empty, torch.ops.aten.empty_strided, torch.ops.aten.empty_like,
+                         torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided)
+"""Ops that allocate without writing: not counted as bytes written."""
 MASK_HANDLING_NODES = ("ToCopyBackward0", "ConstantPadNdBackward0", "SliceBackward0", "CloneBackward0")
 
 
@@ -233,6 +236,8 @@ class _BiasShapedWrites(TorchDispatchMode):
                    for heads, queries, keys in itertools.permutations(tensor.shape[1:]))
 
     def _counted(self, func, args) -> bool:
+        if func.overloadpacket in UNWRITTEN_ALLOCATIONS:
+            return False  # the op that fills it is counted
         if self.graphs.inside:
             return bool(args) and any(args[0] is mask for mask in self.graphs.calls[-1:])
         node = torch._C._current_autograd_node()
