@@ -270,3 +270,20 @@ def test_gather_forward_masks_and_gradients():
     ours, = torch.autograd.grad(bias, table, upstream)
     plain, = torch.autograd.grad(table[:, buckets.long()].permute(1, 0, 2, 3), table, upstream)
     torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-6)
+
+
+def test_the_bench_tool_reports_bias_bytes_and_table_gradient_timings(tmp_path):
+    import json
+
+    from tools import bench_attention_bias
+
+    output = tmp_path / "bias.json"
+    assert bench_attention_bias.main(["--preset", "tiny", "--shapes", "16x2", "--precisions", "fp32,autocast-bf16",
+                                      "--repeats", "1", "--json", str(output)]) == 0
+    results = json.loads(output.read_text())
+    fp32, bf16 = results["bias_bytes"]
+    assert fp32["sdpa_pad_bytes"] == bf16["sdpa_pad_bytes"] == 0 and fp32["ops"]["gather.out"] == 1
+    assert bf16["ops"] == fp32["ops"] and bf16["bias_bytes"] < fp32["bias_bytes"]  # the same ops, in bf16
+    timing, = results["table_gradient"]
+    assert timing["table_gradient_error"] < 1e-5 and timing["table_gradient_s"] > 0
+    assert bench_attention_bias.main(["--shapes", "16"]) == 2

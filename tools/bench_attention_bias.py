@@ -19,7 +19,6 @@ Nothing here is a test; figures go to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megatron_pmlm.config import ConfigError, HelpFormatter, model_config_from_preset  # noqa: E402
+from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
 
 PRECISIONS = ("fp32", "autocast-bf16", "bf16-weights")
 
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats < 1:
             raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
         config = model_config_from_preset(args.preset)
-    except ConfigError as error:
+        if args.json:
+            check_output(args.json, "--json")
+    except (ConfigError, OutputError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     results: dict = {"bias_bytes": [], "table_gradient": [], "threads": torch.get_num_threads()}
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"largest error against a float64 sum {row['embedding_backward_error']:.1e} and "
                   f"{row['table_gradient_error']:.1e}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        write_json_atomically(args.json, results)
     return 0
 
 
