@@ -277,8 +277,9 @@ def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dty
         loss.backward()
     pad_bytes = 0
     for mask in graphs.calls:
-        if not is_sdpa_aligned(mask):
+        if not is_sdpa_aligned(mask):  # under autocast the kernel pads the cast copy
             padded = -(-mask.shape[-1] // SDPA_MASK_ALIGNMENT) * SDPA_MASK_ALIGNMENT
-            pad_bytes += math.prod(mask.shape[:-1]) * padded * mask.element_size()
+            element_size = torch.finfo(autocast_dtype).bits // 8 if autocast_dtype else mask.element_size()
+            pad_bytes += math.prod(mask.shape[:-1]) * padded * element_size
     return {"bias_bytes": writes.bytes, "ops": dict(writes.ops), "sdpa_calls": len(graphs.calls),
             "sdpa_pad_bytes": pad_bytes, "mask_dtypes": sorted({str(m.dtype) for m in graphs.calls})}
