@@ -24,7 +24,8 @@ from megatron_pmlm.models.objectives import get_objective
 from megatron_pmlm.models.palm import PalmForPreTraining, palm_config_from_preset
 from megatron_pmlm.models.relative_bias import (RelativeBiasGather, bias_bytes_per_step, is_sdpa_aligned,
                                                 relative_buckets, table_gradient)
-from megatron_pmlm.models.seq2seq import MODES, PMLMForSeq2Seq, Seq2SeqConfig, SpecialIds, build_seq2seq_batch, example_rng
+from megatron_pmlm.models.seq2seq import (MODES, PMLMForSeq2Seq, Seq2SeqConfig, SpecialIds, build_seq2seq_batch,
+                                          example_rng)
 from megatron_pmlm.models.unilm import TYPE_VOCAB_SIZE
 
 VOCAB = 300

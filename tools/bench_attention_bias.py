@@ -105,7 +105,8 @@ def table_gradient_timings(heads: int, bins: int, width: int, micro_batch: int, 
     seconds = best_seconds({"embedding_backward_s": embedding_backward, "table_gradient_s": one_hot_contraction},
                            repeats)
     return {"width": width, "micro_batch": micro_batch, "heads": heads, "bins": bins, **seconds,
-            "embedding_backward_error": error(embedding_backward()), "table_gradient_error": error(one_hot_contraction())}
+            "embedding_backward_error": error(embedding_backward()),
+            "table_gradient_error": error(one_hot_contraction())}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_timing:
             from tools.bench_train import make_examples, pmlm_batch
 
-            width = widths.pop() if widths else pmlm_batch(make_examples(micro_batch, seq_length, config.vocab_size, seed=1)).input_ids.shape[1]
-            row = table_gradient_timings(config.num_attention_heads, config.rel_pos_bins, width, micro_batch, args.repeats)
+            examples = make_examples(micro_batch, seq_length, config.vocab_size, seed=1)
+            width = widths.pop() if widths else pmlm_batch(examples).input_ids.shape[1]
+            row = table_gradient_timings(config.num_attention_heads, config.rel_pos_bins, width, micro_batch,
+                                         args.repeats)
             results["table_gradient"].append(row)
             print(f"table gradient, width {width} x {micro_batch}: F.embedding backward "
-                  f"{row['embedding_backward_s'] * 1e3:.1f} ms, one-hot contraction {row['table_gradient_s'] * 1e3:.1f} ms; "
+                  f"{row['embedding_backward_s'] * 1e3:.1f} ms, "
+                  f"one-hot contraction {row['table_gradient_s'] * 1e3:.1f} ms; "
                   f"largest error against a float64 sum {row['embedding_backward_error']:.1e} and "
                   f"{row['table_gradient_error']:.1e}", flush=True)
     if args.json:

@@ -236,8 +236,8 @@ class BertModel(nn.Module):
         """
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         key_positions, key_roles, key_steps = cache.keys_with(position_ids, roles, steps)
-        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, query_dtype(hidden),
-                              key_positions, key_roles, key_steps)
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps,
+                              query_dtype(hidden), key_positions, key_roles, key_steps)
         for layer, layer_cache in zip(self.encoder.layer, cache.layers):
             hidden = layer(hidden, bias, layer_cache)
         cache.stage(position_ids, roles, steps)
