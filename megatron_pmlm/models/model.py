@@ -8,7 +8,6 @@ plus `bert.rel_pos_bias.weight` [heads, bins], so checkpoints map to HF one to o
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -25,28 +24,12 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
                      predicted_slots)
 from .objectives import Objective, get_objective
+from .relative_bias import (blocked_bias, query_dtype, relative_attention_bias,
+                            relative_position_bucket)
 from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
 
 if TYPE_CHECKING:
     from .unilm import UniLMLosses
-
-
-def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int = 32,
-                             max_distance: int = 128) -> torch.Tensor:
-    """T5's bidirectional bucketing of key - query distances (SPEC §5).
-
-    Half the buckets per direction (keys after the query are offset by num_buckets/2); within a
-    direction distances below num_buckets/4 are exact, larger ones log-spaced up to max_distance.
-    """
-    half = num_buckets // 2
-    bucket = (relative_position > 0).long() * half
-    distance = relative_position.abs()
-    max_exact = half // 2
-    # clamp(min=1) only keeps log() finite for the small distances that take the exact branch.
-    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
-    large = max_exact + (log_ratio * (half - max_exact)).long()
-    large = large.clamp(max=half - 1)
-    return bucket + torch.where(distance < max_exact, distance, large)
 
 
 class RelativePositionBias(nn.Module):
@@ -62,10 +45,12 @@ class RelativePositionBias(nn.Module):
         self.max_distance = max_distance
         self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
 
-    def forward(self, position_ids: torch.Tensor | None = None,
-                key_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, position_ids: torch.Tensor | None = None, key_position_ids: torch.Tensor | None = None,
+                allowed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
-        (keys default to the queries; decoding passes cached + new slots as keys).
+        (keys default to the queries; decoding passes cached + new slots as keys), -inf where the
+        boolean [B, queries, keys] `allowed` is False, in `dtype` (default: the table's): built
+        once per batch as `relative_bias.RelativeBiasGather` does, an SDPA-aligned view.
 
         Without position ids: the bias of every key - query distance clamped to +-max_distance,
         [heads, 2 x max_distance + 1], which the flex backend's score_mod looks up. It is computed
@@ -75,9 +60,8 @@ class RelativePositionBias(nn.Module):
             distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
         key_position_ids = position_ids if key_position_ids is None else key_position_ids
-        relative = key_position_ids[:, None, :] - position_ids[:, :, None]  # key - query
-        buckets = relative_position_bucket(relative, self.num_buckets, self.max_distance)
-        return F.embedding(buckets, self.weight.t()).permute(0, 3, 1, 2)
+        return relative_attention_bias(self.weight, position_ids, key_position_ids, self.num_buckets,
+                                       self.max_distance, allowed, dtype or self.weight.dtype)
 
 
 class BertEmbeddings(nn.Module):
@@ -238,10 +222,11 @@ class BertModel(nn.Module):
         compiled kernel sees few shapes; else 1). Padding slots are PAD: seen by nobody."""
 
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
-        """Embeddings and the attention bias every layer shares."""
+        """Embeddings and the attention bias every layer shares (in the queries' dtype: autocast's
+        if on, so no layer casts it)."""
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
-                                        position_ids, roles, steps, hidden.dtype)
+                                        position_ids, roles, steps, query_dtype(hidden))
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         width = input_ids.shape[1]
@@ -261,8 +246,8 @@ class BertModel(nn.Module):
         """
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         key_positions, key_roles, key_steps = cache.keys_with(position_ids, roles, steps)
-        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype,
-                              key_positions, key_roles, key_steps)
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps,
+                              query_dtype(hidden), key_positions, key_roles, key_steps)
         for layer, layer_cache in zip(self.encoder.layer, cache.layers):
             hidden = layer(hidden, bias, layer_cache)
         cache.stage(position_ids, roles, steps)
@@ -351,14 +336,17 @@ def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: At
                    position_ids, roles, steps, dtype, key_position_ids=None, key_roles=None,
                    key_steps=None) -> torch.Tensor:
     """Additive [B, heads or 1, queries, keys] bias: relative positions plus -inf where attention is
-    not allowed. Keys default to the queries (a full forward)."""
+    not allowed, in `dtype` (the queries'). Keys default to the queries (a full forward).
+
+    Built once per batch and shared by every layer as it is: a view of a buffer whose rows are
+    padded to a multiple of 8 (`relative_bias.aligned_bias_buffer`), so SDPA neither casts nor pads
+    it per layer; it is not contiguous (pipeline stages that send it make a contiguous copy).
+    """
     allowed = (attention_rule(roles, steps) if key_roles is None else
-               attention_rule(roles, steps, key_roles, key_steps))[:, None]
-    blocked = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+               attention_rule(roles, steps, key_roles, key_steps))
     if rel_pos_bias is None:
-        return blocked
-    # Contiguous: SDPA's fused kernels and pipeline sends want a plain [B, heads, T, T] layout.
-    return (rel_pos_bias(position_ids, key_position_ids).to(dtype) + blocked).contiguous()
+        return blocked_bias(allowed, dtype)
+    return rel_pos_bias(position_ids, key_position_ids, allowed, dtype)
 
 
 class BertPredictionHeadTransform(nn.Module):

@@ -32,6 +32,7 @@ from .flex_attention import BlockMaskCache, build_flex_attention_mask, default_l
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
                     padding_logit_bias)
 from .objectives import Objective
+from .relative_bias import query_dtype
 from ..parallel.layers import ParallelLayers
 
 TIED_KEY = "word_embeddings"
@@ -87,7 +88,10 @@ class EmbeddingPipe(nn.Module):
             # The mask alone as booleans: a floating-point activation without a gradient would stop
             # DeepSpeed's backward pass; each layer turns it into the additive bias.
             return hidden, self.attention_rule(roles, steps)[:, None], token_type_ids, roles, labels
-        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps, hidden.dtype)
+        # Contiguous: DeepSpeed's p2p send takes no strided view (the model's own bias is an SDPA-aligned
+        # view, see model.attention_bias); the receiving stages' SDPA pads this copy per layer on a GPU.
+        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps,
+                              query_dtype(hidden)).contiguous()
         return hidden, bias, token_type_ids, roles, labels
 
 
