@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_pmlm.training.kernel_count import attention_bias_bytes, count_kernels, prepare_compiled_counting
+from megatron_pmlm.training.kernel_count import count_kernels, prepare_compiled_counting
 
 
 def test_eager_count_skips_views_aliases_and_bare_allocations():
@@ -28,24 +28,3 @@ def test_compiled_count_sees_generated_kernels_and_extern_calls():
     assert count_kernels(lambda: compiled(x).sum(), compiled=True) == 3
     # The same step counted eagerly (a dispatch mode runs the graph op by op): mm, relu, mul, sum.
     assert count_kernels(lambda: compiled(x).sum(), compiled=False) == 4
-
-
-def test_bias_bytes_count_fresh_bias_shaped_outputs_only():
-    batch, heads, width = 2, 3, 5
-    scores = torch.randn(batch, heads, width, width, requires_grad=True)
-
-    def forward_backward():
-        bias = torch.zeros(batch, 1, width, width)                        # counted: [B, 1, T, T]
-        bias.add_(1.0)                                                     # in place: nothing new
-        bias.view(batch, 1, width * width)                                 # a view: nothing new
-        padded = torch.nn.functional.pad(bias, (0, 3))                     # counted: [B, 1, T, T + 3]
-        torch.zeros(batch, heads, width - 1, width)                        # not bias-shaped (T - 1 rows)
-        torch.zeros(batch + 1, heads, width, width)                        # not this micro batch
-        # counted: the sum [B, H, T, T] and the gradient of `scores` (AccumulateGrad's fresh copy)
-        (scores + padded[..., :width]).sum().backward()
-
-    total, tensors = attention_bias_bytes(forward_backward, batch, heads, width)
-    fp32 = 4
-    expected = fp32 * (batch * width * width + batch * width * (width + 3) + 2 * batch * heads * width * width)
-    assert total == expected, tensors
-    assert sum(tensors.values()) == total

@@ -161,9 +161,8 @@ def naive_cloze_batches(examples) -> list[PMLMBatch]:
     return batches
 
 
-def training_iteration(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
-                       optimizer_step: bool = True):
-    """The step `timed_steps` times: fwd+bwd on every batch, then (with `optimizer_step`) AdamW."""
+def training_iteration(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler):
+    """The step `timed_steps` times: fwd+bwd on every batch, then AdamW."""
     batches = [b.to(device) for b in batches]
 
     def iteration():
@@ -171,9 +170,7 @@ def training_iteration(model, optimizer, batches: list[PMLMBatch], device, autoc
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(*batch.as_tuple()).loss
             (scaler.scale(loss) if scaler else loss).backward()
-        if not optimizer_step:
-            pass
-        elif scaler:
+        if scaler:
             scaler.step(optimizer)
             scaler.update()
         else:
@@ -221,29 +218,32 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
 
     host_syncs_per_step: training.host_syncs over forward+backward+AdamW, our code's syncs only
     (the list of every owner's in host_syncs); kernels_per_step: training.kernel_count over the same
-    step; bias_bytes_per_step: bytes of the [B, heads or 1, T, >=T] tensors that forward+backward
-    allocate (the attention bias, its copies and its gradient). Syncs and bias bytes are counted by
+    step; bias_bytes_per_step: models.relative_bias.bias_bytes_per_step, the bytes ops write into
+    [B, heads or 1, T, >=T] tensors over forward+backward outside SDPA's own scores (building,
+    casting, copying the attention bias and summing its gradient), beside what SDPA's fused GPU
+    kernel would pad per call (computed: a CPU never pads). Syncs and bias bytes are counted by
     dispatch modes, which run a compiled model eagerly: they describe the eager step."""
+    from megatron_pmlm.models.relative_bias import bias_bytes_per_step
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import attention_bias_bytes, count_kernels
+    from megatron_pmlm.training.kernel_count import count_kernels
 
     step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
-    forward_backward = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler,
-                                          optimizer_step=False)
     with HostSyncCounter() as syncs:
         step()
     kernels = count_kernels(step, compiled=compiled)
-    bias_bytes, bias_tensors = attention_bias_bytes(forward_backward, batch.input_ids.shape[0], heads, width)
+    bias = bias_bytes_per_step(model, batch.to(device), autocast_dtype)
     return {"host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [],
             "kernels_per_step": kernels, "kernels_counted": "compiled (profiler)" if compiled else "eager (dispatch)",
-            "bias_bytes_per_step": bias_bytes, "bias_tensors": bias_tensors}
+            "bias_bytes_per_step": bias["bias_bytes"], "bias_ops": bias["ops"],
+            "sdpa_pad_bytes_per_step": bias["sdpa_pad_bytes"]}
 
 
 def proxies_line(figures: dict) -> str:
     return (f"  proxies: host syncs/step {figures['host_syncs_per_step']} ours ({figures['host_syncs_all_owners']} "
             f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | attention-bias "
-            f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB")
+            f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB (+ {figures['sdpa_pad_bytes_per_step'] / 2**20:,.1f} "
+            f"MiB a GPU's SDPA would pad)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -569,9 +569,15 @@ def benchmark(args: argparse.Namespace) -> int:
           + (f" (first step {first_step[0]:.1f} s)" if first_step else ""))
 
     compiled = bool(getattr(args, "compile", False))  # the --compile flag, where this version has it
-    figures.update(step_proxies(model, optimizer, batch, device, autocast_dtype, scaler, config.num_attention_heads,
-                                width, compiled))
-    print(proxies_line(figures))
+    if config.attention_backend == "flex":
+        # flex_attention's eager path compiles itself (torch.compile, backend "eager"), which the
+        # counters' dispatch modes block; the proxies are about the sdpa path's bias anyway.
+        figures["proxies_skipped"] = "flex: its eager path compiles itself, which dispatch modes block"
+        print(f"  proxies: not measured ({figures['proxies_skipped']})")
+    else:
+        figures.update(step_proxies(model, optimizer, batch, device, autocast_dtype, scaler,
+                                    config.num_attention_heads, width, compiled))
+        print(proxies_line(figures))
     if args.profile_trace:
         figures["profile_trace"] = args.profile_trace
         figures["top_kernels"] = profile_step(training_iteration(model, optimizer, [batch], device, autocast_dtype,

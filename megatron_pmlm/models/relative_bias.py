@@ -245,9 +245,12 @@ class _BiasShapedWrites(TorchDispatchMode):
             return node in self.graphs.mask_nodes or func is torch.ops.aten.add.Tensor
         return True
 
+    supports_higher_order_operators = True
+    """flex_attention (a higher-order operator) passes through: the flex backend has no dense bias."""
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self._counted(func, args):
+        if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func, args):
             return out
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         for tensor, returned in zip(outputs, func._schema.returns):

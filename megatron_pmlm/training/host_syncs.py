@@ -83,6 +83,9 @@ class HostSyncCounter(TorchDispatchMode):
         self._originals: dict[str, object] = {}
         self._thread = threading.get_ident()
 
+    supports_higher_order_operators = True
+    """Higher-order operators (flex_attention) pass through and run unobserved inside: none syncs."""
+
     # ---------------------------------------------------------------- dispatch
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

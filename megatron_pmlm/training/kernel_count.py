@@ -1,7 +1,6 @@
-"""CPU proxies for a step's GPU cost: how many kernels it launches, and how many bytes it allocates
-for the attention bias (SPEC §14: eager launches one kernel per op; the dense bias and its gradient
-are the largest activations of the sdpa path). Both run on any machine, so a change that cuts
-launches or bias copies shows on the CPU before a GPU is lent.
+"""A CPU proxy for a step's GPU cost: how many kernels it launches (SPEC §14: eager launches one
+kernel per op). It runs on any machine, so a change that cuts launches shows on the CPU before a GPU
+is lent (the attention bias's bytes: `models.relative_bias.bias_bytes_per_step`).
 
 Eager, `count_kernels(step, compiled=False)` counts the ATen ops a `TorchDispatchMode` sees while
 `step()` runs, less the ones that launch nothing: view and alias ops (`OpOverload.is_view`:
@@ -38,12 +37,15 @@ def launches_kernel(func) -> bool:
 
 
 class _KernelCounter(TorchDispatchMode):
+    supports_higher_order_operators = True
+    """A higher-order operator (flex_attention) is one fused kernel on a GPU: counted once."""
+
     def __init__(self) -> None:
         super().__init__()
         self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if launches_kernel(func):
+        if isinstance(func, torch._ops.HigherOrderOperator) or launches_kernel(func):
             self.kernels += 1
         return func(*args, **(kwargs or {}))
 
@@ -105,39 +107,3 @@ def count_profiled_kernels(events: Sequence) -> int:
         if direct_graph_call or (outermost_aten and not in_graph and _aten_launches_kernel(name)):
             kernels += 1
     return kernels
-
-
-class _BiasBytes(TorchDispatchMode):
-    def __init__(self, batch_size: int, heads: int, width: int) -> None:
-        super().__init__()
-        self.batch_size, self.heads, self.width = batch_size, heads, width
-        self.bytes = 0
-        self.shapes: dict[tuple[str, tuple[int, ...], str], int] = {}
-
-    def is_bias_shaped(self, tensor) -> bool:
-        shape = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else ()
-        return (len(shape) == 4 and shape[0] == self.batch_size and shape[1] in (1, self.heads)
-                and shape[2] == self.width and shape[3] >= self.width)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # A fresh output: not a view of an input, not an input written in place.
-        if not func.is_view and not any(r.alias_info is not None for r in func._schema.returns):
-            for tensor in (out if isinstance(out, (tuple, list)) else (out,)):
-                if self.is_bias_shaped(tensor):
-                    self.bytes += tensor.nbytes
-                    key = (str(func), tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
-                    self.shapes[key] = self.shapes.get(key, 0) + tensor.nbytes
-        return out
-
-
-def attention_bias_bytes(step_fn: Callable[[], object], batch_size: int, heads: int,
-                         width: int) -> tuple[int, dict[str, int]]:
-    """Bytes allocated during one call of `step_fn` (run eagerly) for tensors shaped like an attention
-    bias or its gradient, [batch_size, heads or 1, width, >= width] (width: the layout width the
-    model sees; a last dimension above it is sdpa's padding to a multiple of 8), produced by an op
-    that allocates its output (not a view, not in place). Also returns bytes per "op shape dtype"."""
-    with _BiasBytes(batch_size, heads, width) as counter:
-        step_fn()
-    return counter.bytes, {f"{op} {list(shape)} {dtype}": n for (op, shape, dtype), n in
-                           sorted(counter.shapes.items(), key=lambda item: -item[1])}
