@@ -69,12 +69,8 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_partition = torch.empty_like(losses)
         predicted = torch.empty(rows, dtype=torch.long, device=logits.device)
-        for start in range(0, rows, chunk_rows):
-            end = min(rows, start + chunk_rows)
-            chunk = (logits[start:end] + bias).float()
-            log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
-            losses[start:end] = log_partition[start:end] - chunk.gather(-1, labels[start:end, None])[:, 0]
-            predicted[start:end] = chunk.argmax(dim=-1)
+        with torch.autocast(logits.device.type, enabled=False):  # fp32 by construction, whatever the context
+            _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted)
         ctx.save_for_backward(logits, labels, bias, log_partition)
         ctx.chunk_rows = chunk_rows
         ctx.mark_non_differentiable(predicted)
@@ -83,28 +79,33 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses, _grad_predicted):
         logits, labels, bias, log_partition = ctx.saved_tensors
-        promoted = torch.promote_types(logits.dtype, bias.dtype)
-        grad_logits = torch.empty_like(logits)
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        for start in range(0, logits.shape[0], ctx.chunk_rows):
-            end = min(logits.shape[0], start + ctx.chunk_rows)
-            # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
-            grad = ((logits[start:end] + bias).float() - log_partition[start:end, None]).exp_()
-            grad.scatter_add_(-1, labels[start:end, None], grad.new_full((end - start, 1), -1.0))
-            grad = grad.mul_(grad_losses[start:end, None].float()).to(promoted)
-            grad_logits[start:end] = grad
-            grad_bias += grad.float().sum(0)
-        return grad_logits, None, grad_bias.to(bias.dtype), None
+        with torch.autocast(logits.device.type, enabled=False):
+            return _chunked_backward(logits, labels, bias, log_partition, grad_losses, ctx.chunk_rows)
 
 
-def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
-                                 chunk_rows: int = CROSS_ENTROPY_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows),
-    equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and its argmax,
-    with at most `chunk_rows` rows in fp32 at a time (`_ChunkedBiasedCrossEntropy`)."""
-    if chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows)
+def _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted) -> None:
+    rows = logits.shape[0]
+    for start in range(0, rows, chunk_rows):
+        end = min(rows, start + chunk_rows)
+        chunk = (logits[start:end] + bias).float()
+        log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
+        losses[start:end] = log_partition[start:end] - chunk.gather(-1, labels[start:end, None])[:, 0]
+        predicted[start:end] = chunk.argmax(dim=-1)
+
+
+def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows):
+    promoted = torch.promote_types(logits.dtype, bias.dtype)
+    grad_logits = torch.empty_like(logits)
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    for start in range(0, logits.shape[0], chunk_rows):
+        end = min(logits.shape[0], start + chunk_rows)
+        # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
+        grad = ((logits[start:end] + bias).float() - log_partition[start:end, None]).exp_()
+        grad.scatter_add_(-1, labels[start:end, None], grad.new_full((end - start, 1), -1.0))
+        grad = grad.mul_(grad_losses[start:end, None].float()).to(promoted)
+        grad_logits[start:end] = grad
+        grad_bias += grad.float().sum(0)
+    return grad_logits, None, grad_bias.to(bias.dtype), None
 
 
 class LocalLayers:
