@@ -108,6 +108,16 @@ def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_ro
     return grad_logits, None, grad_bias.to(bias.dtype), None
 
 
+def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
+                                 chunk_rows: int = CROSS_ENTROPY_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows),
+    equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and its argmax,
+    with at most `chunk_rows` rows in fp32 at a time (`_ChunkedBiasedCrossEntropy`)."""
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows)
+
+
 class LocalLayers:
     """Tensor parallel size 1: ordinary torch modules."""
 
