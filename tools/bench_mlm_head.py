@@ -5,8 +5,9 @@ today's one gather, one head and chunked biased cross entropy, on the same final
     python tools/bench_mlm_head.py --preset base --seq-length 128 --micro-batch-size 4 [--bf16]
 
 Times forward + backward of the head and loss (the encoder runs once, outside the timing, its
-output a leaf that takes the gradient) and, over the same work, the largest tensor any op produces,
-the largest fp32 one and the sum of all ops' outputs (a TorchDispatchMode), for both. The batch is
+output a leaf that takes the gradient) and, over the same work, the [slots, vocabulary] tensors
+ops produce (a TorchDispatchMode): the largest, the largest fp32 one and the peak alive at once,
+for both. The batch is
 bench_train's (real blockwise masks, 15 %), the vocabulary padded to a multiple of 128 as in
 pre-training.
 """
@@ -17,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from bench_train import make_examples, pmlm_batch  # noqa: E402
 from megatron_pmlm.config import HelpFormatter, model_config_from_preset  # noqa: E402
 from megatron_pmlm.models.layout import MASKED, PSEUDO, predicted_slots  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining, pmlm_losses  # noqa: E402
+from megatron_pmlm.parallel import layers as parallel_layers  # noqa: E402
 from megatron_pmlm.training.recipe import padded_vocab_size  # noqa: E402
 
 
@@ -53,21 +56,38 @@ def former_head_and_loss(model: PMLMForPreTraining, hidden: torch.Tensor, roles,
     return total
 
 
-class OutputBytes(TorchDispatchMode):
-    """Bytes of every op's outputs: the largest, the largest fp32 one and their sum."""
+class SlotsByVocabularyBytes(TorchDispatchMode):
+    """The [rows, vocabulary] tensors ops produce (rows up to the predicted slots: logits, their fp32
+    copies, log-softmax, gradients; not the [vocabulary, hidden] embedding gradient): the largest,
+    the largest fp32 one, and the peak of those alive at once (new storages only, freed when the
+    last reference goes: what the head and loss hold in memory, e.g. from forward to backward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocabulary: int, slots: int) -> None:
         super().__init__()
-        self.largest = self.largest_fp32 = self.total = 0
+        self.vocabulary, self.slots = vocabulary, slots
+        self.largest = self.largest_fp32 = self.live = self.peak_live = 0
+        self.storages: set[int] = set()
+
+    def _free(self, size: int, storage: int) -> None:
+        self.live -= size
+        self.storages.discard(storage)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {id(a) for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)}
         for tensor in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(tensor, torch.Tensor):
+            if (isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and tensor.shape[1] == self.vocabulary
+                    and tensor.shape[0] <= self.slots and id(tensor) not in inputs
+                    and tensor.untyped_storage().data_ptr() not in self.storages):  # not a view of one counted
                 size = tensor.numel() * tensor.element_size()
-                self.largest, self.total = max(self.largest, size), self.total + size
+                self.largest = max(self.largest, size)
                 if tensor.dtype == torch.float32:
                     self.largest_fp32 = max(self.largest_fp32, size)
+                self.live += size
+                self.peak_live = max(self.peak_live, self.live)
+                storage = tensor.untyped_storage().data_ptr()
+                self.storages.add(storage)
+                weakref.finalize(tensor, self._free, size, storage)
         return out
 
 
@@ -80,12 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=20, help="timed forward + backward passes of each")
     parser.add_argument("--warmup", type=int, default=3, help="untimed passes first")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    parser.add_argument("--chunk-rows", type=int, default=0,
+                        help="rows per fp32 chunk of the cross entropy (0: the library's CROSS_ENTROPY_CHUNK_ROWS)")
     parser.add_argument("--seed", type=int, default=1234, help="token ids and masks")
     args = parser.parse_args(argv)
     for name in ("seq_length", "micro_batch_size", "iterations"):
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
+    if args.chunk_rows < 0:
+        print("error: --chunk-rows must be >= 0", file=sys.stderr)
+        return 2
+    if args.chunk_rows:
+        parallel_layers.CROSS_ENTROPY_CHUNK_ROWS = args.chunk_rows
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -109,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     slots = int(batch.predicted_index.numel())
     print(f"{args.preset}, seq {args.seq_length}, micro batch {args.micro_batch_size}, "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}, {slots} predicted slots, vocabulary "
-          f"{config.vocab_size} padded to {config.embedding_rows}, {torch.get_num_threads()} threads")
+          f"{config.vocab_size} padded to {config.embedding_rows}, cross-entropy chunks of "
+          f"{parallel_layers.CROSS_ENTROPY_CHUNK_ROWS} rows, {torch.get_num_threads()} threads")
     for name, run in runs.items():
         def step():
             model.zero_grad(set_to_none=True)
@@ -119,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
             loss.backward()
             return loss
 
-        with OutputBytes() as sizes:
+        with SlotsByVocabularyBytes(config.embedding_rows, slots) as sizes:
             loss = step()
         for _ in range(args.warmup):
             step()
@@ -127,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.iterations):
             step()
         seconds = (time.perf_counter() - start) / args.iterations
-        print(f"  {name:6s} loss {float(loss.detach()):.6f} | {seconds * 1e3:7.2f} ms fwd+bwd | largest tensor "
-              f"{sizes.largest / 2**20:6.1f} MiB | largest fp32 {sizes.largest_fp32 / 2**20:6.1f} MiB | "
-              f"all op outputs {sizes.total / 2**20:7.1f} MiB")
+        print(f"  {name:6s} loss {float(loss.detach()):.6f} | {seconds * 1e3:7.2f} ms fwd+bwd | [slots, vocab] "
+              f"tensors: largest {sizes.largest / 2**20:5.1f} MiB, largest fp32 {sizes.largest_fp32 / 2**20:5.1f} MiB, "
+              f"peak alive {sizes.peak_live / 2**20:5.1f} MiB")
     return 0
 
 

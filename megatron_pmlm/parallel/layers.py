@@ -94,25 +94,34 @@ def _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, pr
 
 
 def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows):
+    """Each chunk's gradient is computed in place: in the fp32 gradient itself when the logits are
+    fp32, else in one fp32 chunk that is then rounded into the gradient."""
     promoted = torch.promote_types(logits.dtype, bias.dtype)
     grad_logits = torch.empty_like(logits)
+    in_place = grad_logits.dtype == promoted == torch.float32
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     for start in range(0, logits.shape[0], chunk_rows):
         end = min(logits.shape[0], start + chunk_rows)
         # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
-        grad = ((logits[start:end] + bias).float() - log_partition[start:end, None]).exp_()
+        grad = (torch.add(logits[start:end], bias, out=grad_logits[start:end]) if in_place
+                else (logits[start:end] + bias).float())
+        grad.sub_(log_partition[start:end, None]).exp_()
         grad.scatter_add_(-1, labels[start:end, None], grad.new_full((end - start, 1), -1.0))
-        grad = grad.mul_(grad_losses[start:end, None].float()).to(promoted)
-        grad_logits[start:end] = grad
+        grad.mul_(grad_losses[start:end, None].float())
+        if not in_place:
+            grad = grad.to(promoted)
+            grad_logits[start:end] = grad
         grad_bias += grad.float().sum(0)
     return grad_logits, None, grad_bias.to(bias.dtype), None
 
 
 def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
-                                 chunk_rows: int = CROSS_ENTROPY_CHUNK_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+                                 chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows),
     equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and its argmax,
-    with at most `chunk_rows` rows in fp32 at a time (`_ChunkedBiasedCrossEntropy`)."""
+    with at most `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) rows in fp32 at a time
+    (`_ChunkedBiasedCrossEntropy`)."""
+    chunk_rows = chunk_rows or CROSS_ENTROPY_CHUNK_ROWS
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows)
