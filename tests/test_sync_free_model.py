@@ -148,7 +148,7 @@ def pipeline_chain(model: PMLMForPreTraining):
     body = [EmbeddingPipe(config, layers)] + [LayerPipe(config, layers) for _ in range(config.num_layers)]
     head, loss = HeadTransformPipe(config, objective), LossPipe(config, layers, objective)
     state = model.state_dict()
-    named = [(f"tied_modules.word_embeddings.", word)] + [(f"{i + 1}.", m) for i, m in enumerate(body)] + \
+    named = [("tied_modules.word_embeddings.", word)] + [(f"{i + 1}.", m) for i, m in enumerate(body)] + \
         [(f"{config.num_layers + 2}.", head), (f"{config.num_layers + 4}.", loss)]
     with torch.no_grad():
         for prefix, module in named:
@@ -296,3 +296,15 @@ def test_the_loss_holds_no_fp32_slots_by_vocabulary_tensor_beyond_one_chunk():
     with LargestFloat32Output() as plain:  # what the former loss did
         F.cross_entropy((logits + bias).float(), labels).backward()
     assert plain.largest == 64 * 300
+
+
+def test_bench_mlm_head_compares_the_former_and_todays_head_and_loss():
+    from pmlm_testing import run_module
+
+    result = run_module("tools.bench_mlm_head", "--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                        "--iterations", "1", "--warmup", "0", "--chunk-rows", "8", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    former, now = (line for line in result.stdout.splitlines() if "ms fwd+bwd" in line)
+    assert former.split("|")[0].split()[-1] == now.split("|")[0].split()[-1]  # the same loss
+    bad = run_module("tools.bench_mlm_head", "--chunk-rows", "-1")
+    assert bad.returncode == 2 and "--chunk-rows must be >= 0" in bad.stderr
