@@ -89,5 +89,6 @@ def test_sequences_longer_than_the_model_are_refused():
 def test_the_mask_is_derived_not_stored():
     ids, segments, masks = worked_example()
     batch = build_batch([ids], [segments], [masks], P, PAD_ID)
-    assert all(t.dim() == 2 for t in batch.as_tuple())  # [B, T] vectors only, no [T, T] mask
+    # [B, T] vectors only, no [T, T] mask; plus the predicted slots' flat index
+    assert all(t.dim() == 2 for t in batch.as_tuple()[:6]) and batch.predicted_index.dim() == 1
     assert isinstance(pmlm_attention_allowed(batch.roles, batch.steps), torch.Tensor)

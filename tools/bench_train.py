@@ -37,6 +37,7 @@ import os
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -53,7 +54,7 @@ from megatron_pmlm.data.batches import build_batch  # noqa: E402
 from megatron_pmlm.data.masking import mask_example  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
-from megatron_pmlm.training.recipe import flops_per_token  # noqa: E402
+from megatron_pmlm.training.recipe import flops_per_token, padded_vocab_size  # noqa: E402
 
 # Dense peak TFLOP/s per device and precision (NVIDIA datasheets, without sparsity), the most specific
 # name first: (what the device name contains, the product, {precision: peak}).
@@ -517,6 +518,8 @@ def benchmark(args: argparse.Namespace) -> int:
         config = model_config_from_preset(args.preset, hidden_dropout=0.0, attention_dropout=0.0,
                                           max_position_embeddings=max(args.seq_length, 128),
                                           attention_backend=args.attention_backend)
+        # The vocabulary padded as pre-training pads it (--make-vocab-size-divisible-by 128, TP 1).
+        config = replace(config, padded_vocab_size=padded_vocab_size(config.vocab_size, 128, 1))
         check_attention_backend(config, device.type)  # flex: refused below compute capability 8.0
         quantum = args.layout_quantum or flex_attention.default_layout_quantum(args.attention_backend, device)
     except ValueError as error:

@@ -8,18 +8,22 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PSEUDO, PMLMBatch
+from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PSEUDO, PMLMBatch, pmlm_predicted_index
 from .masking import ExampleMasks
 
 
 def build_batch(input_ids: Sequence[np.ndarray], token_type_ids: Sequence[np.ndarray],
                 masks: Sequence[ExampleMasks], pseudo_token_id: int, pad_token_id: int,
-                append_pseudo: bool = True, max_length: int | None = None) -> PMLMBatch:
+                append_pseudo: bool = True, max_length: int | None = None,
+                predict_masked: bool = True) -> PMLMBatch:
     """Assemble the PMLM tensors for a list of examples of any lengths, vectorized over tokens.
 
     With `append_pseudo=False` (the AE-only objective) the batch is just the corrupted sequences.
     `max_length` (the model's max_position_embeddings) refuses longer sequences up front, since
     the appended tokens reuse their twins' positions and only the sequence itself needs positions.
+    The batch carries the flat indices of its predicted slots (`layout.pmlm_predicted_index`: the
+    [M] slots if `predict_masked` - the objective has L_AE -, then the [P] slots), computed here on
+    the CPU so that the model's loss never waits for the device to find them.
     """
     batch_size = len(input_ids)
     if not (batch_size == len(token_type_ids) == len(masks)) or batch_size == 0:
@@ -76,4 +80,6 @@ def build_batch(input_ids: Sequence[np.ndarray], token_type_ids: Sequence[np.nda
             steps[rows, columns] = step_ids
         labels[rows, max_len + max_masked + slots] = originals
 
-    return PMLMBatch(*(torch.from_numpy(a) for a in (ids, positions, segments, roles, steps, labels)))
+    tensors = [torch.from_numpy(a) for a in (ids, positions, segments, roles, steps, labels)]
+    index = pmlm_predicted_index(tensors[3], tensors[5], autoencoding=predict_masked, pseudo_masked=append_pseudo)
+    return PMLMBatch(*tensors, predicted_index=index)

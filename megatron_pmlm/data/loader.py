@@ -74,7 +74,8 @@ class PMLMBatchBuilder:
             masks = to_single_token_steps(masks, indices, epoch, self.seed)
         special = self.samples.special
         return build_batch(input_ids, segment_ids, masks, special.pseudo, special.pad,
-                           append_pseudo=self.objective.pseudo_masked, max_length=self.max_length)
+                           append_pseudo=self.objective.pseudo_masked, max_length=self.max_length,
+                           predict_masked=self.objective.autoencoding)
 
 
 def batch_builder(samples: PretrainingSamples, objective: Objective, seed: int, max_length: int | None,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..config import ConfigError
-from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD
+from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, pmlm_predicted_index
 from ..models.palm import PalmBatch
 from .loader import PretrainingLoaders, samples_loaders
 from .samples import A_LEN, A_START, B_LEN, B_START, PretrainingSamples, SamplesError, assemble_tokens, read_metadata
@@ -79,9 +79,11 @@ class PalmBatchBuilder:
             decoder_ids = sequence[:, :-1]
             labels = np.where(in_sequence[:, 1:], sequence[:, 1:], IGNORE_INDEX)
         as_tensor = torch.from_numpy
-        return PalmBatch(as_tensor(encoder_ids), as_tensor(roles.astype(np.int64)), as_tensor(context),
-                         as_tensor(mlm_labels), as_tensor(np.ascontiguousarray(decoder_ids)),
-                         as_tensor(np.ascontiguousarray(labels)))
+        encoder_roles, mlm_targets = as_tensor(roles.astype(np.int64)), as_tensor(mlm_labels)
+        mlm_index = pmlm_predicted_index(encoder_roles, mlm_targets, pseudo_masked=False) if self.stage == 1 else None
+        return PalmBatch(as_tensor(encoder_ids), encoder_roles, as_tensor(context), mlm_targets,
+                         as_tensor(np.ascontiguousarray(decoder_ids)), as_tensor(np.ascontiguousarray(labels)),
+                         mlm_index)
 
 
 def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stage: int,

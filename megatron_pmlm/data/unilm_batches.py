@@ -20,7 +20,7 @@ import torch
 from ..config import ConfigError, UniLMMaskingConfig
 from ..models.layout import CONTEXT, IGNORE_INDEX, MASKED, ORIGINAL, PAD, PMLMBatch
 from ..models.unilm import (BIDIRECTIONAL, LEFT_TO_RIGHT, LM_SEGMENT_IDS, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM,
-                            RIGHT_TO_LEFT, SEQ2SEQ)
+                            RIGHT_TO_LEFT, SEQ2SEQ, unilm_predicted_index)
 from .masking import non_special_ids, splitmix64 as _splitmix64
 from .samples import A_LEN, A_START, B_LEN, B_START, CORPUS, DOCUMENT, PretrainingSamples, assemble_tokens
 
@@ -237,7 +237,8 @@ def build_unilm_batch(ids: np.ndarray, lengths: np.ndarray, second: np.ndarray, 
     labels[:, 0] = np.where(nsp_labels >= 0, nsp_labels, IGNORE_INDEX)  # [SOS] is never masked
     position_ids = np.repeat(np.arange(width)[None, :], batch, axis=0)
     tensors = (input_ids, position_ids, segment_ids, roles, steps, labels)
-    return PMLMBatch(*(torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in tensors))
+    tensors = [torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)) for a in tensors]
+    return PMLMBatch(*tensors, predicted_index=unilm_predicted_index(tensors[-1]))
 
 
 def expected_visibility(lm_type: int, length: int, first_target: int) -> np.ndarray:

@@ -78,6 +78,30 @@ def predicted_slots(roles: torch.Tensor, labels: torch.Tensor, role: int) -> tor
     return (roles == role) & (labels != IGNORE_INDEX)
 
 
+def pmlm_predicted_index(roles: torch.Tensor, labels: torch.Tensor, autoencoding: bool = True,
+                         pseudo_masked: bool = True) -> torch.Tensor:
+    """Flat indices into the [B * T] slots (row-major) of the PMLM losses' slots: the labelled [M]
+    slots (if `autoencoding`), then the labelled [P] slots (if `pseudo_masked`), each row-major.
+
+    `nonzero` makes the host wait for the device: the batch builders call this on the CPU tensors
+    when the batch is made (`PMLMBatch.predicted_index`), so the training step never does."""
+    parts = [predicted_slots(roles, labels, role).flatten().nonzero()[:, 0]
+             for role, enabled in ((MASKED, autoencoding), (PSEUDO, pseudo_masked)) if enabled]
+    return torch.cat(parts) if parts else roles.new_zeros(0, dtype=torch.long)
+
+
+def labelled_index(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into the [B * T] slots (row-major) of every labelled slot (seq2seq fine-tuning's
+    losses); computed on the CPU by the batch builder, like `pmlm_predicted_index`."""
+    return (labels != IGNORE_INDEX).flatten().nonzero()[:, 0]
+
+
+def widen_flat_index(index: torch.Tensor, width: int, new_width: int) -> torch.Tensor:
+    """Flat [B * width] slot indices as indices into the same slots of the [B * new_width] layout
+    (right-padded rows); on the device, no host sync."""
+    return index if new_width == width else index // width * new_width + index % width
+
+
 @dataclass
 class PMLMBatch:
     """Model inputs and targets of one batch; every tensor is [B, T] unless noted."""
@@ -89,9 +113,19 @@ class PMLMBatch:
     steps: torch.Tensor
     labels: torch.Tensor
     """Original token at [M] (AE) and [P] (PAR) slots, IGNORE_INDEX elsewhere."""
+    predicted_index: torch.Tensor | None = None
+    """[slots] int64: flat indices into [B * T] (row-major) of the slots the loss is taken at, in
+    the order the model family's loss reads them (PMLM: `pmlm_predicted_index`, [M] then [P];
+    UniLM v1: `unilm.unilm_predicted_index`; seq2seq: `labelled_index`). The batch builders compute
+    it on the CPU, so the model gathers those slots with `index_select` instead of boolean indexing,
+    which would make the host wait for the device twice per objective per micro batch. None: the
+    model derives it from roles and labels, with that wait (for callers that build batches by hand)."""
 
-    def to(self, device: torch.device | str) -> "PMLMBatch":
-        return PMLMBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "PMLMBatch":
+        """The batch on `device`; `non_blocking` overlaps the copies with compute when the tensors
+        are in pinned memory."""
+        return PMLMBatch(**{f.name: None if getattr(self, f.name) is None else
+                            getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
 
     @property
     def ae_label_mask(self) -> torch.Tensor:
@@ -102,7 +136,8 @@ class PMLMBatch:
         return predicted_slots(self.roles, self.labels, PSEUDO)
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        """The model's positional inputs: the six [B, T] tensors, then `predicted_index` if set."""
+        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
 
     def num_tokens(self) -> int:
         """Tokens the model processes (padding excluded): what throughput is counted in."""
@@ -110,4 +145,8 @@ class PMLMBatch:
 
     def padded_to(self, quantum: int) -> "PMLMBatch":
         """The same batch with its width padded to a multiple of `quantum` (`pad_layout_inputs`)."""
-        return PMLMBatch(*pad_layout_inputs(quantum, *self.as_tuple()))
+        padded = pad_layout_inputs(quantum, *self.as_tuple()[:6])
+        index = self.predicted_index
+        if index is not None:
+            index = widen_flat_index(index, self.input_ids.shape[1], padded[0].shape[1])
+        return PMLMBatch(*padded, predicted_index=index)

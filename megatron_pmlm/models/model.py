@@ -22,7 +22,7 @@ from ..config import ConfigError, ModelConfig
 from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, default_layout_quantum,
                              flex_attention_forward, flex_capability_problem)
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
-                     predicted_slots)
+                     pmlm_predicted_index)
 from .objectives import Objective, get_objective
 from .relative_bias import (blocked_bias, query_dtype, relative_attention_bias,
                             relative_position_bucket)
@@ -366,19 +366,39 @@ class BertLMPredictionHead(nn.Module):
         super().__init__()
         self.transform = BertPredictionHeadTransform(config)
         self.bias = nn.Parameter(torch.zeros(config.embedding_rows // layers.tensor_parallel_size))
-        self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
+        self.register_buffer("vocab_padding", vocabulary_padding(config, layers), persistent=False)
         self.layers = layers
 
     def forward(self, hidden, word_embedding_weight):
-        logits = self.layers.tied_logits(self.transform(hidden), word_embedding_weight) + self.bias
-        return logits + self.padding_logit_bias
+        """The logits with the bias added (promoted to the bias's dtype, as ever): for inspection,
+        conversion checks and decoding. The losses use `logits_and_bias`."""
+        logits, bias = self.logits_and_bias(hidden, word_embedding_weight)
+        return logits + bias
+
+    def logits_and_bias(self, hidden, word_embedding_weight) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tied logits in the compute dtype, the output bias with -inf at vocabulary padding).
+
+        Kept apart so that the loss (`ParallelLayers.biased_cross_entropy`) adds the bias chunk by
+        chunk: under autocast `logits + bias` would be a [slots, vocab] tensor in the bias's fp32."""
+        logits = self.layers.tied_logits(self.transform(hidden), word_embedding_weight)
+        return logits, mask_vocabulary_padding(self.bias, self.vocab_padding)
 
 
-def padding_logit_bias(config: ModelConfig, layers: ParallelLayers) -> torch.Tensor:
-    """0 for real tokens, -inf for vocabulary padding, over this rank's slice of the vocabulary."""
+def vocabulary_padding(config: ModelConfig, layers: ParallelLayers) -> torch.Tensor | None:
+    """Boolean over this rank's slice of the vocabulary: True at padding entries (ids >= vocab_size),
+    None when the vocabulary is not padded."""
     per_rank = config.embedding_rows // layers.tensor_parallel_size
+    if config.embedding_rows == config.vocab_size:
+        return None
     token_ids = torch.arange(per_rank) + getattr(layers, "tensor_parallel_rank", 0) * per_rank
-    return torch.zeros(per_rank).masked_fill(token_ids >= config.vocab_size, float("-inf"))
+    return token_ids >= config.vocab_size
+
+
+def mask_vocabulary_padding(scores: torch.Tensor, padding: torch.Tensor | None) -> torch.Tensor:
+    """`scores` (a bias [V / tp] or logits [..., V / tp]) with -inf at the vocabulary padding, in
+    their own dtype: what adding an fp32 buffer of 0 / -inf did, without promoting bf16 logits to
+    fp32. The gradient at padding entries is 0, as it was (their softmax is 0)."""
+    return scores if padding is None else scores.masked_fill(padding, float("-inf"))
 
 
 class BertOnlyMLMHead(nn.Module):
@@ -401,7 +421,12 @@ class PMLMLosses:
 
     def metrics(self) -> torch.Tensor:
         """metrics.PMLM_METRICS's vector, detached, for logging."""
-        return torch.stack([self.loss.detach().float(), self.loss_ae.detach().float(),
+        return self.metrics_with_grad().detach()
+
+    def metrics_with_grad(self) -> torch.Tensor:
+        """The metrics vector with the total loss first, still differentiable (the pipeline's last
+        stage returns this and backpropagates its first entry)."""
+        return torch.stack([self.loss.float(), self.loss_ae.detach().float(),
                             self.loss_par.detach().float(), self.ae_correct.float(), self.ae_count.float(),
                             self.par_correct.float(), self.par_count.float()])
 
@@ -439,39 +464,69 @@ class PMLMForPreTraining(nn.Module):
     def mlm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.cls.predictions(hidden, self.bert.embeddings.word_embeddings.weight)
 
+    def mlm_logits_and_bias(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLM head for the losses: (logits in the compute dtype, output bias), see
+        `BertLMPredictionHead.logits_and_bias`."""
+        return self.cls.predictions.logits_and_bias(hidden, self.bert.embeddings.word_embeddings.weight)
+
     def nsp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, 2] next-sentence logits from the pooled [SOS] (UniLM v1 objectives with NSP)."""
         return self.cls.seq_relationship(self.bert.pooler(hidden))
 
-    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> "PMLMLosses | UniLMLosses":
+    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels,
+                predicted_index: torch.Tensor | None = None) -> "PMLMLosses | UniLMLosses":
+        """The objective's losses. `predicted_index`: `PMLMBatch.predicted_index` (flat indices of the
+        slots the loss is taken at, made with the batch); None: derived here, a host-device sync."""
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
         if self.objective.is_unilm:
             from .unilm import unilm_losses
 
-            return unilm_losses(hidden, token_type_ids, labels, self.mlm_logits, self.layers,
-                                self.nsp_logits if self.objective.next_sentence_prediction else None)
-        return pmlm_losses(hidden, roles, labels, self.objective, self.mlm_logits, self.layers)
+            return unilm_losses(hidden, token_type_ids, labels, self.mlm_logits_and_bias, self.layers,
+                                self.nsp_logits if self.objective.next_sentence_prediction else None,
+                                predicted_index)
+        return pmlm_losses(hidden, roles, labels, self.objective, self.mlm_logits_and_bias, self.layers,
+                           predicted_index)
 
     def forward_batch(self, batch: PMLMBatch) -> PMLMLosses:
         return self(*batch.as_tuple())
 
 
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of a [B, T, ...] tensor flattened to [B * T, ...]: a gather whose output size the
+    host knows (the index's length), unlike boolean indexing, which waits for the device."""
+    return tensor.flatten(0, 1).index_select(0, index)
+
+
 def pmlm_losses(hidden: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor, objective: Objective,
-                mlm_logits, layers: ParallelLayers) -> PMLMLosses:
-    """L = L_AE (at [M] slots) + L_PAR (at [P] slots), each a mean over its predicted tokens."""
+                mlm_head, layers: ParallelLayers, predicted_index: torch.Tensor | None = None) -> PMLMLosses:
+    """L = L_AE (at [M] slots) + L_PAR (at [P] slots), each a mean over its predicted tokens.
+
+    Only the predicted slots go through the head (the vocabulary projection is the largest matmul
+    of the model and most positions carry no label), the [M] and [P] slots together: one gather,
+    one head, one cross entropy. `mlm_head(hidden) -> (logits, bias)`. `predicted_index`:
+    `layout.pmlm_predicted_index` of the batch (made on the CPU with it); None: computed here, which
+    waits for the device. Which loss a slot belongs to is read from its role on the device, so
+    nothing in here makes the host wait."""
+    if predicted_index is None:
+        predicted_index = pmlm_predicted_index(roles, labels, objective.autoencoding, objective.pseudo_masked)
+    logits, bias = mlm_head(gather_slots(hidden, predicted_index))
+    slot_roles = gather_slots(roles, predicted_index)
+    return pmlm_losses_from_logits(logits, bias, gather_slots(labels, predicted_index),
+                                   (slot_roles == MASKED) & objective.autoencoding,
+                                   (slot_roles == PSEUDO) & objective.pseudo_masked, layers)
+
+
+def pmlm_losses_from_logits(logits: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor, is_ae: torch.Tensor,
+                            is_par: torch.Tensor, layers: ParallelLayers) -> PMLMLosses:
+    """The PMLM losses of the predicted slots' logits (the model's and the pipeline's last stage's):
+    `is_ae` / `is_par` mark the slots of each loss (slots in neither are ignored)."""
+    token_losses, predicted = layers.biased_cross_entropy(logits, targets, bias)
+    correct = predicted == targets
     losses = {}
-    for name, role, enabled in (("ae", MASKED, objective.autoencoding),
-                                ("par", PSEUDO, objective.pseudo_masked)):
-        selected = predicted_slots(roles, labels, role)
-        if not enabled:
-            selected = torch.zeros_like(selected)
-        # Only the predicted slots go through the head: the vocabulary projection is the largest
-        # matmul of the model and most positions carry no label.
-        logits = mlm_logits(hidden[selected])
-        targets = labels[selected]
+    for name, selected in (("ae", is_ae), ("par", is_par)):
         count = selected.sum()
-        losses[f"loss_{name}"] = layers.cross_entropy(logits, targets).sum() / count.clamp(min=1)
-        losses[f"{name}_correct"] = (layers.predicted_ids(logits) == targets).sum()
+        losses[f"loss_{name}"] = torch.where(selected, token_losses, 0.0).sum() / count.clamp(min=1)
+        losses[f"{name}_correct"] = (correct & selected).sum()
         losses[f"{name}_count"] = count
     return PMLMLosses(loss=losses["loss_ae"] + losses["loss_par"], **losses)
 

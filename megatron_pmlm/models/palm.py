@@ -30,7 +30,8 @@ from ..config import ConfigError, ModelConfig
 from .layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
 from .metrics import MetricSpec
 from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfAttention, BertSelfOutput,
-                    LayerKeyValues, PMLMLosses, initialize_weights, padding_logit_bias, pmlm_losses)
+                    LayerKeyValues, PMLMLosses, initialize_weights, mask_vocabulary_padding, pmlm_losses,
+                    vocabulary_padding)
 from .objectives import get_objective
 from ..parallel.layers import LocalLayers, ParallelLayers
 
@@ -118,12 +119,18 @@ class PalmBatch:
     """[CLS] continuation, right-padded; [B, 0] in stage 1."""
     labels: torch.Tensor
     """continuation [SEP], IGNORE_INDEX at padding; [B, 0] in stage 1."""
+    mlm_index: torch.Tensor | None = None
+    """Stage 1: flat indices into [B * S] of the labelled [M] slots (`layout.pmlm_predicted_index`),
+    made on the CPU with the batch so the loss gathers them without waiting for the device; None:
+    the model derives them (a host-device sync), or stage 2."""
 
-    def to(self, device) -> "PalmBatch":
-        return PalmBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+    def to(self, device, non_blocking: bool = False) -> "PalmBatch":
+        return PalmBatch(**{f.name: None if getattr(self, f.name) is None else
+                            getattr(self, f.name).to(device, non_blocking=non_blocking) for f in fields(self)})
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
-        return tuple(getattr(self, f.name) for f in fields(self))
+        """The model's positional inputs: the six tensors, then `mlm_index` if set."""
+        return tuple(getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None)
 
     def num_tokens(self) -> int:
         """Tokens the model processes (padding excluded)."""
@@ -266,7 +273,7 @@ class PointerGenerator(nn.Module):
         self.copy_query = nn.Linear(hidden, width)  # W^s, b^c
         self.copy_score = nn.Linear(width, 1, bias=False)  # w^c
         self.gate = nn.Linear(2 * hidden, 1)  # [w^z; w^s], b^m
-        self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
+        self.register_buffer("vocab_padding", vocabulary_padding(config, layers), persistent=False)
         self.layers = layers
 
     def memory(self, encoder_hidden: torch.Tensor) -> torch.Tensor:
@@ -279,7 +286,7 @@ class PointerGenerator(nn.Module):
         dataclasses)."""
         memory = self.memory(encoder_hidden) if memory is None else memory
         vocab_logits = self.layers.tied_logits(self.vocab_projection(decoder_hidden), word_embedding_weight)
-        vocab_logits = vocab_logits + self.padding_logit_bias
+        vocab_logits = mask_vocabulary_padding(vocab_logits, self.vocab_padding)  # stays in the compute dtype
         # e_tl = w^c . tanh(W^m h_l + W^s s_t + b^c): [B, D, S].
         scores = self.copy_score(torch.tanh(memory[:, None] + self.copy_query(decoder_hidden)[:, :, None]))[..., 0]
         scores = scores.masked_fill(~context_valid[:, None], float("-inf"))
@@ -417,12 +424,13 @@ class PalmForPreTraining(nn.Module):
         return CopyMixture(*self.pointer_generator(decoder_hidden, encoder_hidden, context_valid,
                                                    self.word_embeddings.weight))
 
-    def forward(self, encoder_ids, encoder_roles, context_ids, mlm_labels, decoder_ids, labels):
+    def forward(self, encoder_ids, encoder_roles, context_ids, mlm_labels, decoder_ids, labels, mlm_index=None):
+        """`mlm_index`: `PalmBatch.mlm_index` (stage 1; None: derived here, a host-device sync)."""
         encoder_hidden = self.encode(encoder_ids, encoder_roles)
         if self.stage == 1:
-            mlm_logits = lambda hidden: self.cls.predictions(hidden, self.word_embeddings.weight)  # noqa: E731
+            mlm_head = lambda hidden: self.cls.predictions.logits_and_bias(hidden, self.word_embeddings.weight)  # noqa: E731
             return PalmMLMLosses.from_pmlm(pmlm_losses(encoder_hidden, encoder_roles, mlm_labels,
-                                                       get_objective("ae"), mlm_logits, self.layers))
+                                                       get_objective("ae"), mlm_head, self.layers, mlm_index))
         mixture = self.mixture(encoder_hidden, encoder_roles, decoder_ids)
         return continuation_losses(mixture, context_ids, labels, self.layers)
 

@@ -4,11 +4,12 @@ Layer specs, in order (index: what):
     0        WordEmbeddingPipe (tied "word_embeddings"): token embedding lookup  -- first stage
     1        EmbeddingPipe: position/segment embeddings, LayerNorm, dropout, attention bias
     2..L+1   LayerPipe: the transformer layers
-    L+2      HeadTransformPipe: picks the [M] and [P] slots, dense + GELU + LayerNorm
+    L+2      HeadTransformPipe: gathers the predicted slots (the batch's `predicted_index`, made
+             on the CPU with it: no host-device sync), dense + GELU + LayerNorm
              (UniLM v1: every labelled slot, and the pooler on [SOS] for NSP)
     L+3      WordEmbeddingPipe again (tied): the softmax tied to the embedding -- last stage
-    L+4      LossPipe: output bias, cross entropy, accuracy counts (UniLM v1: per-LM sums and the
-             next-sentence head, through unilm.unilm_losses_from_logits)
+    L+4      LossPipe: output bias, cross entropy, accuracy counts (model.pmlm_losses_from_logits;
+             UniLM v1: per-LM sums and the next-sentence head, through unilm.unilm_losses_from_logits)
 Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
 gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
 batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layout import MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, predicted_slots
+from .layout import (MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, pmlm_predicted_index,
+                     widen_flat_index)
 from .flex_attention import BlockMaskCache, build_flex_attention_mask, default_layout_quantum
-from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, initialize_weights,
-                    padding_logit_bias)
+from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, gather_slots,
+                    initialize_weights, mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
 from .objectives import Objective
 from .relative_bias import query_dtype
 from ..parallel.layers import ParallelLayers
@@ -39,17 +41,33 @@ TIED_KEY = "word_embeddings"
 
 
 class WordEmbeddingPipe(nn.Module):
-    def __init__(self, config: ModelConfig, layers: ParallelLayers):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers, objective: Objective | None = None):
         super().__init__()
         self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
         self.attention_backend = config.attention_backend
+        self.objective = objective
 
     def forward(self, inputs):
-        """The first stage; it also pads the layout width as `BertModel.forward` does (flex on CUDA:
-        `flex_attention.default_layout_quantum`), labels included, so every stage sees the padded
-        width and the loss ignores the padding slots."""
-        inputs = pad_layout_inputs(default_layout_quantum(self.attention_backend, inputs[0].device), *inputs)
-        return (self.word_embeddings(inputs[0]),) + tuple(inputs[1:])
+        """The first stage: `PMLMBatch.as_tuple()` in, (word embeddings, positions, segments, roles,
+        steps, labels, predicted index) out. It pads the layout width as `BertModel.forward` does
+        (flex on CUDA: `flex_attention.default_layout_quantum`), labels included, and moves the
+        predicted slots' flat index to the padded width, so every stage sees the padded width. A
+        batch without its index (built by hand) gets one here, with a host-device sync."""
+        layout, index = tuple(inputs[:6]), (inputs[6] if len(inputs) > 6 else None)
+        if index is None:
+            index = objective_predicted_index(self.objective, layout[3], layout[5])
+        padded = pad_layout_inputs(default_layout_quantum(self.attention_backend, layout[0].device), *layout)
+        index = widen_flat_index(index, layout[0].shape[1], padded[0].shape[1])
+        return (self.word_embeddings(padded[0]),) + tuple(padded[1:]) + (index,)
+
+
+def objective_predicted_index(objective: Objective, roles: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """What the objective's batch builder puts in `PMLMBatch.predicted_index` (a host-device sync)."""
+    if objective.is_unilm:
+        from .unilm import unilm_predicted_index
+
+        return unilm_predicted_index(labels)
+    return pmlm_predicted_index(roles, labels, objective.autoencoding, objective.pseudo_masked)
 
 
 def tied_logits_forward(layers: ParallelLayers):
@@ -73,26 +91,26 @@ class EmbeddingPipe(nn.Module):
                              if config.rel_pos else None)
 
     def forward(self, activations):
-        """sdpa: (hidden, dense bias, segment ids, roles, labels); flex: (hidden, distance table,
-        position ids, steps, segment ids, roles, labels). The last three are the same in both, for
-        HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
-        word, position_ids, token_type_ids, roles, steps, labels = activations
+        """sdpa: (hidden, dense bias, segment ids, roles, labels, index); flex: (hidden, distance
+        table, position ids, steps, segment ids, roles, labels, index). The last four are the same in
+        both, for HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
+        word, position_ids, token_type_ids, roles, steps, labels, index = activations
         hidden = self.dropout(self.LayerNorm(
             word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
         if self.attention_backend == "flex":
             # Without the bias an integer placeholder travels instead: DeepSpeed sends no empty tensors
             # and expects a gradient for every floating-point activation.
             table = self.rel_pos_bias() if self.rel_pos_bias is not None else position_ids.new_zeros(1)
-            return hidden, table, position_ids, steps, token_type_ids, roles, labels
+            return hidden, table, position_ids, steps, token_type_ids, roles, labels, index
         if self.rel_pos_bias is None:
             # The mask alone as booleans: a floating-point activation without a gradient would stop
             # DeepSpeed's backward pass; each layer turns it into the additive bias.
-            return hidden, self.attention_rule(roles, steps)[:, None], token_type_ids, roles, labels
+            return hidden, self.attention_rule(roles, steps)[:, None], token_type_ids, roles, labels, index
         # Contiguous: DeepSpeed's p2p send takes no strided view (the model's own bias is an SDPA-aligned
         # view, see model.attention_bias); the receiving stages' SDPA pads this copy per layer on a GPU.
         bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps,
                               query_dtype(hidden)).contiguous()
-        return hidden, bias, token_type_ids, roles, labels
+        return hidden, bias, token_type_ids, roles, labels, index
 
 
 class LayerPipe(BertLayer):
@@ -105,19 +123,20 @@ class LayerPipe(BertLayer):
         """Shared by the layers of this stage: flex's block mask is built once per micro batch."""
 
     def forward(self, activations):
-        if len(activations) == 5:  # sdpa
+        if len(activations) == 6:  # sdpa
             hidden, bias = activations[:2]
             additive = (torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
                         if bias.dtype == torch.bool else bias)
             return (super().forward(hidden, additive),) + tuple(activations[1:])
-        hidden, table, position_ids, steps, _, roles, _ = activations
+        hidden, table, position_ids, steps, _, roles, _, _ = activations
         mask = build_flex_attention_mask(self.attention_rule, roles, steps, table if table.is_floating_point() else None,
                                          position_ids, self.max_distance, block_masks=self.block_masks)
         return (super().forward(hidden, mask),) + tuple(activations[1:])
 
 
 class HeadTransformPipe(nn.Module):
-    """Keeps the labelled [M] (if AE is on) and [P] (if PAR/AR is on) slots, then the MLM transform.
+    """Gathers the predicted slots - the labelled [M] (if AE is on) and [P] (if PAR/AR is on) - by
+    their flat index, then the MLM transform; out: (transformed, targets, roles of the slots).
     UniLM v1: every labelled slot and its LM type, and the pooled [SOS] with the NSP targets."""
 
     def __init__(self, config: ModelConfig, objective: Objective):
@@ -130,17 +149,15 @@ class HeadTransformPipe(nn.Module):
             self.pooler = BertPooler(config.hidden_size)
 
     def forward(self, activations):
-        hidden, token_type_ids, roles, labels = activations[0], activations[-3], activations[-2], activations[-1]
+        hidden = activations[0]
+        token_type_ids, roles, labels, index = activations[-4:]
         if self.objective.is_unilm:
             from .unilm import unilm_slots
 
-            selected, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels)
-            out = (self.transform(hidden[selected]), labels[selected], slot_lm)
+            index, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels, index)
+            out = (self.transform(gather_slots(hidden, index)), gather_slots(labels, index), slot_lm)
             return out + ((self.pooler(hidden), nsp_targets) if self.objective.next_sentence_prediction else ())
-        is_ae_slot = predicted_slots(roles, labels, MASKED) & self.objective.autoencoding
-        is_par_slot = predicted_slots(roles, labels, PSEUDO) & self.objective.pseudo_masked
-        selected = is_ae_slot | is_par_slot
-        return self.transform(hidden[selected]), labels[selected], is_ae_slot[selected]
+        return self.transform(gather_slots(hidden, index)), gather_slots(labels, index), gather_slots(roles, index)
 
 
 class LossPipe(nn.Module):
@@ -149,30 +166,25 @@ class LossPipe(nn.Module):
         self.layers = layers
         self.objective = objective
         self.bias = nn.Parameter(torch.zeros(config.embedding_rows // layers.tensor_parallel_size))
-        self.register_buffer("padding_logit_bias", padding_logit_bias(config, layers), persistent=False)
+        self.register_buffer("vocab_padding", vocabulary_padding(config, layers), persistent=False)
         if objective.next_sentence_prediction:
             self.seq_relationship = nn.Linear(config.hidden_size, 2)
 
     def forward(self, activations):
         """The objective's metrics vector (metrics.PMLM_METRICS / UNILM_METRICS); only `loss`
-        carries gradient."""
+        carries gradient. The output bias is added inside the cross entropy, chunk by chunk, so the
+        logits stay in the compute dtype (`ParallelLayers.biased_cross_entropy`)."""
+        bias = mask_vocabulary_padding(self.bias, self.vocab_padding)
         if self.objective.is_unilm:
             from .unilm import unilm_losses_from_logits
 
             logits, targets, slot_lm = activations[:3]
             nsp = (self.seq_relationship(activations[3]), activations[4]) if len(activations) == 5 else (None, None)
-            return unilm_losses_from_logits(logits + self.bias + self.padding_logit_bias, targets, slot_lm,
-                                            self.layers, *nsp).metrics_with_grad()
-        logits, targets, is_ae = activations
-        logits = logits + self.bias + self.padding_logit_bias
-        token_losses = self.layers.cross_entropy(logits, targets)
-        correct = self.layers.predicted_ids(logits) == targets
-        ae_count, par_count = is_ae.sum(), (~is_ae).sum()
-        loss_ae = (token_losses * is_ae).sum() / ae_count.clamp(min=1)
-        loss_par = (token_losses * ~is_ae).sum() / par_count.clamp(min=1)
-        return torch.stack([(loss_ae + loss_par).float(), loss_ae.detach().float(), loss_par.detach().float(),
-                            (correct & is_ae).sum().float(), ae_count.float(),
-                            (correct & ~is_ae).sum().float(), par_count.float()])
+            return unilm_losses_from_logits(logits, targets, slot_lm, self.layers, *nsp, bias).metrics_with_grad()
+        logits, targets, slot_roles = activations
+        return pmlm_losses_from_logits(logits, bias, targets, (slot_roles == MASKED) & self.objective.autoencoding,
+                                       (slot_roles == PSEUDO) & self.objective.pseudo_masked,
+                                       self.layers).metrics_with_grad()
 
 
 def canonical_parameter_name(pipe_name: str, num_layers: int) -> str:
@@ -219,12 +231,12 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
         return outputs[0]
 
     tied = dict(tied_weight_attr=["word_embeddings.weight"])
-    specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, **tied),
+    specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective, **tied),
              LayerSpec(EmbeddingPipe, config, layers)]
     block_masks = BlockMaskCache() if config.attention_backend == "flex" else None
     specs += [LayerSpec(LayerPipe, config, layers, block_masks=block_masks) for _ in range(config.num_layers)]
     specs += [LayerSpec(HeadTransformPipe, config, objective),
-              TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers,
+              TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective,
                             forward_fn=tied_logits_forward(layers), **tied),
               LayerSpec(LossPipe, config, layers, objective)]
     model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,

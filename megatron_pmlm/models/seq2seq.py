@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..files import file_problem
-from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch
-from .model import PMLMForPreTraining
+from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch, labelled_index
+from .model import PMLMForPreTraining, gather_slots
 from .metrics import MetricSpec
 
 MODES = {"pseudo-masked": "v2", "masked": "v1", "causal": "v0"}
@@ -265,7 +265,8 @@ def build_seq2seq_batch(sources: Sequence[np.ndarray], targets: Sequence[np.ndar
             labels[row, start + target_width:start + target_width + length] = row_labels
         else:
             labels[row, start:start + length] = labelled
-    return PMLMBatch(*(torch.from_numpy(a) for a in (ids, positions, segments, roles, steps, labels)))
+    tensors = [torch.from_numpy(a) for a in (ids, positions, segments, roles, steps, labels)]
+    return PMLMBatch(*tensors, predicted_index=labelled_index(tensors[-1]))
 
 
 def _target_inputs(target: np.ndarray, rng: np.random.Generator, config: Seq2SeqConfig, special: SpecialIds,
@@ -371,14 +372,18 @@ class PMLMForSeq2Seq(PMLMForPreTraining):
         self.seq2seq = seq2seq
         self.pad_token_id = pad_token_id
 
-    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels) -> Seq2SeqLosses:
+    def forward(self, input_ids, position_ids, token_type_ids, roles, steps, labels,
+                predicted_index: torch.Tensor | None = None) -> Seq2SeqLosses:
+        """`predicted_index`: the labelled slots' flat indices (`layout.labelled_index`, made with
+        the batch on the CPU); None: computed here, a host-device sync."""
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
-        selected = labels != IGNORE_INDEX
+        if predicted_index is None:
+            predicted_index = labelled_index(labels)
         # Only labelled slots go through the vocabulary projection; padding rows (if any) are cut.
-        logits = self.mlm_logits(hidden[selected])[:, :self.config.vocab_size]
-        targets = labels[selected]
+        logits = self.mlm_logits(gather_slots(hidden, predicted_index))[:, :self.config.vocab_size]
+        targets = gather_slots(labels, predicted_index)
         token_losses = label_smoothed_loss(logits, targets, self.seq2seq.label_smoothing, self.pad_token_id)
-        count = selected.sum()
+        count = torch.full((), targets.numel(), device=logits.device)  # a fill, not a host copy
         loss = token_losses.sum() / (count.float() + 1e-5)  # s2s-ft's loss_mask_and_normalize
         correct = (logits.argmax(-1) == targets).sum()
         return Seq2SeqLosses(loss, correct, count)

@@ -46,11 +46,12 @@ NSP_IS_NEXT, NSP_IS_RANDOM = 0, 1
 
 
 def lm_type_of_segment(first_segment_ids: torch.Tensor) -> torch.Tensor:
-    """The LM type (index into LM_TYPES) of rows whose [SOS] carries `first_segment_ids`."""
-    table = torch.full((TYPE_VOCAB_SIZE,), -1, dtype=torch.long, device=first_segment_ids.device)
-    table[torch.from_numpy(LM_SEGMENT_IDS[:, 0]).to(first_segment_ids.device)] = torch.arange(
-        len(LM_TYPES), device=first_segment_ids.device)
-    return table[first_segment_ids.clamp(0, TYPE_VOCAB_SIZE - 1)]
+    """The LM type (index into LM_TYPES) of rows whose [SOS] carries `first_segment_ids`, -1 for
+    none. Comparisons with the table's host ints: no index tensor is copied to the device."""
+    lm_type = torch.full_like(first_segment_ids, -1)
+    for index, segment in enumerate(LM_SEGMENT_IDS[:, 0].tolist()):
+        lm_type = torch.where(first_segment_ids == segment, index, lm_type)
+    return lm_type
 
 
 # --- losses -------------------------------------------------------------------------------------
@@ -84,33 +85,54 @@ class UniLMLosses:
                           self.counts.detach().float()])
 
 
-def unilm_slots(token_type_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(predicted slots [B, T] - the labelled ones but the [SOS] slot, which holds the NSP label -,
-    the LM type of each predicted slot, the NSP targets [B])."""
+def unilm_predicted_index(labels: torch.Tensor) -> torch.Tensor:
+    """Flat indices into the [B * T] slots (row-major) of the masked-LM losses' slots: the labelled
+    ones but the [SOS] slot, which holds the NSP label. `nonzero` waits for the device: the batch
+    builder calls this on the CPU (`PMLMBatch.predicted_index`)."""
     selected = labels != IGNORE_INDEX
     selected[:, 0] = False
+    return selected.flatten().nonzero()[:, 0]
+
+
+def unilm_slots(token_type_ids: torch.Tensor, labels: torch.Tensor,
+                predicted_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the predicted slots' flat index, `unilm_predicted_index`, computed here when None; the LM
+    type of each predicted slot; the NSP targets [B]). Given the index, nothing here waits for the
+    device."""
+    if predicted_index is None:
+        predicted_index = unilm_predicted_index(labels)
     lm_type = lm_type_of_segment(token_type_ids[:, 0])
-    return selected, lm_type[:, None].expand_as(selected)[selected], labels[:, 0]
+    return predicted_index, lm_type.index_select(0, predicted_index // labels.shape[1]), labels[:, 0]
 
 
-def unilm_losses(hidden: torch.Tensor, token_type_ids: torch.Tensor, labels: torch.Tensor, mlm_logits,
-                 layers, nsp_logits=None) -> UniLMLosses:
-    """The plain/tensor-parallel model's losses: the heads on `hidden`, then `unilm_losses_from_logits`."""
-    selected, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels)
-    return unilm_losses_from_logits(mlm_logits(hidden[selected]), labels[selected], slot_lm, layers,
-                                    None if nsp_logits is None else nsp_logits(hidden), nsp_targets)
+def unilm_losses(hidden: torch.Tensor, token_type_ids: torch.Tensor, labels: torch.Tensor, mlm_head,
+                 layers, nsp_logits=None, predicted_index: torch.Tensor | None = None) -> UniLMLosses:
+    """The plain/tensor-parallel model's losses: the heads on `hidden`, then `unilm_losses_from_logits`.
+    `mlm_head(hidden) -> (logits, bias)`; `predicted_index`: see `unilm_slots`."""
+    from .model import gather_slots
+
+    predicted_index, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels, predicted_index)
+    logits, bias = mlm_head(gather_slots(hidden, predicted_index))
+    return unilm_losses_from_logits(logits, gather_slots(labels, predicted_index), slot_lm, layers,
+                                    None if nsp_logits is None else nsp_logits(hidden), nsp_targets, bias)
 
 
 def unilm_losses_from_logits(logits: torch.Tensor, targets: torch.Tensor, slot_lm: torch.Tensor, layers,
                              nsp_row_logits: torch.Tensor | None = None,
-                             nsp_targets: torch.Tensor | None = None) -> UniLMLosses:
+                             nsp_targets: torch.Tensor | None = None,
+                             logit_bias: torch.Tensor | None = None) -> UniLMLosses:
     """L = mean cross entropy over every masked token of the batch (the LMs' losses summed over
     their tokens, one normaliser) + the NSP cross entropy over the bidirectional rows that have one.
     Per-LM sums and counts go to the metrics so each LM's loss is logged on its own. Shared by the
-    model and the pipeline's last stage."""
-    token_losses = layers.cross_entropy(logits, targets)
-    correct = layers.predicted_ids(logits) == targets
-    count = torch.tensor(targets.numel(), device=logits.device)
+    model and the pipeline's last stage. `logit_bias`: the head's output bias, added chunk by chunk
+    (`ParallelLayers.biased_cross_entropy`); None: already in `logits`."""
+    if logit_bias is None:
+        logit_bias = logits.new_zeros(logits.shape[-1])
+    token_losses, predicted = layers.biased_cross_entropy(logits, targets, logit_bias)
+    correct = predicted == targets
+    # torch.full, not torch.tensor: a fill on the device, no copy from (pageable) host memory, which
+    # on CUDA waits for the stream.
+    count = torch.full((), targets.numel(), device=logits.device)
     loss_mlm = token_losses.sum() / count.clamp(min=1)
     per_lm = []
     for index in range(len(LM_TYPES)):

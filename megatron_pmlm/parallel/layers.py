@@ -39,6 +39,93 @@ class ParallelLayers(Protocol):
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax over the full (possibly split) vocabulary."""
 
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
+                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-row cross entropy in fp32, argmax ids) of `logits + bias`: the MLM losses, where the
+        head hands over its logits in the compute dtype and its output bias apart (`bias`: this
+        rank's slice, -inf at vocabulary padding)."""
+
+
+CROSS_ENTROPY_CHUNK_ROWS = 4096
+"""Rows of logits `chunked_biased_cross_entropy` turns into fp32 at a time: at a padded BERT
+vocabulary (30,592) a chunk is 0.5 GB of fp32, whatever the number of predicted slots."""
+
+
+class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
+    """Cross entropy of `logits + bias` over row chunks, without an fp32 [rows, vocab] tensor.
+
+    Per chunk: the biased logits in fp32 (`(chunk + bias).float()`: the same values, dtype
+    promotion included, as adding the bias first and calling F.cross_entropy on `.float()`), their
+    logsumexp, the target's logit and the argmax. Saved for the backward: the logits as they came
+    (compute dtype), the bias and the fp32 logsumexp per row; the backward recomputes each chunk's
+    softmax, so the only [rows, vocab] tensors are the logits and their gradient, both in the
+    compute dtype. F.cross_entropy on `.float()` logits instead keeps an fp32 [rows, vocab]
+    log-softmax alive from the forward to the backward.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, bias, chunk_rows):
+        rows = logits.shape[0]
+        losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        log_partition = torch.empty_like(losses)
+        predicted = torch.empty(rows, dtype=torch.long, device=logits.device)
+        with torch.autocast(logits.device.type, enabled=False):  # fp32 by construction, whatever the context
+            _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted)
+        ctx.save_for_backward(logits, labels, bias, log_partition)
+        ctx.chunk_rows = chunk_rows
+        ctx.mark_non_differentiable(predicted)
+        return losses, predicted
+
+    @staticmethod
+    def backward(ctx, grad_losses, _grad_predicted):
+        logits, labels, bias, log_partition = ctx.saved_tensors
+        with torch.autocast(logits.device.type, enabled=False):
+            return _chunked_backward(logits, labels, bias, log_partition, grad_losses, ctx.chunk_rows)
+
+
+def _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted) -> None:
+    rows = logits.shape[0]
+    for start in range(0, rows, chunk_rows):
+        end = min(rows, start + chunk_rows)
+        chunk = (logits[start:end] + bias).float()
+        log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
+        losses[start:end] = log_partition[start:end] - chunk.gather(-1, labels[start:end, None])[:, 0]
+        predicted[start:end] = chunk.argmax(dim=-1)
+
+
+def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows):
+    """Each chunk's gradient is computed in place: in the fp32 gradient itself when the logits are
+    fp32, else in one fp32 chunk that is then rounded into the gradient."""
+    promoted = torch.promote_types(logits.dtype, bias.dtype)
+    grad_logits = torch.empty_like(logits)
+    in_place = grad_logits.dtype == promoted == torch.float32
+    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    for start in range(0, logits.shape[0], chunk_rows):
+        end = min(logits.shape[0], start + chunk_rows)
+        # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
+        grad = (torch.add(logits[start:end], bias, out=grad_logits[start:end]) if in_place
+                else (logits[start:end] + bias).float())
+        grad.sub_(log_partition[start:end, None]).exp_()
+        grad.scatter_add_(-1, labels[start:end, None], grad.new_full((end - start, 1), -1.0))
+        grad.mul_(grad_losses[start:end, None].float())
+        if not in_place:
+            grad = grad.to(promoted)
+            grad_logits[start:end] = grad
+        grad_bias += grad.float().sum(0)
+    return grad_logits, None, grad_bias.to(bias.dtype), None
+
+
+def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
+                                 chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows),
+    equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and its argmax,
+    with at most `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) rows in fp32 at a time
+    (`_ChunkedBiasedCrossEntropy`)."""
+    chunk_rows = chunk_rows or CROSS_ENTROPY_CHUNK_ROWS
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows)
+
 
 class LocalLayers:
     """Tensor parallel size 1: ordinary torch modules."""
@@ -63,6 +150,10 @@ class LocalLayers:
 
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
+
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
+                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked_biased_cross_entropy(logits, labels, bias)
 
 
 class MegatronCoreLayers:
@@ -128,6 +219,12 @@ class MegatronCoreLayers:
         stacked = torch.stack(gathered)  # [tp, 2, n]
         winner = stacked[:, 0].argmax(dim=0)
         return stacked[:, 1].gather(0, winner[None])[0].long()
+
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
+                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's vocab_parallel_cross_entropy over the biased logits (it needs them whole)."""
+        biased = logits + bias
+        return self.cross_entropy(biased, labels), self.predicted_ids(biased)
 
 
 def _column_parallel_linear_class():
