@@ -192,7 +192,8 @@ def test_the_layers_of_a_pipeline_stage_build_one_block_mask_per_micro_batch():
     table = torch.zeros(config.num_attention_heads, 2 * config.max_rel_pos + 1)
 
     def run(roles, steps):
-        activations = (hidden, table, batch.position_ids, steps, batch.token_type_ids, roles, batch.labels)
+        activations = (hidden, table, batch.position_ids, steps, batch.token_type_ids, roles, batch.labels,
+                       batch.predicted_index)
         for layer in stage:
             activations = layer(activations)
         return activations[0]
