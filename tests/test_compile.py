@@ -17,9 +17,13 @@ from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.models import compiled
+from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM_ENV
 from megatron_pmlm.models.model import BertLayer, PMLMForPreTraining
 
 VOCAB = 200
+RUN_QUANTUM = 64
+"""The layout quantum of the test runs (eager and compiled alike, through $PMLM_LAYOUT_QUANTUM):
+every tiny layout (seq 64) is one width, so each run compiles one shape (the default 16: two or three)."""
 
 
 def _tiny_config():
@@ -82,7 +86,8 @@ def _pretrain(samples, tmp_path, name, *args, timeout=600):
     result = run_module(
         "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(samples), "--micro-batch-size", "8",
         "--global-batch-size", "16", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout)
+        "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout,
+        env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [r for r in json.loads(history.read_text()) if "loss" in r], result
 
@@ -95,7 +100,7 @@ def eager_run(pretraining_samples, tmp_path_factory):
     return [r["loss"] for r in records], folder / "ckpt"
 
 
-@pytest.mark.parametrize("zero_stage", ["0", "1", "2"])
+@pytest.mark.parametrize("zero_stage", ["0", "2"])
 def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretraining_samples, tmp_path):
     reference = eager_run[0]
     if zero_stage != "0":
@@ -107,7 +112,7 @@ def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretrain
     announced = [line for line in result.stderr.splitlines() if line.startswith("compiled layers: compiling")]
     assert announced, result.stderr[-2000:]
     widths = [int(line.split("for width ")[1].split()[0]) for line in announced]
-    assert all(width % compiled.COMPILE_LAYOUT_QUANTUM == 0 for width in widths), announced
+    assert all(width % RUN_QUANTUM == 0 for width in widths), announced
 
 
 def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(eager_run, pretraining_samples, tmp_path):
@@ -144,7 +149,8 @@ def test_finetune_s2s_compile_gives_the_eager_losses(tiny_hf_model, qg_pairs, tm
                             str(qg_pairs[0]), "--train-tgt", str(qg_pairs[1]), "--max-source-length", "48",
                             "--max-target-length", "16", "--micro-batch-size", "8", "--global-batch-size", "16",
                             "--train-iters", "2", "--log-interval", "1", "--hidden-dropout", "0",
-                            "--attention-dropout", "0", "--history-json", str(history), *extra, timeout=600)
+                            "--attention-dropout", "0", "--history-json", str(history), *extra, timeout=600,
+                            env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM)})
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         losses[name] = [r["loss"] for r in json.loads(history.read_text()) if "loss" in r]
     assert len(losses["eager"]) == 2

@@ -32,15 +32,16 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from .flex_attention import LAYOUT_QUANTUM_ENV
+from .flex_attention import LAYOUT_QUANTUM, LAYOUT_QUANTUM_ENV
 
-COMPILE_LAYOUT_QUANTUM = 64
-"""Layout width multiple under --compile (static shapes: one compilation per width). Measured in
-docs/benchmarks.md, "Compiled layers": at seq 512 widths are at most ~700 / 64 = 11 shapes per grad
-mode; 16 would compile up to 44 (tens of seconds each for forward + backward on a CPU)."""
-COMPILE_LIMIT = 64
-"""Shapes the compiled layer may meet per process (dynamo's recompile limit is raised to it):
-~11 widths at seq 512, each with and without grad (training, validation), with room to spare."""
+COMPILE_LAYOUT_QUANTUM = LAYOUT_QUANTUM
+"""Layout width multiple under --compile (static shapes: one compilation per width), the flex
+backend's 16 for the same reason: at seq 512 it adds 1.2-2.1% cells for at most ~700 / 16 = 44
+widths, where 64 adds 5-12% at every step of the run to save a few one-time compilations
+(docs/benchmarks.md, "Layout width quantum" and "Compiled layers")."""
+COMPILE_LIMIT = 128
+"""Shapes the compiled layer may meet per process (dynamo's recompile limit is raised to it): up
+to ~44 widths at seq 512, each with and without grad (training, validation), with room to spare."""
 
 
 def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, pipeline_stages: int = 1,
