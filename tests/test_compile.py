@@ -81,6 +81,15 @@ def test_compiled_layers_equal_eager_in_losses_and_every_gradient():
     assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one layer graph for all layers
 
 
+def test_count_kernels_counts_the_ops_that_compute():
+    from megatron_pmlm.training.kernel_count import count_kernels
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    # mm, relu, the copy inside contiguous() of a transposed tensor, sum; not t() nor view()
+    assert count_kernels(lambda: (a @ b).relu().t().contiguous().view(-1).sum()) == 4
+    assert count_kernels(lambda: (a @ b).t().unsqueeze(0).detach()) == 1  # views and aliases launch nothing
+
+
 def _pretrain(samples, tmp_path, name, *args, timeout=600):
     history = tmp_path / f"{name}.json"
     result = run_module(

@@ -55,9 +55,9 @@ def _is_cpu_kernel(event) -> bool:
     if not name.startswith("aten::") or name in ALLOCATIONS or is_view_or_alias(name):
         return False
     parent = event.cpu_parent
-    while parent is not None:  # called from inside another ATen op: part of that op's kernel
-        if parent.name.startswith("aten::"):
-            return False
+    while parent is not None:  # called from inside a computing ATen op: part of that op's kernel
+        if parent.name.startswith("aten::") and not is_view_or_alias(parent.name):
+            return False  # (inside a view-returning op such as contiguous or reshape it is the work)
         parent = parent.cpu_parent
     return True
 
