@@ -164,3 +164,13 @@ def test_finetune_s2s_compile_gives_the_eager_losses(tiny_hf_model, qg_pairs, tm
         losses[name] = [r["loss"] for r in json.loads(history.read_text()) if "loss" in r]
     assert len(losses["eager"]) == 2
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+
+
+def test_finetune_s2s_refuses_compile_with_zero3_in_one_line(tiny_hf_model, qg_pairs, tmp_path):
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src", str(qg_pairs[0]),
+                        "--train-tgt", str(qg_pairs[1]), "--compile", "--zero-stage", "3", "--save",
+                        str(tmp_path / "out"), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith("error: --compile with --zero-stage 3") and \
+        len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
