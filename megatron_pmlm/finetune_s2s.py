@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--fp16", action="store_true")
     precision.add_argument("--bf16", action="store_true")
     train.add_argument("--checkpoint-activations", action="store_true")
+    train.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer layer, as pretrain --compile (ZeRO 0-2)")
     train.add_argument("--zero-stage", type=int, default=0)
     train.add_argument("--deepspeed-config", help="a DeepSpeed JSON file; arguments override it")
     train.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -192,6 +194,10 @@ def run(args: argparse.Namespace) -> int:
                                                                      training_values["train_iters"], args.lr)
     training = TrainingConfig(**training_values)
     check_precision_supported(training.precision)
+    if args.compile:
+        from .models.compiled import check_compile
+
+        check_compile(training.zero_stage, attention_backend=config.attention_backend)
 
     import torch.distributed as dist
 
@@ -213,6 +219,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"{loaded.source}: weights do not fit the model (missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]})")
     model.bert.encoder.checkpoint_activations = args.checkpoint_activations
+    if args.compile:
+        from .models.compiled import compile_transformer_layers
+
+        compile_transformer_layers(model)
     if warmup_line:
         log(warmup_line)
     log(f"model: {loaded.source}; {config.num_layers} layers, hidden {config.hidden_size}, "

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true", help="bf16 (A100/H100)")
     train.add_argument("--checkpoint-activations", action="store_true",
                        help="recompute each layer in the backward pass (less memory, ~30%% more compute)")
+    train.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer layer (identical layers share one graph; the layout width "
+                            "is padded to a multiple of 16 so few shapes compile, each announced); ZeRO 0-2, tensor "
+                            "and pipeline size 1, sdpa, --model pmlm (docs/gpu.md says when it pays)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,

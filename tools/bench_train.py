@@ -52,6 +52,7 @@ from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write
 from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, padded_width  # noqa: E402
 from megatron_pmlm.data.batches import build_batch  # noqa: E402
 from megatron_pmlm.data.masking import mask_example  # noqa: E402
+from megatron_pmlm.models.compiled import check_compile, compile_layout_quantum, compile_transformer_layers  # noqa: E402,E501
 from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
 from megatron_pmlm.training.recipe import flops_per_token, padded_vocab_size  # noqa: E402
@@ -450,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layout-quantum", type=int, default=0,
                         help="pad the layout width to a multiple of this (1: no padding; 0: the model's default, "
                              f"{flex_attention.LAYOUT_QUANTUM} for flex on CUDA, else 1)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each transformer layer (models/compiled.py; the layout width is then "
+                             "padded to the compile quantum unless --layout-quantum says otherwise)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -521,12 +525,17 @@ def benchmark(args: argparse.Namespace) -> int:
         # The vocabulary padded as pre-training pads it (--make-vocab-size-divisible-by 128, TP 1).
         config = replace(config, padded_vocab_size=padded_vocab_size(config.vocab_size, 128, 1))
         check_attention_backend(config, device.type)  # flex: refused below compute capability 8.0
-        quantum = args.layout_quantum or flex_attention.default_layout_quantum(args.attention_backend, device)
+        if args.compile:
+            check_compile(0, attention_backend=args.attention_backend)
+        quantum = args.layout_quantum or (compile_layout_quantum() if args.compile else
+                                          flex_attention.default_layout_quantum(args.attention_backend, device))
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     model = PMLMForPreTraining(config, "ae+par", LocalLayers(), init_seed=args.seed).to(device)
     model.bert.layout_quantum = quantum
+    if args.compile:
+        compile_transformer_layers(model)
     # torch's fused AdamW on CUDA (one kernel for all parameters), as training uses it.
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)

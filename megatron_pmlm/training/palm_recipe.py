@@ -117,6 +117,10 @@ def run_palm(args: argparse.Namespace) -> int:
         raise ConfigError("--model palm does not run with --pipeline-model-parallel-size > 1: DeepSpeed's pipeline "
                           "passes one activation through a sequential stack, and every decoder layer needs the "
                           "encoder's final states; use tensor and data parallelism")
+    if args.compile:
+        from ..models.compiled import check_compile
+
+        check_compile(0, model="palm")
     if args.no_rel_pos:
         raise ConfigError("--no-rel-pos is for --model pmlm: PALM has absolute positions only")
     if args.attention_backend != "sdpa":

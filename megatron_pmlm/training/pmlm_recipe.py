@@ -10,6 +10,7 @@ from dataclasses import replace
 
 from ..config import ConfigError, ModelConfig, UniLMMaskingConfig, model_config_from_preset
 from ..models.accelerated import training_device_type
+from ..models.compiled import check_compile
 from ..models.model import check_attention_backend
 from ..models.objectives import Objective, get_objective, objective_metrics
 from ..models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
@@ -77,6 +78,8 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
 
     check_attention_backend(model_config, training_device_type())
+    if args.compile:
+        check_compile(training.zero_stage, tp, pp, model_config.attention_backend)
 
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
@@ -94,7 +97,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
         model_config=model_config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
         build_model=lambda layout: build_model(model_config, objective, layout, args.checkpoint_activations,
-                                               training.seed),
+                                               training.seed, args.compile),
         describe_model=f"model: preset {args.preset} ({model_config.num_layers} layers, hidden "
                        f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocabulary {vocab_size} "
                        f"padded to {model_config.embedding_rows}), objective {objective.name}, relative position bias "
@@ -107,8 +110,10 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
             + f" from {args.data_path}"))
 
 
-def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int):
-    """One model definition for every layout: plain, tensor-parallel, pipelined, or both."""
+def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int,
+                compile_layers: bool = False):
+    """One model definition for every layout: plain, tensor-parallel, pipelined, or both; with
+    `compile_layers` (--compile, refused for TP and pipelines earlier) its layers compiled."""
     from ..models.model import PMLMForPreTraining
     from ..parallel.layers import LocalLayers, MegatronCoreLayers
 
@@ -132,4 +137,8 @@ def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_ac
                                     checkpoint_activations, init_seed=seed)
     model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
     model.bert.encoder.checkpoint_activations = checkpoint_activations
+    if compile_layers:
+        from ..models.compiled import compile_transformer_layers
+
+        compile_transformer_layers(model)
     return model

@@ -230,6 +230,8 @@ def resumed_setting_changes(saved: dict[str, Any], run_args: dict[str, Any], tra
             changed.append(f"{name} {_show(saved_model[name])} -> {_show(value)}")
     skip = NOT_SETTINGS | set(MEANING_ARGS) | set(LAYOUT_ARGS) | set(now_training) | set(now_model)
     for name in sorted((set(saved_args) | set(now_args)) - skip):
+        if name not in saved_args and now_args.get(name) in (None, False):
+            continue  # a flag newer than the checkpoint (e.g. --compile), left off: the saved run's behaviour
         if saved_args.get(name) != now_args.get(name):
             changed.append(f"{name} {_show(saved_args.get(name))} -> {_show(now_args.get(name))}")
     return layout, meaning, changed

@@ -1,0 +1,139 @@
+"""Compiled transformer layers (`--compile`): `torch.compile` applied per layer, as torchtitan's
+`apply_compile` does, so that a layer's ~30 forward and ~80 backward kernels become a few fused
+ones while the model, its names, its checkpoints and its parallel layouts stay as they are.
+
+- Regional: each `BertLayer` (PMLM, UniLM v1, seq2seq fine-tuning) is compiled in place with
+  `module.compile()`. Dynamo caches by code object and, inlining nn.Modules, treats parameters as
+  inputs, so identical layers share one compiled graph: a 12-layer model compiles one layer.
+- Activation checkpointing stays outside: `model.checkpointed_layer` recomputes the compiled layer
+  under non-reentrant checkpointing, unchanged.
+- Shapes: the layout width T varies per micro batch. Compiled for static shapes, the model pads T
+  to a multiple of `COMPILE_LAYOUT_QUANTUM` (`compile_layout_quantum`; $PMLM_LAYOUT_QUANTUM wins),
+  so few widths compile; each new shape is counted and announced on rank 0 (`compilations`), and
+  dynamo's recompile limit is raised to `COMPILE_LIMIT`. Why static and not `mark_dynamic`:
+  docs/benchmarks.md, "Compiled layers".
+- Refused (`compile_problem`, one line, before anything is built): ZeRO-3 (its parameter gather
+  hooks fire inside the layer: graph breaks and no gain), tensor parallelism (megatron-core's
+  layers are autograd Functions that call collectives), pipeline stages (DeepSpeed's PipelineModule
+  runs its own layer list), the flex backend (already a compiled kernel; its CPU path patches
+  torch's entry check at call time), and PALM (its decoder's widths, the continuation lengths, are
+  not padded to a quantum: each would compile).
+
+Compiled equals eager in outputs and gradients (fp32, dropout 0: tests/test_compile.py); with
+dropout the random streams differ from eager's (inductor draws its own), as on any compiled model.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+
+from ..config import ConfigError
+from .flex_attention import LAYOUT_QUANTUM, LAYOUT_QUANTUM_ENV
+
+COMPILE_LAYOUT_QUANTUM = LAYOUT_QUANTUM
+"""Layout width multiple under --compile (static shapes: one compilation per width), the flex
+backend's 16 for the same reason: at seq 512 it adds 1.2-2.1% cells for at most ~700 / 16 = 44
+widths, where 64 adds 5-12% at every step of the run to save a few one-time compilations
+(docs/benchmarks.md, "Layout width quantum" and "Compiled layers")."""
+COMPILE_LIMIT = 128
+"""Shapes the compiled layer may meet per process (dynamo's recompile limit is raised to it): up
+to ~44 widths at seq 512, each with and without grad (training, validation), with room to spare."""
+
+
+def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, pipeline_stages: int = 1,
+                    attention_backend: str = "sdpa", model: str = "pmlm") -> str | None:
+    """Why --compile cannot run with these settings (one line), or None."""
+    if model == "palm":
+        return ("--compile with --model palm: the decoder's widths (continuation lengths) are not padded to a "
+                "quantum, so every length would compile; leave out --compile")
+    if zero_stage == 3:
+        return ("--compile with --zero-stage 3: ZeRO-3 gathers each layer's parameters in hooks that fire inside the "
+                "compiled layer (graph breaks, no gain); use --zero-stage 0, 1 or 2, or leave out --compile")
+    if tensor_parallel_size > 1:
+        return (f"--compile with --tensor-model-parallel-size {tensor_parallel_size}: megatron-core's tensor-parallel "
+                "layers are autograd Functions that call collectives, which break the compiled graph; leave out "
+                "--compile or use --tensor-model-parallel-size 1")
+    if pipeline_stages > 1:
+        return (f"--compile with --pipeline-model-parallel-size {pipeline_stages}: DeepSpeed's pipeline stages run "
+                "their own layer list, which is not compiled; leave out --compile or use "
+                "--pipeline-model-parallel-size 1")
+    if attention_backend == "flex":
+        return ("--compile with --attention-backend flex: FlexAttention is already a compiled kernel and its CPU path "
+                "patches torch at call time; use --attention-backend sdpa with --compile")
+    return None
+
+
+def check_compile(zero_stage: int, tensor_parallel_size: int = 1, pipeline_stages: int = 1,
+                  attention_backend: str = "sdpa", model: str = "pmlm") -> None:
+    """Raise `compile_problem`'s line as a ConfigError (the entry points print it and exit 2)."""
+    problem = compile_problem(zero_stage, tensor_parallel_size, pipeline_stages, attention_backend, model)
+    if problem:
+        raise ConfigError(problem)
+
+
+def compile_layout_quantum() -> int:
+    """$PMLM_LAYOUT_QUANTUM when set, else COMPILE_LAYOUT_QUANTUM."""
+    from .flex_attention import default_layout_quantum
+
+    if os.environ.get(LAYOUT_QUANTUM_ENV) is not None:
+        return default_layout_quantum("sdpa", torch.device("cpu"))  # validates and returns the variable
+    return COMPILE_LAYOUT_QUANTUM
+
+
+_signatures: set[tuple] = set()
+
+
+def compilations() -> int:
+    """Shapes the compiled layers have met in this process (each one a compilation)."""
+    return len(_signatures)
+
+
+def compile_transformer_layers(model: nn.Module) -> int:
+    """Compile every transformer layer of `model` in place (see the module docstring); the stacks
+    holding them get the compile layout quantum (`layout_quantum` where they have one and it is
+    unset) and announce each new shape. Returns the number of layers compiled."""
+    import torch._dynamo
+
+    config = torch._dynamo.config  # `cache_size_limit` before torch 2.6
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), COMPILE_LIMIT))
+    if hasattr(config, "accumulated_recompile_limit"):
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILE_LIMIT)
+    from .model import BertLayer
+
+    compiled = 0
+    for module in model.modules():
+        if getattr(module, "layout_quantum", 0) is None:  # BertModel: pad the width for few shapes
+            module.layout_quantum = compile_layout_quantum()
+        layers = getattr(module, "layer", None)
+        if not isinstance(layers, nn.ModuleList) or not any(isinstance(layer, BertLayer) for layer in layers):
+            continue
+        for layer in layers:
+            if isinstance(layer, BertLayer):
+                layer.compile(dynamic=False)
+                compiled += 1
+        module.register_forward_pre_hook(_announce_new_shape)
+    return compiled
+
+
+def _announce_new_shape(stack: nn.Module, args: tuple) -> None:
+    """Count and announce (rank 0, one line) each new input signature a stack of compiled layers
+    meets: what the compiled layer is guarded on (shapes, dtype, grad mode)."""
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    signature = (type(stack).__name__, tuple(tuple(t.shape) for t in tensors), tensors[0].dtype if tensors else None,
+                 torch.is_grad_enabled())
+    if signature in _signatures:
+        return
+    _signatures.add(signature)
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+        width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
+        print(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
+              f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
+              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})",
+              file=sys.stderr, flush=True)

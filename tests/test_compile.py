@@ -1,0 +1,176 @@
+"""Compiled layers (`--compile`, models/compiled.py): no graph break in a layer, compiled equals
+eager in outputs and every gradient (inductor's C++ backend, fp32, dropout 0), real pretrain and
+finetune_s2s runs with the eager run's losses at ZeRO 0-2, the refusals, and a resume that
+toggles the flag. Tiny preset; the widths repeat across tests so inductor's on-disk cache serves
+all but the first compilation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pmlm_testing import run_module
+from megatron_pmlm.config import MaskingConfig, model_config_from_preset
+from megatron_pmlm.data.batches import build_batch
+from megatron_pmlm.data.masking import mask_example
+from megatron_pmlm.models import compiled
+from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM_ENV
+from megatron_pmlm.models.model import BertLayer, PMLMForPreTraining
+
+VOCAB = 200
+RUN_QUANTUM = 64
+"""The layout quantum of the test runs (eager and compiled alike, through $PMLM_LAYOUT_QUANTUM):
+every tiny layout (seq 64) is one width, so each run compiles one shape (the default 16: two or three)."""
+
+
+def _tiny_config():
+    return model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def _batch(seed: int = 0, lengths=(40, 25, 33)):
+    rng = np.random.default_rng(seed)
+    ids_list, segments_list, masks = [], [], []
+    for length in lengths:
+        ids = rng.integers(5, VOCAB, length)
+        ids[0], ids[length // 2], ids[-1] = 1, 2, 2
+        ids_list.append(ids)
+        segments_list.append((np.arange(length) > length // 2).astype(np.int64))
+        masks.append(mask_example(ids, ids >= 5, rng, MaskingConfig(), VOCAB, np.arange(5), 3))
+    return build_batch(ids_list, segments_list, masks, pseudo_token_id=4, pad_token_id=0)
+
+
+def test_a_layer_compiles_as_one_graph_without_breaks():
+    config = _tiny_config()
+    layer = BertLayer(config, PMLMForPreTraining(config).layers)
+    hidden = torch.randn(2, 24, config.hidden_size)
+    bias = torch.randn(2, config.num_attention_heads, 24, 24).masked_fill(torch.rand(2, 1, 24, 24) < 0.2,
+                                                                           float("-inf"))
+    explanation = torch._dynamo.explain(layer)(hidden, bias)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_compiled_layers_equal_eager_in_losses_and_every_gradient():
+    """One compilation serves both passes: the same layer recomputed under non-reentrant
+    checkpointing, and all layers (identical ones share one graph)."""
+    torch.manual_seed(0)
+    config = _tiny_config()
+    eager = PMLMForPreTraining(config, init_seed=3)
+    model = PMLMForPreTraining(config, init_seed=3)
+    assert compiled.compile_transformer_layers(model) == config.num_layers
+    assert model.bert.layout_quantum == compiled.COMPILE_LAYOUT_QUANTUM
+    batch = _batch()
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]
+    for checkpointing in (False, True):
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+            m.bert.encoder.checkpoint_activations = checkpointing
+        expected, got = eager.forward_batch(batch), model.forward_batch(batch)
+        expected.loss.backward()
+        got.loss.backward()
+        torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.loss_par, expected.loss_par, rtol=1e-5, atol=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1  # one layer graph for all layers
+
+
+def test_count_kernels_counts_the_ops_that_compute():
+    from megatron_pmlm.training.kernel_count import count_kernels
+
+    a, b = torch.randn(8, 16), torch.randn(16, 4)
+    # mm, relu, the copy inside contiguous() of a transposed tensor, sum; not t() nor view()
+    assert count_kernels(lambda: (a @ b).relu().t().contiguous().view(-1).sum(), compiled=False) == 4
+    assert count_kernels(lambda: (a @ b).t().unsqueeze(0).detach(), compiled=False) == 1  # views and aliases launch nothing
+
+
+def _pretrain(samples, tmp_path, name, *args, timeout=600):
+    history = tmp_path / f"{name}.json"
+    result = run_module(
+        "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(samples), "--micro-batch-size", "8",
+        "--global-batch-size", "16", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout,
+        env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [r for r in json.loads(history.read_text()) if "loss" in r], result
+
+
+@pytest.fixture(scope="module")
+def eager_run(pretraining_samples, tmp_path_factory):
+    """Two eager ZeRO-0 iterations, saved: the reference losses and the checkpoint to resume."""
+    folder = tmp_path_factory.mktemp("eager")
+    records, _ = _pretrain(pretraining_samples, folder, "eager", "--train-iters", "2", "--save", str(folder / "ckpt"))
+    return [r["loss"] for r in records], folder / "ckpt"
+
+
+@pytest.mark.parametrize("zero_stage", ["0", "2"])
+def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretraining_samples, tmp_path):
+    reference = eager_run[0]
+    if zero_stage != "0":
+        records, _ = _pretrain(pretraining_samples, tmp_path, "eager", "--train-iters", "2", "--zero-stage", zero_stage)
+        reference = [r["loss"] for r in records]
+    records, result = _pretrain(pretraining_samples, tmp_path, "compiled", "--train-iters", "2", "--zero-stage",
+                                zero_stage, "--compile")
+    assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)
+    announced = [line for line in result.stderr.splitlines() if line.startswith("compiled layers: compiling")]
+    assert announced, result.stderr[-2000:]
+    widths = [int(line.split("for width ")[1].split()[0]) for line in announced]
+    assert all(width % RUN_QUANTUM == 0 for width in widths), announced
+
+
+def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(eager_run, pretraining_samples, tmp_path):
+    _, checkpoint = eager_run
+    records, result = _pretrain(pretraining_samples, tmp_path, "resumed", "--train-iters", "3", "--load",
+                                str(checkpoint), "--compile")
+    assert "resuming with changed settings:" in result.stdout
+    changed = result.stdout.split("resuming with changed settings:")[1].splitlines()[0]
+    assert "compile False -> True" in changed, changed
+    assert [r["iteration"] for r in records] == [3]
+
+
+@pytest.mark.parametrize("args,reason", [
+    (["--zero-stage", "3"], "--compile with --zero-stage 3: ZeRO-3 gathers"),
+    (["--tensor-model-parallel-size", "2"], "--compile with --tensor-model-parallel-size 2: megatron-core"),
+    (["--pipeline-model-parallel-size", "2"], "--compile with --pipeline-model-parallel-size 2: DeepSpeed"),
+    (["--attention-backend", "flex", "--attention-dropout", "0"], "--compile with --attention-backend flex"),
+])
+def test_compile_is_refused_in_one_line_where_it_cannot_work(args, reason, pretraining_samples, tmp_path):
+    result = run_module("megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(pretraining_samples),
+                        "--compile", "--save", str(tmp_path / "out"), "--tensorboard-dir", str(tmp_path / "tb"),
+                        *args, timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith(f"error: {reason}") and len(result.stderr.strip().splitlines()) == 1, \
+        result.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_finetune_s2s_compile_gives_the_eager_losses(tiny_hf_model, qg_pairs, tmp_path):
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        history = tmp_path / f"{name}.json"
+        result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src",
+                            str(qg_pairs[0]), "--train-tgt", str(qg_pairs[1]), "--max-source-length", "48",
+                            "--max-target-length", "16", "--micro-batch-size", "8", "--global-batch-size", "16",
+                            "--train-iters", "2", "--log-interval", "1", "--hidden-dropout", "0",
+                            "--attention-dropout", "0", "--history-json", str(history), *extra, timeout=600,
+                            env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM)})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        losses[name] = [r["loss"] for r in json.loads(history.read_text()) if "loss" in r]
+    assert len(losses["eager"]) == 2
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+
+
+def test_finetune_s2s_refuses_compile_with_zero3_in_one_line(tiny_hf_model, qg_pairs, tmp_path):
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src", str(qg_pairs[0]),
+                        "--train-tgt", str(qg_pairs[1]), "--compile", "--zero-stage", "3", "--save",
+                        str(tmp_path / "out"), timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith("error: --compile with --zero-stage 3") and \
+        len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
