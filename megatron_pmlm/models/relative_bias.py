@@ -261,7 +261,8 @@ class _BiasShapedWrites(TorchDispatchMode):
         return out
 
 
-def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None = None) -> dict:
+def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None = None,
+                        width: int | None = None) -> dict:
     """What the dense attention bias costs one forward + backward of `model` on `batch` (a PMLMBatch),
     measured on any device: the bytes ops write into [B, heads or 1, T, >= T] tensors outside SDPA
     (building, casting, copying the bias and its gradient; SDPA's own scores are left out, a GPU's
@@ -269,7 +270,15 @@ def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dty
     kernel would pad per call (each mask not `is_sdpa_aligned`; computed, as a CPU never pads).
     """
     heads = model.config.num_attention_heads
-    batch_size, width = batch.input_ids.shape
+    batch_size = batch.input_ids.shape[0]
+    if width is None:
+        from .flex_attention import default_layout_quantum
+        from .layout import padded_width
+
+        # The width the layers see: the model pads the layout to its quantum (--compile, flex on CUDA).
+        quantum = model.bert.layout_quantum or default_layout_quantum(model.config.attention_backend,
+                                                                      batch.input_ids.device)
+        width = padded_width(batch.input_ids.shape[1], quantum)
     graphs = _SdpaGraphs()
     writes = _BiasShapedWrites(graphs, batch_size, heads, width)
     model.zero_grad(set_to_none=True)
