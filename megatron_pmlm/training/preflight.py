@@ -155,13 +155,14 @@ def check_run_paths(save: str | None, load: str | None, finetune: bool = False, 
 
     check_load(load, save, finetune, **load_options)
     check_output_dir(save, "--save")
+    check_output_dir(tensorboard_dir, "--tensorboard-dir")
+    check_output_file(history_json, "--history-json")
+    # Last: a run refused for another path leaves no --save folder made for the lock behind.
     if save and launcher_rank() == 0:
         try:
             lock_save_dir(save, lock)
         except SaveDirInUse as error:
             raise ConfigError(str(error)) from None
-    check_output_dir(tensorboard_dir, "--tensorboard-dir")
-    check_output_file(history_json, "--history-json")
 
 
 # ------------------------------------------------------------------------------------------------
