@@ -37,7 +37,7 @@ from megatron_pmlm.config import (HelpFormatter, MaskingConfig, add_dataclass_ar
 from megatron_pmlm.data.indexed import (IndexedDatasetError, IndexedDatasetReader, bin_path, idx_path,
                                         token_dtype_for_vocab)
 from megatron_pmlm.data.samples import (METADATA_FILE, SAMPLE_COLUMNS, SAMPLES_FORMAT_VERSION, SPLIT_NAMES,
-                                        assemble_tokens)
+                                        assemble_tokens, samples_identity)
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.files import check_output_folder, write_output_marker
 from megatron_pmlm.data.text_data import pack_sentences
@@ -307,6 +307,15 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _file_sha256(path: Path, chunk_bytes: int = 1 << 24) -> str:
+    """sha256 of a possibly large file (a corpus .idx), read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
 def _corpus_entries(config: BuildConfig) -> tuple[list[dict], WordPieceTokenizer]:
     pairs = parse_data_path(config.data_path)
     entries, vocab_file, vocab_hash = [], config.vocab_file, None
@@ -432,6 +441,8 @@ def build(config: BuildConfig) -> dict:
             "splits": splits_meta, "build_seconds": round(time.perf_counter() - started, 2)}
         if config.layout == "palm":
             metadata.update(layout="palm", continuation_length=config.continuation_length)
+        # What the samples are, whatever their path: recorded with each checkpoint, compared on resume.
+        metadata["identity"] = samples_identity(metadata, [_file_sha256(idx_path(prefix)) for prefix in prefixes])
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=1))
         for warning in empty_split_warnings(entries, fractions, config, splits_meta):
             print(f"warning: {warning}", file=sys.stderr)

@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "(DIR/iter_N_universal; another layout: DIR/iter_N_universal_tpT_ppP)")
     output.add_argument("--finetune", action="store_true",
                         help="with --load: take the weights only; iteration, optimizer and schedule start afresh")
+    output.add_argument("--allow-data-change", action="store_true",
+                        help="with --load: resume on other samples built with the same vocabulary (a corpus "
+                             "change); without it a resume on samples other than the checkpoint's is refused")
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")

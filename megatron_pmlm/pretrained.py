@@ -97,7 +97,11 @@ def load_model(path: str | os.PathLike, checksums: bool = True):
 
 def recorded_vocab_sha256(run_args: dict[str, Any]) -> str | None:
     """The sha256 of the vocabulary a checkpoint's run was trained with, where it is recorded: the
-    metadata.json of the run's samples (data_prep.build_samples writes it); None when unknown."""
+    samples' identity saved with the checkpoint, else the metadata.json of the run's samples
+    (data_prep.build_samples writes it); None when unknown."""
+    identity = run_args.get("data_identity")
+    if isinstance(identity, dict) and identity.get("vocab_sha256"):
+        return identity["vocab_sha256"]
     data_path = run_args.get("data_path")
     if not data_path:
         return None

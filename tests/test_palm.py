@@ -235,6 +235,27 @@ def test_a_stage_1_checkpoint_resumes_only_as_stage_1(trained, palm_samples, tmp
     assert result.returncode == 2 and "error: --model palm does not run with --pipeline" in result.stderr
 
 
+def test_a_palm_resume_on_other_samples_needs_allow_data_change(trained, palm_samples, tmp_path):
+    """PALM records the samples' identity as PMLM does (issue 34 item 4); a rebuild with another seed
+    is other samples."""
+    from megatron_pmlm.data.samples import data_identity, read_metadata
+
+    saved = json.loads((trained["work"] / "resumed" / "iter_0000008" / "run_state.json").read_text())
+    assert saved["args"]["data_identity"] == data_identity(read_metadata(palm_samples))
+    assert data_identity(read_metadata(palm_samples.parent / "again")) == saved["args"]["data_identity"]
+    other = tmp_path / "seed8"
+    result = run_module("data_prep.build_samples", "--layout", "palm", "--data-path",
+                        read_metadata(palm_samples)["blend"][0]["prefix"], "--context-length", "48",
+                        "--continuation-length", "16", "--split", "95,5,0", "--mask-epochs", "2", "--seed", "8",
+                        "--no-progress", "--output", str(other))
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_module("megatron_pmlm.pretrain", "--data-path", str(other), *PALM_TINY, "--palm-stage", "2",
+                        "--train-iters", "9", "--load", str(trained["work"] / "resumed"), "--save", str(tmp_path / "s"))
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "was trained on other samples (data_path " in result.stderr and "seed 7 -> 8" in result.stderr
+    assert "--allow-data-change" in result.stderr and not list((tmp_path / "s").glob("iter_*"))
+
+
 def test_conversion_verifies_and_the_folder_decodes_like_the_checkpoint(trained, palm_samples, tmp_path):
     checkpoint = trained["work"] / "full"
     converted = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "convert_checkpoint.py"), "--load",

@@ -18,6 +18,7 @@ flat arrays in factorization order, about 0.15 x 5 bytes per token, never n x n.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -106,6 +107,64 @@ def read_metadata(directory: str | os.PathLike) -> dict:
         raise SamplesError(f"{path}: format version {metadata.get('format_version')!r}, this reader "
                            f"expects {SAMPLES_FORMAT_VERSION}; rebuild with data_prep.build_samples")
     return metadata
+
+
+IDENTITY_BUILD_FIELDS = ("layout", "seq_length", "continuation_length", "short_seq_prob", "mask_epochs", "seed",
+                         "split", "num_samples", "masking", "documents_per_chunk")
+"""The build settings that change the samples (read from metadata["settings"]); the number of
+workers and samples per task do not, and the paths are where the data is, not what it is."""
+
+
+def samples_identity(metadata: dict, idx_sha256: list[str | None] | None = None) -> dict:
+    """What the samples are, from their content rather than their path, so a moved samples folder
+    (or corpus) keeps it: the vocabulary's sha256, each corpus's weight, .bin/.idx sizes and token
+    count (plus the .idx's sha256 where build_samples recorded it: hashing the multi-GB .bin would
+    cost minutes at every build, its size and the .idx's offsets pin it), the samples per split
+    and the build settings. Cheap: read from metadata.json, never by re-reading the corpus, so
+    folders built before it was recorded (no "identity" there) get the same parts but the .idx
+    checksums. "digest": the sha256 of the rest, shortened, for log lines."""
+    settings = metadata.get("settings", {}) or {}
+    corpora = []
+    for position, entry in enumerate(metadata.get("blend", [])):
+        corpus = {name: entry.get(name) for name in ("weight", "bin_bytes", "idx_bytes", "num_tokens")}
+        if idx_sha256 and idx_sha256[position]:
+            corpus["idx_sha256"] = idx_sha256[position]
+        corpora.append(corpus)
+    identity = {"vocab_sha256": metadata.get("vocab_sha256"), "corpora": corpora,
+                "samples": {name: info.get("num_samples") for name, info in (metadata.get("splits") or {}).items()},
+                "build": {name: settings.get(name, metadata.get(name)) for name in IDENTITY_BUILD_FIELDS}}
+    canonical = json.dumps(identity, sort_keys=True, default=str).encode()
+    identity["digest"] = hashlib.sha256(canonical).hexdigest()[:16]
+    return identity
+
+
+def data_identity(metadata: dict) -> dict:
+    """The identity recorded by build_samples, else the one computed from an older metadata.json."""
+    recorded = metadata.get("identity")
+    return recorded if isinstance(recorded, dict) and recorded.get("digest") else samples_identity(metadata)
+
+
+def identity_changes(saved: dict, now: dict) -> list[str]:
+    """What differs between two identities of samples with the same vocabulary, as "NAME A -> B"."""
+    changes = []
+    saved_build, now_build = saved.get("build") or {}, now.get("build") or {}
+    for name in sorted(set(saved_build) | set(now_build)):
+        if saved_build.get(name) != now_build.get(name):
+            changes.append(f"{name} {saved_build.get(name)} -> {now_build.get(name)}")
+    saved_samples, now_samples = saved.get("samples") or {}, now.get("samples") or {}
+    for name in sorted(set(saved_samples) | set(now_samples)):
+        if saved_samples.get(name) != now_samples.get(name):
+            changes.append(f"{name} samples {saved_samples.get(name)} -> {now_samples.get(name)}")
+    saved_corpora, now_corpora = saved.get("corpora") or [], now.get("corpora") or []
+    if len(saved_corpora) != len(now_corpora):
+        changes.append(f"corpora {len(saved_corpora)} -> {len(now_corpora)}")
+    else:
+        for position, (before, after) in enumerate(zip(saved_corpora, now_corpora)):
+            differing = [name for name in sorted(set(before) | set(after))
+                         if name in before and name in after and before[name] != after[name]]
+            if differing:
+                changes.append(f"corpus {position} ({', '.join(differing)}) differs")
+    return changes or [f"identity {saved.get('digest')} -> {now.get('digest')}"]
 
 
 def open_corpora(metadata: dict, base: Path) -> list[IndexedDatasetReader]:

@@ -96,7 +96,7 @@ def check_stage_of_checkpoint(args: argparse.Namespace) -> None:
 
 def run_palm(args: argparse.Namespace) -> int:
     """pretrain's `run` for --model palm (the same arguments)."""
-    from ..data.samples import read_metadata
+    from ..data.samples import data_identity, read_metadata
     from ..data.palm_data import check_palm_metadata
     from .recipe import PretrainingRun, padded_vocab_size, run_pretraining, training_config_from_args
     from .relayout import check_resume_layout
@@ -108,6 +108,7 @@ def run_palm(args: argparse.Namespace) -> int:
     args.data_path = args.data_path[0]
     metadata = read_metadata(args.data_path)
     check_palm_metadata(metadata, args.data_path)
+    args.data_identity = data_identity(metadata)  # recorded with each checkpoint, compared on resume
     context_length, continuation_length = int(metadata["seq_length"]), int(metadata["continuation_length"])
     if args.seq_length is not None and args.seq_length != context_length:
         raise ConfigError(f"--seq-length {args.seq_length} differs from the contexts in {args.data_path} (built with "

@@ -46,8 +46,10 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
             "... --output DIR, then --data-path DIR")
     args.data_path = args.data_path[0]
     from ..data import build_pretraining_loaders, read_metadata
+    from ..data.samples import data_identity
 
     metadata = read_metadata(args.data_path)
+    args.data_identity = data_identity(metadata)  # recorded with each checkpoint, compared on resume
     if metadata.get("layout") not in (None, "pmlm"):
         raise ConfigError(f"{args.data_path} holds {metadata['layout']} samples (build_samples --layout "
                           f"{metadata['layout']}); train them with --model {metadata['layout']}, or build PMLM samples")

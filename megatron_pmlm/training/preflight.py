@@ -181,7 +181,7 @@ LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
 --universal-checkpoint re-shards them for another one (relayout.py), --finetune does not."""
 
 NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "local_rank", "finetune", "universal_checkpoint",
-                "lock", "checksums",
+                "lock", "checksums", "data_identity", "allow_data_change",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
                 "converted_from", "vocab_file", "s2s_max_source_length", "s2s_max_target_length"}
 """Arguments that are where the run reads and writes, how it is launched, or are stored resolved
@@ -255,5 +255,40 @@ def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[
                if "s2s_mode" in run_args else "add --finetune to take its weights only")
         raise CheckpointError(f"{tag_dir} was trained for something else: {', '.join(meaning)}; resume it with the "
                               f"saved settings, or {way}")
+    if not finetune:
+        changed = _check_resumed_data(tag_dir, saved.get("args", {}) or {}, _plain(run_args), changed, log)
     if changed:
         log(f"resuming with changed settings: {', '.join(changed)}")
+
+
+def _check_resumed_data(tag_dir: Path, saved_args: dict[str, Any], now_args: dict[str, Any], changed: list[str],
+                        log: Callable[[str], None]) -> list[str]:
+    """The samples' identity (data.samples.data_identity) saved with the checkpoint against this run's:
+    another vocabulary is refused; other samples of the same vocabulary (a corpus change) are refused
+    unless --allow-data-change, then listed; the same samples at another path are not a change (the
+    path is where the data is, not what it is). A checkpoint saved before identities were recorded
+    resumes with a warning. `changed` with data_path replaced by what differs."""
+    saved_identity, now_identity = saved_args.get("data_identity"), now_args.get("data_identity")
+    if not now_identity:  # a run without built samples (finetune_s2s)
+        return changed
+    if not saved_identity:
+        log(f"warning: {tag_dir} records no identity of its samples (saved before it was recorded): "
+            f"resuming on {now_args.get('data_path')} without checking it is the same data")
+        return changed
+    from ..data.samples import identity_changes
+
+    others = [change for change in changed if not change.startswith("data_path ")]
+    if saved_identity.get("vocab_sha256") != now_identity.get("vocab_sha256"):
+        raise CheckpointError(
+            f"{tag_dir} was trained on samples of another vocabulary: vocab sha256 {saved_identity.get('vocab_sha256')} "
+            f"({saved_args.get('data_path')}) -> {now_identity.get('vocab_sha256')} ({now_args.get('data_path')}); "
+            "resume on samples built with the checkpoint's vocabulary")
+    if saved_identity.get("digest") == now_identity.get("digest"):
+        return others
+    where = (f"data_path {_show(saved_args.get('data_path'))} -> {_show(now_args.get('data_path'))}"
+             if saved_args.get("data_path") != now_args.get("data_path") else f"data_path {now_args.get('data_path')}")
+    data = f"other samples ({where}: {', '.join(identity_changes(saved_identity, now_identity))})"
+    if not now_args.get("allow_data_change"):
+        raise CheckpointError(f"{tag_dir} was trained on {data}; add --allow-data-change to resume on them (a "
+                              "corpus change), or give --data-path the checkpoint's samples")
+    return others + [f"{data} allowed by --allow-data-change"]
