@@ -13,7 +13,8 @@ the counters (`training/host_syncs.py`, `training/kernel_count.py`, `models/rela
 `bias_bytes_per_step`) are loaded from this checkout by file path, so both trees are counted the
 same way. A step: forward + backward + AdamW over one micro batch, fp32, dropout 0, eager (this
 checkout also with `--compile` where it has it). Times are the median of --iterations after
---warmup, tree A and tree B interleaved round by round so a busy machine slows both alike.
+--warmup, the trees' steps interleaved round by round, one process running at a time, so a busy
+machine slows them alike.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -77,6 +79,7 @@ def measure_tree(root: str, preset: str, seq_length: int, micro_batch: int, seed
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+    control()  # the counting below runs alone too
     host_syncs, kernel_count, relative_bias = (_load_counter(name) for name in COUNTERS)
     with host_syncs.HostSyncCounter() as syncs:
         step()
@@ -133,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         return _child(argv[1:])
+    # SIGTERM ends the run through its `finally` blocks: the children and the baseline's worktree go too.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.path.insert(0, str(REPO))
     from megatron_pmlm.files import OutputError, check_output, write_json_atomically
 
@@ -174,23 +179,30 @@ def run_interleaved(rows, settings: dict) -> list[dict]:
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                         cwd=root)) for name, root, compiled in rows]
     results: dict[str, dict] = {}
+
+    def next_signal(name, child) -> str:
+        """The child's next "ready" (it is idle, waiting for "go") or its RESULT line."""
+        for line in child.stdout:
+            if line.startswith("ready"):
+                return "ready"
+            if line.startswith("RESULT "):
+                results[name] = json.loads(line[len("RESULT "):])
+                return "result"
+        child.wait()
+        raise RuntimeError(f"{name}: the measuring process failed (exit {child.returncode})")
+
     try:
+        for name, child in children:  # after their (concurrent) warm-up steps
+            next_signal(name, child)
         active = list(children)
-        while active:
+        while active:  # one child runs at a time: a timed step, or at the end its counting
             for name, child in list(active):
-                line = child.stdout.readline()
-                while line and not (line.startswith("ready") or line.startswith("RESULT ")):
-                    line = child.stdout.readline()
-                if line.startswith("ready"):
-                    child.stdin.write("go\n")
-                    child.stdin.flush()
-                    continue
-                if line.startswith("RESULT "):
-                    results[name] = json.loads(line[len("RESULT "):])
-                child.wait()
-                active.remove((name, child))
-                if child.returncode != 0 or name not in results:
-                    raise RuntimeError(f"{name}: the measuring process failed (exit {child.returncode})")
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                if next_signal(name, child) == "result":
+                    if child.wait() != 0:
+                        raise RuntimeError(f"{name}: the measuring process failed (exit {child.returncode})")
+                    active.remove((name, child))
     finally:
         for _, child in children:
             if child.poll() is None:
