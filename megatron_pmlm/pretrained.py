@@ -21,7 +21,9 @@ import torch
 
 from .config import ConfigError, ModelConfig
 from .files import read_json
-from .tokenizer import Vocabulary, VocabularyError, folder_vocabulary, read_vocabulary_file
+from .data.samples import recorded_vocab_sha256
+from .tokenizer import (Vocabulary, VocabularyError, folder_vocabulary, read_vocabulary_file,
+                        vocabulary_content_problem)
 from .training.checkpoint_files import LATEST_FILE
 
 HF_EXPORT_DIR = "hf"
@@ -95,21 +97,6 @@ def load_model(path: str | os.PathLike, checksums: bool = True):
                       f"directory (no '{LATEST_FILE}' file)")
 
 
-def recorded_vocab_sha256(run_args: dict[str, Any]) -> str | None:
-    """The sha256 of the vocabulary a checkpoint's run was trained with, where it is recorded: the
-    samples' identity saved with the checkpoint, else the metadata.json of the run's samples
-    (data_prep.build_samples writes it); None when unknown."""
-    identity = run_args.get("data_identity")
-    if isinstance(identity, dict) and identity.get("vocab_sha256"):
-        return identity["vocab_sha256"]
-    data_path = run_args.get("data_path")
-    if not data_path:
-        return None
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        return json.loads((Path(data_path) / "metadata.json").read_text()).get("vocab_sha256") or None
-    return None
-
-
 def vocabulary_problem(vocabulary: Vocabulary | None, vocab_size: int, source: str,
                        recorded_sha256: str | None = None) -> str | None:
     """Why `vocabulary` is not the one of a model whose embedding has `vocab_size` rows (None: it
@@ -119,19 +106,6 @@ def vocabulary_problem(vocabulary: Vocabulary | None, vocab_size: int, source: s
     if size != vocab_size:
         return f"{source} has {size} entries but the model's embedding has {vocab_size} rows: not this model's vocabulary"
     return vocabulary_content_problem(vocabulary.file, source, recorded_sha256)
-
-
-def vocabulary_content_problem(vocab_file: Path | None, source: str, recorded_sha256: str | None) -> str | None:
-    """A vocab.txt whose sha256 is not the recorded one (None: it is, or nothing is recorded)."""
-    if not recorded_sha256 or vocab_file is None:
-        return None
-    import hashlib
-
-    digest = hashlib.sha256(Path(vocab_file).read_bytes()).hexdigest()
-    if digest != recorded_sha256:
-        return (f"{source} is not the vocabulary the model was trained with (same size, other content: sha256 "
-                f"{digest[:12]}..., recorded {recorded_sha256[:12]}...)")
-    return None
 
 
 def check_vocabulary(vocabulary: Vocabulary, vocab_size: int, recorded_sha256: str | None = None) -> None:

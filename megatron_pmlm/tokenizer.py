@@ -8,6 +8,7 @@ pseudo masks: the attention pattern, not the embedding, tells [P] and [M] apart.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,3 +206,14 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, output_dir: str | os.
     os.replace(written, final)
     tmp_dir.rmdir()
     return final
+
+
+def vocabulary_content_problem(vocab_file: Path | None, source: str, recorded_sha256: str | None) -> str | None:
+    """A vocab.txt whose sha256 is not the recorded one (None: it is, or nothing is recorded)."""
+    if not recorded_sha256 or vocab_file is None:
+        return None
+    digest = hashlib.sha256(Path(vocab_file).read_bytes()).hexdigest()
+    if digest != recorded_sha256:
+        return (f"{source} is not the vocabulary the model was trained with (same size, other content: sha256 "
+                f"{digest[:12]}..., recorded {recorded_sha256[:12]}...)")
+    return None

@@ -44,3 +44,52 @@ def plotted_panels(runs: list[Path], output: Path, labels: list[str] | None = No
         assert legend is not None, f"panel {axis.get_title()} has no legend"
         panels[axis.get_title()] = [text.get_text() for text in legend.get_texts()]
     return panels
+
+
+def unilm_rows(batch_size: int, seed: int, vocab_size: int, min_length: int = 12, max_length: int = 64):
+    """(ids, lengths, second) of [SOS] A [EOS] B [EOS] rows of random ordinary tokens (ids >= 6),
+    right-padded; `second` marks segment B. Special ids as `unilm_special_ids()`."""
+    import numpy as np
+
+    special = unilm_special_ids()
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_length, max_length + 1, batch_size)
+    ids = np.zeros((batch_size, lengths.max()), dtype=np.int64)
+    second = np.zeros_like(ids, dtype=bool)
+    for row, length in enumerate(lengths):
+        ids[row, :length] = rng.integers(6, vocab_size, length)
+        split = int(rng.integers(2, length - 2))
+        ids[row, 0], ids[row, split], ids[row, length - 1] = special.cls, special.sep, special.sep
+        second[row, split + 1:length] = True
+    return ids, lengths, second
+
+
+def unilm_special_ids():
+    from megatron_pmlm.tokenizer import SpecialTokenIds
+
+    return SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
+
+
+def unilm_mixture_batch(vocab_size: int, seed: int, batch_size: int = 8, max_length: int = 64):
+    """A UniLM v1 batch with every LM type in turn (bi, l2r, r2l, s2s) and NSP labels on the
+    bidirectional rows (0, 1, 0, ...), as data/unilm_batches.py builds it."""
+    import numpy as np
+
+    from megatron_pmlm.data.unilm_batches import build_unilm_batch, sample_keys
+
+    ids, lengths, second = unilm_rows(batch_size, seed, vocab_size, max_length=max_length)
+    rows = np.arange(batch_size)
+    nsp = np.where(rows % 4 == 0, (rows // 4) % 2, -1)
+    return build_unilm_batch(ids, lengths, second, rows % 4, nsp, sample_keys(3, 0, rows), unilm_special_ids(),
+                             vocab_size)
+
+
+def damage_in_place(path: Path) -> None:
+    """4 KB in the middle of `path` flipped, its size unchanged (a bad disk block, a stray write)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as handle:
+        handle.seek(size // 2)
+        block = handle.read(4096)
+        handle.seek(size // 2)
+        handle.write(bytes(b ^ 0x5A for b in block))
+    assert path.stat().st_size == size

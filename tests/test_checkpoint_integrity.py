@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, damage_in_place, run_module
 
 ARGS = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "2e-3",
         "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
@@ -86,14 +86,7 @@ def test_the_manifest_has_every_files_size_and_checksum(uninterrupted):
 def test_bytes_changed_in_place_are_named_and_resume_falls_back(ckpt, uninterrupted, pretraining_samples):
     """4 KB overwritten in the middle of the newest model states, size unchanged (a bad disk block,
     a stray write): once loaded without a word."""
-    weights = ckpt / "iter_0000006" / MODEL_STATES
-    size = weights.stat().st_size
-    with open(weights, "r+b") as handle:
-        handle.seek(size // 2)
-        block = handle.read(4096)
-        handle.seek(size // 2)
-        handle.write(bytes(b ^ 0x5A for b in block))
-    assert weights.stat().st_size == size
+    damage_in_place(ckpt / "iter_0000006" / MODEL_STATES)
     verified = verify_tool(ckpt)
     assert verified.returncode == 1, verified.stdout + verified.stderr
     assert (f"{ckpt / 'iter_0000006'} (latest): UNUSABLE: {MODEL_STATES} checksum mismatch (file changed after save)"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pmlm_testing import run_module
+from pmlm_testing import damage_in_place, run_module
 
 pytest.importorskip("transformers")
 
@@ -39,14 +39,7 @@ def pretrained(pretraining_samples, tmp_path_factory) -> Path:
 
 def damage(tag_dir: Path) -> None:
     """4 KB in the middle of the model states flipped, the size unchanged (a bad disk block)."""
-    weights = tag_dir / MODEL_STATES
-    size = weights.stat().st_size
-    with open(weights, "r+b") as handle:
-        handle.seek(size // 2)
-        block = handle.read(4096)
-        handle.seek(size // 2)
-        handle.write(bytes(b ^ 0x5A for b in block))
-    assert weights.stat().st_size == size
+    damage_in_place(tag_dir / MODEL_STATES)
 
 
 @pytest.fixture

@@ -12,28 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.models.model import BertSelfAttention, PMLMForPreTraining
-from pmlm_testing import torchrun
+from megatron_pmlm.training.kernel_count import GemmCounter
+from pmlm_testing import torchrun, unilm_mixture_batch
 
 VOCAB = 256
-GEMMS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.linear.default}
-
-
-class GemmCounter(TorchDispatchMode):
-    """Counts the matrix products (addmm, mm, linear) dispatched while active."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in GEMMS
-        return func(*args, **(kwargs or {}))
 
 
 def set_fused(model: torch.nn.Module, fused: bool) -> None:
@@ -79,22 +66,9 @@ def seq2seq_case():
 
 
 def unilm_case():
-    from megatron_pmlm.data.unilm_batches import build_unilm_batch, sample_keys
     from megatron_pmlm.models.unilm import TYPE_VOCAB_SIZE
-    from megatron_pmlm.tokenizer import SpecialTokenIds
 
-    special = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
-    rng = np.random.default_rng(5)
-    lengths = rng.integers(12, 30, 8)
-    ids = np.zeros((8, lengths.max()), dtype=np.int64)
-    second = np.zeros_like(ids, dtype=bool)
-    for row, length in enumerate(lengths):
-        ids[row, :length] = rng.integers(6, VOCAB, length)
-        split = int(rng.integers(2, length - 2))
-        ids[row, 0], ids[row, split], ids[row, length - 1] = special.cls, special.sep, special.sep
-        second[row, split + 1:length] = True
-    batch = build_unilm_batch(ids, lengths, second, np.arange(8) % 4, np.array([0, -1, -1, -1, 1, -1, -1, -1]),
-                              sample_keys(3, 0, np.arange(8)), special, VOCAB)
+    batch = unilm_mixture_batch(VOCAB, seed=5, max_length=29)
     config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
                                       type_vocab_size=TYPE_VOCAB_SIZE)
     model = PMLMForPreTraining(config, "unilm", init_seed=2)

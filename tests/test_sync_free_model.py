@@ -14,7 +14,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
-from megatron_pmlm.data.unilm_batches import build_unilm_batch, sample_keys
 from megatron_pmlm.models.layout import (CONTEXT, IGNORE_INDEX, MASKED, PSEUDO, PMLMBatch, pmlm_predicted_index,
                                          predicted_slots)
 from megatron_pmlm.models.model import PMLMForPreTraining
@@ -25,8 +24,8 @@ from megatron_pmlm.models.pipeline import (EmbeddingPipe, HeadTransformPipe, Lay
 from megatron_pmlm.models.seq2seq import MODES, PMLMForSeq2Seq, Seq2SeqConfig, SpecialIds, build_seq2seq_batch
 from megatron_pmlm.models.unilm import TYPE_VOCAB_SIZE
 from megatron_pmlm.parallel.layers import chunked_biased_cross_entropy
-from megatron_pmlm.tokenizer import SpecialTokenIds
 from megatron_pmlm.training.host_syncs import HostSyncCounter
+from pmlm_testing import unilm_mixture_batch
 
 VOCAB, PADDED_VOCAB = 200, 256  # a padded vocabulary: the -inf padding path is exercised
 PSEUDO_ID, PAD_ID = 4, 0
@@ -54,18 +53,7 @@ def pmlm_batch(objective: str, seed: int = 0, lengths=(40, 25, 33)) -> PMLMBatch
 
 def unilm_batch() -> PMLMBatch:
     """Every LM type and NSP labels, as data/unilm_batches.py builds them."""
-    special = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
-    rng = np.random.default_rng(3)
-    lengths = rng.integers(12, 40, 8)
-    ids = np.zeros((8, lengths.max()), dtype=np.int64)
-    second = np.zeros_like(ids, dtype=bool)
-    for row, length in enumerate(lengths):
-        ids[row, :length] = rng.integers(6, VOCAB, length)
-        split = int(rng.integers(2, length - 2))
-        ids[row, 0], ids[row, split], ids[row, length - 1] = special.cls, special.sep, special.sep
-        second[row, split + 1:length] = True
-    return build_unilm_batch(ids, lengths, second, np.arange(8) % 4, np.array([0, -1, -1, -1, 1, -1, -1, -1]),
-                             sample_keys(3, 0, np.arange(8)), special, VOCAB)
+    return unilm_mixture_batch(VOCAB, seed=3, max_length=39)
 
 
 def seq2seq_batch(mode: str) -> PMLMBatch:

@@ -24,7 +24,7 @@ from megatron_pmlm.tokenizer import SpecialTokenIds
 from megatron_pmlm.data.unilm_batches import (UniLMBatchBuilder, build_unilm_batch, draw_lm_types, expected_visibility,
                                               ngram_masks, sample_keys)
 from megatron_pmlm.models.unilm import BIDIRECTIONAL, LM_TYPES, NSP_IS_NEXT, NSP_IS_RANDOM, SEQ2SEQ, TYPE_VOCAB_SIZE
-from pmlm_testing import plotted_panels, run_module, torchrun
+from pmlm_testing import plotted_panels, run_module, torchrun, unilm_rows
 
 SPECIAL = SpecialTokenIds(pad=0, unk=1, cls=2, sep=3, mask=4, pseudo=5)
 VOCAB = 300
@@ -32,16 +32,7 @@ VOCAB = 300
 
 def _synthetic(batch_size=16, seed=0, min_length=12, max_length=64):
     """[SOS] A [EOS] B [EOS] rows of random ordinary tokens, right-padded."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(min_length, max_length + 1, batch_size)
-    ids = np.zeros((batch_size, lengths.max()), dtype=np.int64)
-    second = np.zeros_like(ids, dtype=bool)
-    for row, length in enumerate(lengths):
-        ids[row, :length] = rng.integers(6, VOCAB, length)
-        split = int(rng.integers(2, length - 2))
-        ids[row, 0], ids[row, split], ids[row, length - 1] = SPECIAL.cls, SPECIAL.sep, SPECIAL.sep
-        second[row, split + 1:length] = True
-    return ids, lengths, second
+    return unilm_rows(batch_size, seed, VOCAB, min_length, max_length)
 
 
 def test_each_lm_types_roles_and_steps_give_spec_tables_mask_under_the_one_rule():

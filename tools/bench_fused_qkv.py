@@ -21,22 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from megatron_pmlm.training.kernel_count import GemmCounter  # noqa: E402
 
-GEMMS = {torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.linear.default}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class GemmCounter(TorchDispatchMode):
-    """Counts the matrix products dispatched while active (the backward's too)."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in GEMMS
-        return func(*args, **(kwargs or {}))
 
 
 def build(preset: str, seq_length: int, micro_batch_size: int, device: str):

@@ -172,14 +172,19 @@ def training_iteration(model, optimizer, batches: list[PMLMBatch], device, autoc
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 loss = model(*batch.as_tuple()).loss
             (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, scaler)
 
     return iteration
+
+
+def optimizer_step(optimizer, scaler) -> None:
+    """AdamW's step (through the fp16 loss scaler where there is one), gradients cleared."""
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def timed_steps(model, optimizer, batches: list[PMLMBatch], device, autocast_dtype, scaler,
@@ -394,12 +399,7 @@ def huggingface_steps(config, args: argparse.Namespace, width: int, device: torc
                 else:
                     loss = model(input_ids=input_ids, labels=labels).loss
             (scaler.scale(loss) if scaler else loss).backward()
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer_step(optimizer, scaler)
 
         for _ in range(args.warmup):
             step()

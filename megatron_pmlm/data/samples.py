@@ -18,11 +18,13 @@ flat arrays in factorization order, about 0.15 x 5 bytes per token, never n x n.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -263,3 +265,18 @@ class SampleView:
 def get_sample(samples: PretrainingSamples, index: int, mask_epoch: int = 0) -> SampleView:
     ids, segments = samples.tokens([index])
     return SampleView(ids[0], segments[0], samples.masks([index], mask_epoch)[0], np.asarray(samples.rows[index]))
+
+
+def recorded_vocab_sha256(run_args: dict[str, Any]) -> str | None:
+    """The sha256 of the vocabulary a checkpoint's run was trained with, where it is recorded: the
+    samples' identity saved with the checkpoint, else the metadata.json of the run's samples
+    (data_prep.build_samples writes it); None when unknown."""
+    identity = run_args.get("data_identity")
+    if isinstance(identity, dict) and identity.get("vocab_sha256"):
+        return identity["vocab_sha256"]
+    data_path = run_args.get("data_path")
+    if not data_path:
+        return None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return json.loads((Path(data_path) / "metadata.json").read_text()).get("vocab_sha256") or None
+    return None

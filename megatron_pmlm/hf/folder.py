@@ -69,7 +69,8 @@ def find_vocab_file(checkpoint, override: str | None) -> Path:
     if size != checkpoint.model_config.vocab_size:
         raise ConversionError(f"vocabulary {path} has {size} entries, the model {checkpoint.model_config.vocab_size}: "
                               "not the vocabulary this checkpoint was trained with")
-    from ..pretrained import recorded_vocab_sha256, vocabulary_content_problem
+    from ..data.samples import recorded_vocab_sha256
+    from ..tokenizer import vocabulary_content_problem
 
     problem = vocabulary_content_problem(path, f"vocabulary {path}", recorded_vocab_sha256(args))
     if problem:

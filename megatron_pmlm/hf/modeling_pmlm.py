@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - other transformers versions
 
 
 def relative_position_bucket(relative_position, num_buckets=32, max_distance=128):
-    """T5's bidirectional bucketing of key - query distances, exactly as megatron_pmlm.models.model's.
+    """T5's bidirectional bucketing of key - query distances, exactly as megatron_pmlm.models.relative_bias's.
 
     Half the buckets per direction (keys after the query are offset by num_buckets/2); within a
     direction distances below num_buckets/4 are exact, larger ones log-spaced up to max_distance.

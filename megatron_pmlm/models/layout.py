@@ -96,6 +96,12 @@ def labelled_index(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).flatten().nonzero()[:, 0]
 
 
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of a [B, T, ...] tensor flattened to [B * T, ...]: a gather whose output size the
+    host knows (the index's length), unlike boolean indexing, which waits for the device."""
+    return tensor.flatten(0, 1).index_select(0, index)
+
+
 def widen_flat_index(index: torch.Tensor, width: int, new_width: int) -> torch.Tensor:
     """Flat [B * width] slot indices as indices into the same slots of the [B * new_width] layout
     (right-padded rows); on the device, no host sync."""

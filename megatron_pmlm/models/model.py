@@ -21,8 +21,8 @@ from .accelerated import layer_norm
 from ..config import ConfigError, ModelConfig
 from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, default_layout_quantum,
                              flex_attention_forward, flex_capability_problem)
-from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, pad_layout_inputs, pmlm_attention_allowed,
-                     pmlm_predicted_index)
+from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
+                     pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
 from .relative_bias import (blocked_bias, query_dtype, relative_attention_bias,
                             relative_position_bucket)
@@ -489,12 +489,6 @@ class PMLMForPreTraining(nn.Module):
 
     def forward_batch(self, batch: PMLMBatch) -> PMLMLosses:
         return self(*batch.as_tuple())
-
-
-def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows `index` of a [B, T, ...] tensor flattened to [B * T, ...]: a gather whose output size the
-    host knows (the index's length), unlike boolean indexing, which waits for the device."""
-    return tensor.flatten(0, 1).index_select(0, index)
 
 
 def pmlm_losses(hidden: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor, objective: Objective,

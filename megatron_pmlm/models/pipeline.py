@@ -28,10 +28,10 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layout import (MASKED, PSEUDO, AttentionRule, pad_layout_inputs, pmlm_attention_allowed, pmlm_predicted_index,
-                     widen_flat_index)
+from .layout import (MASKED, PSEUDO, AttentionRule, gather_slots, pad_layout_inputs, pmlm_attention_allowed,
+                     pmlm_predicted_index, widen_flat_index)
 from .flex_attention import BlockMaskCache, build_flex_attention_mask, default_layout_quantum
-from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias, gather_slots,
+from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias,
                     initialize_weights, mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
 from .objectives import Objective
 from .relative_bias import query_dtype

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..files import file_problem
-from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch, labelled_index
-from .model import PMLMForPreTraining, gather_slots
+from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch, gather_slots, labelled_index
+from .model import PMLMForPreTraining
 from .metrics import MetricSpec
 
 MODES = {"pseudo-masked": "v2", "masked": "v1", "causal": "v0"}

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .layout import IGNORE_INDEX
+from .layout import IGNORE_INDEX, gather_slots
 from .metrics import UNILM_LM_TYPES
 
 LM_TYPES = UNILM_LM_TYPES
@@ -109,8 +109,6 @@ def unilm_losses(hidden: torch.Tensor, token_type_ids: torch.Tensor, labels: tor
                  layers, nsp_logits=None, predicted_index: torch.Tensor | None = None) -> UniLMLosses:
     """The plain/tensor-parallel model's losses: the heads on `hidden`, then `unilm_losses_from_logits`.
     `mlm_head(hidden) -> (logits, bias)`; `predicted_index`: see `unilm_slots`."""
-    from .model import gather_slots
-
     predicted_index, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels, predicted_index)
     logits, bias = mlm_head(gather_slots(hidden, predicted_index))
     return unilm_losses_from_logits(logits, gather_slots(labels, predicted_index), slot_lm, layers,

@@ -50,6 +50,21 @@ class _KernelCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+GEMM_OPS = frozenset({torch.ops.aten.addmm.default, torch.ops.aten.mm.default, torch.ops.aten.linear.default})
+
+
+class GemmCounter(TorchDispatchMode):
+    """Counts the matrix products (addmm, mm, linear) dispatched while active, the backward's too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in GEMM_OPS
+        return func(*args, **(kwargs or {}))
+
+
 def prepare_compiled_counting() -> None:
     """Call before torch.compile compiles anything whose kernels `count_kernels(..., compiled=True)`
     is to see on the CPU."""
