@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--no-length-bucketing", action="store_true",
                       help="deal each global batch out as micro batches in shuffled order; by default its samples "
                            "are ordered longest first so micro batches carry less padding (same samples per step)")
+    data.add_argument("--index-cache", metavar="DIR", default=None,
+                      help="folder of the loader's epoch-order cache, built once per epoch and memory-mapped by "
+                           "every rank (default: index-cache inside --data-path, which must then be writable)")
 
     train = parser.add_argument_group("training")
     train.add_argument("--micro-batch-size", type=int, default=None,

@@ -25,8 +25,9 @@ from ..config import ConfigError
 from ..models.layout import PMLMBatch
 from ..models.objectives import Objective, get_objective
 from .batches import build_batch
+from .index_cache import EpochOrderCache, EpochOrderKey, epoch_order, index_cache_folder
 from .masking import ExampleMasks, splitmix64 as _splitmix64
-from .samples import PretrainingSamples, SamplesError, open_corpora, read_metadata
+from .samples import PretrainingSamples, SamplesError, data_identity, open_corpora, read_metadata
 
 
 
@@ -104,12 +105,18 @@ class PretrainingSampler:
     similar lengths and its layout (longest sequence + 2 x most masked tokens) carries less padding.
     Which samples make up each optimizer step does not change, and the micro batches are the same
     for every data-parallel size with the same global batch. Epochs then hold whole global batches.
+    `sample_lengths` may be a function returning them, called only where an epoch order is built.
+
+    `index_cache` (a folder): each epoch's order (index_cache.epoch_order) is built once, by one
+    process, into a file there that every rank memory-maps, so a rank's private memory stays O(1)
+    (`cache_data` names the samples in the file names). Without it the order is held in memory.
     """
 
     def __init__(self, num_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int = 0, data_parallel_size: int = 1, seed: int = 1234,
                  shuffle: bool = True, global_batch_size: int | None = None,
-                 sample_lengths: np.ndarray | None = None):
+                 sample_lengths: np.ndarray | Callable[[], np.ndarray] | None = None,
+                 index_cache: str | os.PathLike | None = None, cache_data: str = "samples"):
         if micro_batch_size < 1 or data_parallel_size < 1:
             raise ConfigError("micro_batch_size and data_parallel_size must be >= 1")
         if not 0 <= data_parallel_rank < data_parallel_size:
@@ -130,20 +137,33 @@ class PretrainingSampler:
             if global_batch_size % self.global_batch:
                 raise ConfigError(f"global batch size {global_batch_size} is not a multiple of micro batch x "
                                   f"data-parallel size ({self.global_batch})")
-            if len(sample_lengths) != num_samples:
+            if not callable(sample_lengths) and len(sample_lengths) != num_samples:
                 raise ConfigError(f"{len(sample_lengths)} sample lengths for {num_samples} samples")
             if num_samples < global_batch_size:
                 raise ConfigError(f"{num_samples} samples cannot fill one global batch of {global_batch_size}")
-            self.sample_lengths = np.asarray(sample_lengths)
+            self.sample_lengths = sample_lengths
             self.bucket_size = global_batch_size
         self.samples_per_epoch = num_samples - num_samples % self.bucket_size
         self._epoch, self._order = -1, None
-        self._bucket_key, self._bucket = None, None
+        self.cache = None
+        if index_cache is not None:
+            bucketed = self.sample_lengths is not None
+            key = EpochOrderKey(num_samples, seed, shuffle, self.bucket_size if bucketed else 0, cache_data)
+            self.cache = EpochOrderCache(Path(index_cache), key, self.samples_per_epoch if bucketed else num_samples,
+                                         self.build_order)
+
+    def build_order(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s order, computed here (the lengths read only now)."""
+        lengths = self.sample_lengths() if callable(self.sample_lengths) else self.sample_lengths
+        return epoch_order(self.num_samples, self.seed, epoch, self.shuffle, self.bucket_size,
+                           None if lengths is None else np.asarray(lengths))
 
     def order(self, epoch: int) -> np.ndarray:
+        """Epoch `epoch`'s samples in dealing order (each global batch longest first with bucketing):
+        the cache file's memory map, or an array held here without a cache."""
         if epoch != self._epoch:
-            self._order = (np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
-                           if self.shuffle else np.arange(self.num_samples))
+            self._order = None  # the previous epoch's map or array goes first
+            self._order = self.cache.order(epoch) if self.cache is not None else self.build_order(epoch)
             self._epoch = epoch
         return self._order
 
@@ -153,21 +173,9 @@ class PretrainingSampler:
     def __next__(self) -> tuple[np.ndarray, int]:
         epoch, offset = divmod(self.consumed_samples, self.samples_per_epoch)
         start = offset + self.rank * self.micro_batch_size
-        if self.sample_lengths is None:
-            indices = self.order(epoch)[start:start + self.micro_batch_size]
-        else:
-            bucket_start = offset - offset % self.bucket_size
-            indices = self.bucket(epoch, bucket_start)[start - bucket_start:start - bucket_start + self.micro_batch_size]
+        indices = np.array(self.order(epoch)[start:start + self.micro_batch_size], dtype=np.int64)
         self.consumed_samples += self.global_batch
         return indices, epoch
-
-    def bucket(self, epoch: int, bucket_start: int) -> np.ndarray:
-        """The global batch at `bucket_start` of epoch `epoch`, longest samples first (ties: epoch order)."""
-        if self._bucket_key != (epoch, bucket_start):
-            members = self.order(epoch)[bucket_start:bucket_start + self.bucket_size]
-            self._bucket = members[np.argsort(-self.sample_lengths[members], kind="stable")]
-            self._bucket_key = (epoch, bucket_start)
-        return self._bucket
 
 
 class PMLMBatchLoader:
@@ -347,13 +355,15 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
                               consumed_samples: int = 0, objective: str | Objective = "ae+par",
                               seed: int | None = None, max_length: int | None = None,
                               split: str | None = None, vocab_size: int | None = None,
-                              global_batch_size: int | None = None, unilm_masking=None) -> PretrainingLoaders:
+                              global_batch_size: int | None = None, unilm_masking=None,
+                              index_cache: str | os.PathLike | None = None) -> PretrainingLoaders:
     """Train/valid PMLMBatch iterators over a `data_prep.build_samples` output directory.
 
     `seed` (default: the build's seed) drives the epoch shuffles and the AR step orders;
     `split` and `vocab_size`, when given, must match the build (a clear error otherwise);
     `global_batch_size` turns on the sampler's length bucketing within each global batch;
-    `unilm_masking` (config.UniLMMaskingConfig) sets UniLM v1 objectives' masking and NSP.
+    `unilm_masking` (config.UniLMMaskingConfig) sets UniLM v1 objectives' masking and NSP;
+    `index_cache`: the folder of the epoch-order cache (default: `index-cache` in `data_path`).
     """
     metadata = read_metadata(data_path)
     if split is not None and split != metadata["split"]:
@@ -370,21 +380,25 @@ def build_pretraining_loaders(data_path: str | os.PathLike, micro_batch_size: in
     return samples_loaders(data_path, metadata, lambda samples: batch_builder(samples, objective, seed, max_length,
                                                                              unilm_masking),
                            micro_batch_size, data_parallel_rank, data_parallel_size, consumed_samples, seed,
-                           global_batch_size)
+                           global_batch_size, index_cache)
 
 
 def samples_loaders(data_path: str | os.PathLike, metadata: dict, make_builder: Callable[[PretrainingSamples], Any],
                     micro_batch_size: int, data_parallel_rank: int, data_parallel_size: int, consumed_samples: int,
-                    seed: int, global_batch_size: int | None) -> PretrainingLoaders:
+                    seed: int, global_batch_size: int | None,
+                    index_cache: str | os.PathLike | None = None) -> PretrainingLoaders:
     """Train/valid loaders over a checked samples directory, whatever its batches (PMLM, UniLM v1,
     PALM): the resumable sampler over the training samples (length bucketing within each global
-    batch when `global_batch_size` is given), `make_builder(samples)` for each split's batches, and
-    the validation samples in order."""
+    batch when `global_batch_size` is given; its epoch orders cached in `index_cache`, default
+    DATA_PATH/index-cache, which must be writable), `make_builder(samples)` for each split's
+    batches, and the validation samples in order."""
+    cache_folder = index_cache_folder(data_path, index_cache)
     corpora = open_corpora(metadata, Path(data_path))
     train_samples = PretrainingSamples(data_path, "train", corpora)
     sampler = PretrainingSampler(len(train_samples), consumed_samples, micro_batch_size,
                                  data_parallel_rank, data_parallel_size, seed, global_batch_size=global_batch_size,
-                                 sample_lengths=train_samples.lengths() if global_batch_size else None)
+                                 sample_lengths=train_samples.lengths if global_batch_size else None,
+                                 index_cache=cache_folder, cache_data=f"{data_identity(metadata)['digest']}-train")
     train = PMLMBatchLoader(sampler, make_builder(train_samples))
     valid_samples, valid = None, None
     if metadata["splits"].get("valid", {}).get("num_samples", 0) > 0:

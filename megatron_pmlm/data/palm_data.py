@@ -89,9 +89,11 @@ class PalmBatchBuilder:
 def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stage: int,
                        data_parallel_rank: int = 0, data_parallel_size: int = 1, consumed_samples: int = 0,
                        seed: int | None = None, max_length: int | None = None,
-                       vocab_size: int | None = None, global_batch_size: int | None = None) -> PretrainingLoaders:
+                       vocab_size: int | None = None, global_batch_size: int | None = None,
+                       index_cache: str | os.PathLike | None = None) -> PretrainingLoaders:
     """Train/valid PalmBatch iterators: PMLM's resumable sampler over PALM pairs (with its length
-    bucketing within each global batch when `global_batch_size` is given)."""
+    bucketing within each global batch when `global_batch_size` is given; its epoch orders cached in
+    `index_cache`, default DATA_PATH/index-cache)."""
     metadata = read_metadata(data_path)
     check_palm_metadata(metadata, data_path)
     if vocab_size is not None and vocab_size != metadata["vocab_size"]:
@@ -103,4 +105,5 @@ def build_palm_loaders(data_path: str | os.PathLike, micro_batch_size: int, stag
                           f"{metadata['continuation_length']} tokens, more than the model's {max_length} positions")
     seed = metadata["seed"] if seed is None else seed
     return samples_loaders(data_path, metadata, lambda samples: PalmBatchBuilder(samples, stage), micro_batch_size,
-                           data_parallel_rank, data_parallel_size, consumed_samples, seed, global_batch_size)
+                           data_parallel_rank, data_parallel_size, consumed_samples, seed, global_batch_size,
+                           index_cache)

@@ -96,6 +96,7 @@ def check_stage_of_checkpoint(args: argparse.Namespace) -> None:
 
 def run_palm(args: argparse.Namespace) -> int:
     """pretrain's `run` for --model palm (the same arguments)."""
+    from ..data.index_cache import index_cache_folder
     from ..data.samples import data_identity, read_metadata
     from ..data.palm_data import check_palm_metadata
     from .recipe import PretrainingRun, padded_vocab_size, run_pretraining, training_config_from_args
@@ -109,6 +110,7 @@ def run_palm(args: argparse.Namespace) -> int:
     metadata = read_metadata(args.data_path)
     check_palm_metadata(metadata, args.data_path)
     args.data_identity = data_identity(metadata)  # recorded with each checkpoint, compared on resume
+    index_cache_folder(args.data_path, args.index_cache)  # a read-only samples folder is refused here
     context_length, continuation_length = int(metadata["seq_length"]), int(metadata["continuation_length"])
     if args.seq_length is not None and args.seq_length != context_length:
         raise ConfigError(f"--seq-length {args.seq_length} differs from the contexts in {args.data_path} (built with "
@@ -166,7 +168,8 @@ def run_palm(args: argparse.Namespace) -> int:
         return build_palm_loaders(args.data_path, training.micro_batch_size, stage, processes.data_parallel_rank,
                                   processes.layout.data_parallel_size, consumed_samples=consumed_samples,
                                   seed=training.seed, max_length=config.max_position_embeddings, vocab_size=vocab_size,
-                                  global_batch_size=None if args.no_length_bucketing else training.global_batch_size)
+                                  global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
+                                  index_cache=args.index_cache)
 
     return run_pretraining(args, PretrainingRun(
         model_config=config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,

@@ -46,6 +46,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
             "... --output DIR, then --data-path DIR")
     args.data_path = args.data_path[0]
     from ..data import build_pretraining_loaders, read_metadata
+    from ..data.index_cache import index_cache_folder
     from ..data.samples import data_identity
 
     metadata = read_metadata(args.data_path)
@@ -53,6 +54,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
     if metadata.get("layout") not in (None, "pmlm"):
         raise ConfigError(f"{args.data_path} holds {metadata['layout']} samples (build_samples --layout "
                           f"{metadata['layout']}); train them with --model {metadata['layout']}, or build PMLM samples")
+    index_cache_folder(args.data_path, args.index_cache)  # a read-only samples folder is refused here
     seq_length = int(metadata["seq_length"])
     if args.seq_length is not None and args.seq_length != seq_length:
         raise ConfigError(f"--seq-length {args.seq_length} differs from the samples in {args.data_path} "
@@ -93,7 +95,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
             processes.layout.data_parallel_size, consumed_samples=consumed_samples, objective=objective,
             seed=training.seed, max_length=model_config.max_position_embeddings, vocab_size=vocab_size,
             global_batch_size=None if args.no_length_bucketing else training.global_batch_size,
-            unilm_masking=unilm_masking)
+            unilm_masking=unilm_masking, index_cache=args.index_cache)
 
     return PretrainingRun(
         model_config=model_config, training=training, ds_config=ds_config_base, tensor_parallel_size=tp,
