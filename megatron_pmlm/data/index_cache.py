@@ -120,6 +120,7 @@ class EpochOrderCache:
     def __init__(self, directory: Path, key: EpochOrderKey, expected_length: int,
                  build: Callable[[int], np.ndarray]):
         self.directory, self.key, self.expected_length, self.build = Path(directory), key, expected_length, build
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.dtype = order_dtype(key.num_samples)
 
     def order(self, epoch: int) -> np.ndarray:
