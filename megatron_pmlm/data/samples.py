@@ -221,9 +221,10 @@ class PretrainingSamples:
     def __len__(self) -> int:
         return self.num_samples
 
-    def lengths(self) -> np.ndarray:
-        """Every sample's length in tokens, `[SOS] A [EOS] (B [EOS])` (vectorized over the rows)."""
-        rows = np.asarray(self.rows)
+    def lengths(self, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """The lengths in tokens, `[SOS] A [EOS] (B [EOS])`, of samples start..stop (default: every
+        sample), vectorized over the rows."""
+        rows = np.asarray(self.rows[start:stop])
         return 2 + rows[:, A_LEN] + np.where(rows[:, B_LEN] > 0, rows[:, B_LEN] + 1, 0)
 
     def tokens(self, indices: np.ndarray) -> tuple[list[np.ndarray], list[np.ndarray]]:

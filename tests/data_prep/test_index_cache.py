@@ -200,3 +200,13 @@ def test_index_cache_folder_defaults_inside_the_samples_folder(tmp_path):
     assert (tmp_path / INDEX_CACHE_FOLDER).is_dir()
     assert index_cache_folder(tmp_path, tmp_path / "elsewhere") == tmp_path / "elsewhere"
     assert list((tmp_path / "elsewhere").iterdir()) == []  # the probe file is gone
+
+
+def test_the_writers_compact_lengths_equal_the_samples_lengths(built, monkeypatch):
+    from megatron_pmlm.data import PretrainingSamples, loader
+
+    samples = PretrainingSamples(built, "train")
+    monkeypatch.setattr(loader, "SORT_CHUNK_SAMPLES", 7)  # several chunks, a short last one
+    compact = loader.compact_lengths(samples)
+    assert compact.dtype == np.int32 and compact.tolist() == samples.lengths().tolist()
+    assert samples.lengths(5, 9).tolist() == samples.lengths()[5:9].tolist()
