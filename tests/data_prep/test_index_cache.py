@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -91,6 +90,14 @@ def test_cached_order_deals_the_same_batches_as_the_sampler_before_the_cache(tmp
                         checked += 1
     assert checked == 3 * 2 * (1 + 2 + 4) * 3
     assert len({epoch for _, epoch in expected}) >= 4
+
+
+def test_lengths_beyond_16_bits_sort_as_before(tmp_path):
+    """The writer sorts 16-bit keys where the lengths fit (a radix sort), wider keys otherwise."""
+    lengths = np.random.default_rng(2).integers(30_000, 70_000, 500)
+    settings = dict(seed=9, global_batch_size=40, sample_lengths=lengths)
+    expected = _draws(ReferenceSampler(500, 0, 4, 1, 2, **settings), 150)
+    assert _draws(PretrainingSampler(500, 0, 4, 1, 2, index_cache=tmp_path, **settings), 150) == expected
 
 
 def test_resume_mid_epoch_continues_exactly_with_and_without_a_cache_file(built, tmp_path):
