@@ -120,6 +120,18 @@ def run_ranks(code: Path, samples_dir: Path, world: int, args: argparse.Namespac
     """`world` ranks, `--concurrency` at a time, their private memory polled for its peak."""
     env = {**os.environ, "PYTHONPATH": str(code), "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     pending, running, results = list(range(world)), {}, []
+    try:
+        poll_ranks(samples_dir, world, args, env, pending, running, results)
+    finally:  # a failed rank or an interrupt: the others are stopped, not left behind
+        for process, _ in running.values():
+            process.kill()
+            process.communicate()
+    return sorted(results, key=lambda result: result["rank"])
+
+
+def poll_ranks(samples_dir, world, args, env, pending, running, results) -> None:
+    """Start ranks from `pending` as places free up; every 20 ms note each one's RssAnon; collect
+    each finished rank's report into `results` (`running`: rank -> (process, peak RssAnon kB))."""
     while pending or running:
         while pending and len(running) < args.concurrency:
             rank = pending.pop(0)
@@ -138,11 +150,10 @@ def run_ranks(code: Path, samples_dir: Path, world: int, args: argparse.Namespac
             running[rank] = (process, peak)
             if process.poll() is not None:
                 out, err = process.communicate()
+                del running[rank]
                 if process.returncode:
                     raise SystemExit(f"error: rank {rank} failed ({process.returncode}): {err.strip()[-2000:]}")
                 results.append({**json.loads(out.strip().splitlines()[-1]), "peak_rss_anon_mib": peak / 1024})
-                del running[rank]
-    return sorted(results, key=lambda result: result["rank"])
 
 
 def summary(label: str, results: list[dict], cache_dir: Path | None) -> dict:

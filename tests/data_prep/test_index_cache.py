@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,3 +218,22 @@ def test_the_writers_compact_lengths_equal_the_samples_lengths(built, monkeypatc
     compact = loader.compact_lengths(samples)
     assert compact.dtype == np.int32 and compact.tolist() == samples.lengths().tolist()
     assert samples.lengths(5, 9).tolist() == samples.lengths()[5:9].tolist()
+
+
+def test_bench_loader_index_reports_one_cache_shared_by_the_ranks(tmp_path):
+    """The benchmark at a few thousand samples: its sparse folder loads, 2 ranks report, one cache
+    file is built, and the ranks report their memory."""
+    import json
+
+    result = subprocess.run([sys.executable, "tools/bench_loader_index.py", "--samples", "5000", "--ranks", "2",
+                             "--global-batch-size", "64", "--batches", "2", "--work", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2],
+                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    made, fresh, reused = (json.loads(line) for line in result.stdout.splitlines())
+    assert made["synthetic_samples"] == 5000
+    assert fresh["ranks"] == reused["ranks"] == 2
+    assert len(fresh["cache_files"]) == 1 and fresh["cache_files"] == reused["cache_files"]
+    assert "bucket64-epoch0.npy" in fresh["cache_files"][0]
+    assert all(mib > 0 for mib in fresh["rss_anon_mib"] + fresh["peak_rss_anon_mib"])
+    assert (tmp_path / "samples" / "train" / "mask_offsets.bin").stat().st_blocks == 0  # sparse
