@@ -8,8 +8,9 @@ and the metadata `build_pretraining_loaders` checks. Then, for each rank count, 
 processes at once, each the data-parallel rank of a DP group that builds the training loader
 (`--code`: the checkout whose `megatron_pmlm` they import; default this one) and draws its first
 `--batches` micro batches (real PMLM batches from the synthetic rows), and reports per rank:
-private memory (RssAnon, polled every 20 ms for its peak; USS at the end via psutil), the time to
-build the loader and to draw the batches, and for the cached code the cache's files and size.
+private memory (RssAnon, polled every 20 ms for its peak; USS at the end via psutil, which also
+counts file-backed pages only this process maps), the wall and CPU time to build the loader and
+to draw the batches, and for the cached code the cache's files and size.
 
 With this checkout the ranks run three times: a fresh cache (one rank builds, the others wait on
 its lock), then again with the cache in place (a restart). `--concurrency` bounds how many ranks
@@ -99,20 +100,21 @@ def worker(args: argparse.Namespace) -> None:
     from megatron_pmlm.data import build_pretraining_loaders
 
     before = proc_status_kib("self", "RssAnon")
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     cached = "index_cache" in inspect.signature(build_pretraining_loaders).parameters
     loaders = build_pretraining_loaders(args.samples_dir, args.micro_batch_size, args.rank, args.world,
                                         objective="ae+par", global_batch_size=args.global_batch_size)
-    built = time.perf_counter()
+    built, built_cpu = time.perf_counter(), time.process_time()
     for _ in range(args.batches):
         batch = next(loaders.train)
-    drawn = time.perf_counter()
+    drawn, drawn_cpu = time.perf_counter(), time.process_time()
     print(json.dumps({
         "rank": args.rank, "cached": cached, "rss_anon_mib_after_imports": before / 1024,
         "rss_anon_mib": proc_status_kib("self", "RssAnon") / 1024,
         "rss_file_mib": proc_status_kib("self", "RssFile") / 1024,
         "uss_mib": psutil.Process().memory_full_info().uss / 2**20,
         "loader_seconds": built - started, "first_batches_seconds": drawn - built,
+        "loader_cpu_seconds": built_cpu - started_cpu, "first_batches_cpu_seconds": drawn_cpu - built_cpu,
         "batch_shape": list(batch.input_ids.shape)}))
 
 
@@ -168,7 +170,9 @@ def summary(label: str, results: list[dict], cache_dir: Path | None) -> dict:
             "uss_mib": mib(r["uss_mib"] for r in results),
             "sum_rss_anon_mib": round(sum(r["rss_anon_mib"] for r in results)),
             "loader_seconds": [round(r["loader_seconds"], 2) for r in results],
-            "first_batches_seconds": [round(r["first_batches_seconds"], 2) for r in results]}
+            "first_batches_seconds": [round(r["first_batches_seconds"], 2) for r in results],
+            "loader_cpu_seconds": [round(r["loader_cpu_seconds"], 2) for r in results],
+            "first_batches_cpu_seconds": [round(r["first_batches_cpu_seconds"], 2) for r in results]}
     if cache_dir is not None and cache_dir.is_dir():
         files = sorted(cache_dir.glob("*.npy"))
         line["cache_files"] = [f"{path.name} ({path.stat().st_size / 2**20:.0f} MiB)" for path in files]
