@@ -162,9 +162,10 @@ class EpochOrderCache:
             raise
 
     def _delete_before(self, epoch: int) -> None:
-        """This key's files of epochs before `epoch` (other keys' files belong to other runs)."""
-        pattern = re.compile(re.escape(self.key.stem) + r"-epoch(\d+)\.npy")
-        for path in self.directory.glob(f"{self.key.stem}-epoch*.npy"):
+        """This key's files of epochs before `epoch`, and tmp files a killed writer left of them
+        (other keys' files belong to other runs)."""
+        pattern = re.compile(r"\.?" + re.escape(self.key.stem) + r"-epoch(\d+)\.npy(\..+\.tmp)?")
+        for path in self.directory.glob(f"*{self.key.stem}-epoch*.npy*"):
             match = pattern.fullmatch(path.name)
             if match and int(match.group(1)) < epoch:
                 path.unlink(missing_ok=True)

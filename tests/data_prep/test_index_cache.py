@@ -144,6 +144,10 @@ def test_old_epochs_are_deleted_and_other_runs_files_kept(tmp_path):
     other = PretrainingSampler(num_samples, 0, micro, seed=99, index_cache=tmp_path)
     next(other)
     sampler = PretrainingSampler(num_samples, 0, micro, seed=7, index_cache=tmp_path)
+    next(sampler)
+    (first,) = tmp_path.glob("*seed7*-epoch0.npy")
+    (tmp_path / f".{first.name}.node-1234.tmp").write_bytes(b"half")  # a killed writer's leftover
+    sampler = PretrainingSampler(num_samples, 0, micro, seed=7, index_cache=tmp_path)
     seen = []
     for _ in range(10 * 4 + 1):  # into epoch 4
         seen.append(next(sampler)[1])
