@@ -22,7 +22,7 @@ from megatron_pmlm.data.index_cache import INDEX_CACHE_FOLDER, index_cache_folde
 
 
 class ReferenceSampler:
-    """The sampler as it was before the cache (main at 86df4f5), kept verbatim as the reference:
+    """The sampler as it was before the cache (main at 86df4f5), its algorithm kept as the reference:
     a permutation per epoch, each global batch sorted longest first when it is reached."""
 
     def __init__(self, num_samples, consumed_samples, micro_batch_size, rank, world, seed, shuffle=True,
