@@ -1,0 +1,257 @@
+"""Hang detection (issue 35 item 3): the heartbeat files a real tiny pretrain writes through its phases,
+a rank stopped by SIGSTOP reported by `heartbeat check` with its phase, the timeout rule, stale files
+and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_pmlm.training import heartbeat
+from megatron_pmlm.training.heartbeat import Heartbeat, heartbeat_file
+from pmlm_testing import REPO_ROOT, run_module
+
+TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4", "--eval-iters", "0",
+        "--log-interval", "1"]
+
+TRACE_WRITES = """
+import sys
+from megatron_pmlm.training import heartbeat
+write = heartbeat.Heartbeat.write
+def traced(self, now=None):
+    write(self, now)
+    with open(sys.argv[1], "a") as trace:
+        trace.write(self.phase + "\\n")
+heartbeat.Heartbeat.write = traced
+from megatron_pmlm.pretrain import main
+sys.exit(main(sys.argv[2:]))
+"""
+"""pretrain with each heartbeat write also appended to a trace file (the phases the file went through)."""
+
+
+def check(folder: Path, *args: str, capsys) -> tuple[int, str, str]:
+    code = heartbeat.main(["check", str(folder), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_record(folder: Path, rank: int, **fields) -> None:
+    now = time.time()
+    record = {"rank": rank, "world_size": 2, "host": "node-a", "pid": 1000 + rank, "phase": "step 57",
+              "iteration": 57, "progress_time": now, "write_time": now, "slowest_iteration_seconds": 0.0,
+              "started": now - 100, **fields}
+    folder.mkdir(parents=True, exist_ok=True)
+    heartbeat_file(folder, rank).write_text(json.dumps(record))
+
+
+# ------------------------------------------------------------------------------------------------- real runs
+
+def test_a_tiny_pretrain_reports_start_up_steps_saving_and_done(pretraining_samples, tmp_path):
+    beats, trace = tmp_path / "beats", tmp_path / "trace.txt"
+    result = subprocess.run(
+        [sys.executable, "-c", TRACE_WRITES, str(trace), *TINY, "--data-path", str(pretraining_samples),
+         "--train-iters", "4", "--save-interval", "2", "--save", str(tmp_path / "ckpt"), "--heartbeat-dir", str(beats)],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    phases = trace.read_text().splitlines()
+    expected = ["start-up", "start-up: distributed init", "start-up: building model", "start-up: building the engine",
+                "start-up: loading data", "step 1", "saving iter_0000002", "saving iter_0000002: DeepSpeed files",
+                "saving iter_0000002: checksums", "saving iter_0000002: manifest", "step 3", "saving iter_0000004",
+                "done"]
+    remaining = iter(phases)
+    assert all(phase in remaining for phase in expected), phases  # in this order, others between
+    record = json.loads(heartbeat_file(beats, 0).read_text())
+    assert record["phase"] == "done" and record["rank"] == 0 and record["world_size"] == 1
+    assert record["pid"] != os.getpid() and record["host"] and record["iteration"] is None
+    assert record["started"] <= record["progress_time"] <= record["write_time"] <= time.time()
+    assert 0 < record["slowest_iteration_seconds"] < record["write_time"] - record["started"]
+    assert [p.name for p in beats.iterdir()] == ["rank-00000.json"]  # no temporary file left
+    code = heartbeat.main(["check", str(beats), "--ranks", "1", "--since", str(record["started"] - 1),
+                           "--timeout", "0.001"])
+    assert code == 0  # a finished rank is never stalled
+
+
+def test_a_stopped_training_process_is_reported_with_its_phase_a_running_one_is_not(pretraining_samples, tmp_path):
+    beats = tmp_path / "beats"
+    since = time.time()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples),
+         "--train-iters", "100000", "--log-interval", "1000", "--heartbeat-dir", str(beats)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+
+    def run_check(timeout: float) -> subprocess.CompletedProcess:
+        return run_module("megatron_pmlm.training.heartbeat", "check", str(beats), "--ranks", "1",
+                          "--since", str(since), "--timeout", str(timeout), timeout=60)
+
+    try:
+        deadline = time.time() + 240
+        record = None
+        while time.time() < deadline and process.poll() is None:
+            try:
+                record = json.loads(heartbeat_file(beats, 0).read_text())
+            except (OSError, ValueError):
+                record = None
+            if record and record["phase"].startswith("step ") and record["iteration"] >= 3:
+                break
+            time.sleep(0.2)
+        assert process.poll() is None, process.stderr.read()[-3000:]
+        assert record and record["phase"].startswith("step "), record
+        healthy = run_check(5)
+        assert (healthy.returncode, healthy.stdout, healthy.stderr) == (0, "", "")
+        process.send_signal(signal.SIGSTOP)
+        stopped_at = time.time()
+        time.sleep(0.3)
+        record = json.loads(heartbeat_file(beats, 0).read_text())
+        assert run_check(5).returncode == 0  # stopped for less than the timeout: not yet a hang
+        time.sleep(max(0.0, record["progress_time"] + 5.5 - time.time()))
+        stalled = run_check(5)
+        reported_after = time.time() - stopped_at
+        assert stalled.returncode == 1, stalled.stdout + stalled.stderr
+        age = time.time() - record["progress_time"]
+        line = stalled.stdout.strip()
+        assert line.startswith(f"rank 0 (host {record['host']}, pid {process.pid}) stalled in phase "
+                               f"'{record['phase']}' for "), line
+        assert 5 <= int(line.rsplit(" ", 2)[1]) <= age + 1, line
+        assert reported_after < 5 + 1 + 10  # the timeout, the write interval, a loaded machine's check
+    finally:
+        process.kill()  # SIGKILL reaches a stopped process, as the batch script's would
+        process.wait(timeout=60)
+        process.stderr.close()
+
+
+def test_a_folder_that_cannot_be_created_is_refused_before_anything_is_written(pretraining_samples, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = run_module("megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples), "--train-iters", "1",
+                        "--save", str(tmp_path / "ckpt"), "--heartbeat-dir", str(blocker / "beats"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        f"error: --heartbeat-dir {blocker / 'beats'} cannot be created: {blocker} is a file, not a directory"
+    assert not (tmp_path / "ckpt").exists()
+
+
+# ------------------------------------------------------------------------------------------------- the file
+
+def test_beats_are_written_atomically_with_the_umask_and_rate_limited_within_a_kind(tmp_path):
+    old_umask = os.umask(0o027)
+    try:
+        beat = Heartbeat(tmp_path / "beats", rank=3, world_size=8)
+    finally:
+        os.umask(old_umask)
+    path = heartbeat_file(tmp_path / "beats", 3)
+    assert path.name == "rank-00003.json" and path.stat().st_mode & 0o777 == 0o640
+    first = json.loads(path.read_text())
+    assert set(first) == {"rank", "world_size", "host", "pid", "phase", "iteration", "progress_time", "write_time",
+                          "slowest_iteration_seconds", "started"}
+    assert (first["rank"], first["world_size"], first["phase"], first["pid"]) == (3, 8, "start-up", os.getpid())
+    beat.beat("step 1", 1)
+    assert json.loads(path.read_text())["phase"] == "step 1"  # another kind of phase: written at once
+    time.sleep(0.05)
+    beat.beat("step 2", 2)  # same kind within the write interval: in memory only
+    on_disk = json.loads(path.read_text())
+    assert on_disk["phase"] == "step 1" and beat.phase == "step 2" and beat.progress_time > on_disk["progress_time"]
+    beat.beat("validation", 2)
+    on_disk = json.loads(path.read_text())
+    assert on_disk["phase"] == "validation" and 0.04 < on_disk["slowest_iteration_seconds"] < 1
+    beat.write_time -= heartbeat.MIN_WRITE_INTERVAL_SECONDS  # as if a second had passed since the last write
+    beat.beat("step 3", 3)
+    beat.write_time -= heartbeat.MIN_WRITE_INTERVAL_SECONDS
+    beat.beat("step 4", 4)
+    assert json.loads(path.read_text())["phase"] == "step 4"
+    assert sorted(p.name for p in (tmp_path / "beats").iterdir()) == ["rank-00003.json"]
+
+
+# ------------------------------------------------------------------------------------------------- checking
+
+def test_healthy_while_any_rank_progresses_stalled_lines_oldest_first(tmp_path, capsys):
+    now = time.time()
+    write_record(tmp_path, 0, progress_time=now - 700, phase="step 57")
+    write_record(tmp_path, 1, progress_time=now - 10, phase="saving iter_0000056")
+    assert check(tmp_path, "--ranks", "2", "--since", str(now - 1000), capsys=capsys) == (0, "", "")
+    write_record(tmp_path, 1, progress_time=now - 650, phase="saving iter_0000056")
+    code, out, err = check(tmp_path, "--ranks", "2", "--since", str(now - 1000), capsys=capsys)
+    assert (code, err) == (1, "")
+    assert out.splitlines() == ["rank 0 (host node-a, pid 1000) stalled in phase 'step 57' for 700 s",
+                                "rank 1 (host node-a, pid 1001) stalled in phase 'saving iter_0000056' for 650 s"]
+
+
+def test_the_timeout_rule(tmp_path, capsys):
+    now = time.time()
+    since = str(now - 5000)
+    write_record(tmp_path, 0, progress_time=now - 650, slowest_iteration_seconds=100.0)
+    write_record(tmp_path, 1, progress_time=now - 650, slowest_iteration_seconds=250.0)
+    # Automatic: max(600, 3 x the slowest iteration of any rank) = 750 s.
+    assert check(tmp_path, "--ranks", "2", "--since", since, capsys=capsys)[0] == 0
+    assert check(tmp_path, "--ranks", "2", "--since", since, "--iteration-factor", "2", capsys=capsys)[0] == 1
+    write_record(tmp_path, 1, progress_time=now - 650, slowest_iteration_seconds=1.0)
+    assert check(tmp_path, "--ranks", "2", "--since", since, capsys=capsys)[0] == 1  # the 600 s floor
+    assert check(tmp_path, "--ranks", "2", "--since", since, "--min-timeout", "700", capsys=capsys)[0] == 0
+    # A given timeout wins over both.
+    assert check(tmp_path, "--ranks", "2", "--since", since, "--timeout", "651", capsys=capsys)[0] == 0
+    assert check(tmp_path, "--ranks", "2", "--since", since, "--timeout", "649", "--min-timeout", "5000",
+                 capsys=capsys)[0] == 1
+
+
+def test_stale_and_missing_files_count_as_never_reported(tmp_path, capsys):
+    now = time.time()
+    write_record(tmp_path, 0, progress_time=now - 3000, write_time=now - 3000, phase="step 99")  # an earlier step's
+    write_record(tmp_path, 1, progress_time=now - 100, phase="start-up: loading checkpoint")
+    (tmp_path / "rank-00002.json").write_text("{not json")
+    code, out, _ = check(tmp_path, "--ranks", "4", "--since", str(now - 700), "--timeout", "60", capsys=capsys)
+    assert code == 1
+    assert out.splitlines() == ["rank 0 never reported (start-up) for 700 s",
+                                "rank 2 never reported (start-up) for 700 s",
+                                "rank 3 never reported (start-up) for 700 s",
+                                "rank 1 (host node-a, pid 1001) stalled in phase 'start-up: loading checkpoint' for "
+                                "100 s"]
+    # Within the timeout of the step's start, ranks that have not reported yet are not a hang.
+    assert check(tmp_path, "--ranks", "4", "--since", str(now - 30), "--timeout", "60", capsys=capsys)[0] == 0
+    assert check(tmp_path / "not-made-yet", "--ranks", "2", "--since", str(now - 30), "--timeout", "60",
+                 capsys=capsys)[0] == 0
+    code, out, _ = check(tmp_path / "not-made-yet", "--ranks", "1", "--since", str(now - 90), "--timeout", "60",
+                         capsys=capsys)
+    assert (code, out) == (1, "rank 0 never reported (start-up) for 90 s\n")
+
+
+def test_status_lists_every_rank(tmp_path, capsys):
+    now = time.time()
+    write_record(tmp_path, 0, progress_time=now - 42, slowest_iteration_seconds=1.25, phase="validation")
+    assert heartbeat.main(["status", str(tmp_path), "--ranks", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "rank 0 (host node-a, pid 1000): phase 'validation', last progress 42 s ago, slowest iteration 1.2 s",
+        "rank 1: never reported"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ranks", "0", "--since", "1"], "error: --ranks must be positive, got 0"),
+    (["--ranks", "2", "--since", "-5"], "error: --since -5 is not a past time in epoch seconds"),
+    (["--ranks", "2", "--since", str(time.time() + 3600)], "is not a past time in epoch seconds"),
+    (["--ranks", "2", "--since", "1", "--timeout", "-1"], "error: --timeout must be >= 0 (0: automatic), got -1"),
+    (["--ranks", "2", "--since", "1", "--min-timeout", "0"], "error: --min-timeout must be positive, got 0"),
+    (["--ranks", "2", "--since", "1", "--iteration-factor", "nan"], "error: --iteration-factor must be positive"),
+    (["--ranks", "2"], "error: the following arguments are required: --since"),
+    (["--ranks", "two", "--since", "1"], "error: argument --ranks: invalid int value: 'two'"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    try:
+        code = heartbeat.main(["check", str(tmp_path), *args])
+    except SystemExit as exiting:  # argparse's own refusals
+        code = exiting.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_a_file_as_the_folder_is_bad_input(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert check(tmp_path / "f", "--ranks", "1", "--since", "1", capsys=capsys) == \
+        (2, "", f"error: {tmp_path / 'f'} is not a folder\n")
