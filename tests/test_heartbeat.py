@@ -21,19 +21,34 @@ from pmlm_testing import REPO_ROOT, run_module
 TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4", "--eval-iters", "0",
         "--log-interval", "1"]
 
-TRACE_WRITES = """
+TRACE = """
 import sys
 from megatron_pmlm.training import heartbeat
-write = heartbeat.Heartbeat.write
-def traced(self, now=None):
-    write(self, now)
-    with open(sys.argv[1], "a") as trace:
-        trace.write(self.phase + "\\n")
-heartbeat.Heartbeat.write = traced
-from megatron_pmlm.pretrain import main
-sys.exit(main(sys.argv[2:]))
+beat, write = heartbeat.Heartbeat.beat, heartbeat.Heartbeat.write
+def traced(method, kind):
+    def call(self, *args):
+        method(self, *args)
+        with open(sys.argv[1], "a") as trace:
+            trace.write(f"{kind} {self.phase}\\n")
+    return call
+heartbeat.Heartbeat.beat, heartbeat.Heartbeat.write = traced(beat, "beat"), traced(write, "write")
+import importlib
+sys.exit(importlib.import_module(sys.argv[2]).main(sys.argv[3:]))
 """
-"""pretrain with each heartbeat write also appended to a trace file (the phases the file went through)."""
+"""`python -c TRACE TRACE_FILE MODULE ARGS...`: the training command MODULE with each heartbeat beat and write
+also appended to TRACE_FILE ("beat PHASE", "write PHASE")."""
+
+
+def traced_run(trace: Path, module: str, *args: str) -> list[str]:
+    result = subprocess.run([sys.executable, "-c", TRACE, str(trace), module, *args], capture_output=True, text=True,
+                            timeout=300, cwd=REPO_ROOT, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return trace.read_text().splitlines()
+
+
+def in_order(expected: list[str], phases: list[str]) -> bool:
+    remaining = iter(phases)
+    return all(phase in remaining for phase in expected)
 
 
 def check(folder: Path, *args: str, capsys) -> tuple[int, str, str]:
@@ -55,19 +70,18 @@ def write_record(folder: Path, rank: int, **fields) -> None:
 
 def test_a_tiny_pretrain_reports_start_up_steps_saving_and_done(pretraining_samples, tmp_path):
     beats, trace = tmp_path / "beats", tmp_path / "trace.txt"
-    result = subprocess.run(
-        [sys.executable, "-c", TRACE_WRITES, str(trace), *TINY, "--data-path", str(pretraining_samples),
-         "--train-iters", "4", "--save-interval", "2", "--save", str(tmp_path / "ckpt"), "--heartbeat-dir", str(beats)],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
-        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    phases = trace.read_text().splitlines()
-    expected = ["start-up", "start-up: distributed init", "start-up: building model", "start-up: building the engine",
-                "start-up: loading data", "step 1", "saving iter_0000002", "saving iter_0000002: DeepSpeed files",
-                "saving iter_0000002: checksums", "saving iter_0000002: manifest", "step 3", "saving iter_0000004",
-                "done"]
-    remaining = iter(phases)
-    assert all(phase in remaining for phase in expected), phases  # in this order, others between
+    lines = traced_run(trace, "megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples),
+                       "--train-iters", "4", "--save-interval", "2", "--save", str(tmp_path / "ckpt"),
+                       "--heartbeat-dir", str(beats))
+    written = [line.removeprefix("write ") for line in lines if line.startswith("write ")]
+    assert in_order(["start-up", "start-up: distributed init", "start-up: building model",
+                     "start-up: building the engine", "start-up: loading data", "step 1", "saving iter_0000002",
+                     "saving iter_0000002: DeepSpeed files", "saving iter_0000002: checksums",
+                     "saving iter_0000002: manifest", "step 3", "saving iter_0000004", "done"], written), written
+    # Long phases beat at their own sub-steps: each file DeepSpeed writes (here one, the model states),
+    # each file hashed (it and the RNG state).
+    assert lines.count("beat saving iter_0000002: DeepSpeed files") == 2, lines
+    assert lines.count("beat saving iter_0000002: checksums") == 3, lines
     record = json.loads(heartbeat_file(beats, 0).read_text())
     assert record["phase"] == "done" and record["rank"] == 0 and record["world_size"] == 1
     assert record["pid"] != os.getpid() and record["host"] and record["iteration"] is None
@@ -77,6 +91,22 @@ def test_a_tiny_pretrain_reports_start_up_steps_saving_and_done(pretraining_samp
     code = heartbeat.main(["check", str(beats), "--ranks", "1", "--since", str(record["started"] - 1),
                            "--timeout", "0.001"])
     assert code == 0  # a finished rank is never stalled
+
+
+def test_finetune_s2s_reports_validation_saving_exporting_and_done(tiny_hf_model, qg_pairs, tmp_path):
+    beats = tmp_path / "beats"
+    src, tgt = map(str, qg_pairs)
+    lines = traced_run(tmp_path / "trace.txt", "megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model),
+                       "--train-src", src, "--train-tgt", tgt, "--valid-src", src, "--valid-tgt", tgt,
+                       "--eval-iters", "2", "--eval-interval", "2", "--max-source-length", "48",
+                       "--max-target-length", "16", "--micro-batch-size", "8", "--global-batch-size", "8",
+                       "--train-iters", "2", "--log-interval", "1", "--save", str(tmp_path / "c"),
+                       "--heartbeat-dir", str(beats))
+    written = [line.removeprefix("write ") for line in lines if line.startswith("write ")]
+    assert in_order(["start-up", "start-up: distributed init", "step 1", "validation", "saving iter_0000002",
+                     "exporting", "done"], written), written
+    assert lines.count("beat validation") == 2, lines  # one per validation batch
+    assert json.loads(heartbeat_file(beats, 0).read_text())["phase"] == "done"
 
 
 def test_a_stopped_training_process_is_reported_with_its_phase_a_running_one_is_not(pretraining_samples, tmp_path):
@@ -137,6 +167,59 @@ def test_a_folder_that_cannot_be_created_is_refused_before_anything_is_written(p
     assert result.stderr.strip().splitlines()[-1] == \
         f"error: --heartbeat-dir {blocker / 'beats'} cannot be created: {blocker} is a file, not a directory"
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_universal_conversions_beat_per_unit(pretraining_samples, tmp_path):
+    import torch
+
+    from megatron_pmlm.training.checkpoint_files import RUN_STATE_FILE
+    from megatron_pmlm.training.relayout import relayout_to_universal
+    from megatron_pmlm.training.universal_checkpoint import convert_to_universal
+
+    result = run_module("megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples), "--train-iters", "1",
+                        "--zero-stage", "1", "--save", str(tmp_path / "ckpt"))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    tag_dir = tmp_path / "ckpt" / "iter_0000001"
+    saved = json.loads((tag_dir / RUN_STATE_FILE).read_text())
+    shapes = torch.load(tag_dir / "mp_rank_00_model_states.pt", weights_only=False)["param_shapes"]
+    parameters = sum(len(group) for group in shapes)
+    from deepspeed.checkpoint import ds_to_universal
+
+    save_file = ds_to_universal._save_checkpoint
+    phases = []
+    current = heartbeat.start(tmp_path / "beats", rank=0, world_size=1)
+    beat = current.beat
+    current.beat = lambda phase, iteration=None: (phases.append(phase), beat(phase, iteration))
+    try:
+        convert_to_universal(tag_dir, log=lambda message: None)
+        relayout_to_universal(tag_dir, saved, 2, 1, int(saved["args"]["model_config"]["padded_vocab_size"]),
+                              log=lambda message: None)
+    finally:
+        heartbeat.start(None)
+    assert ds_to_universal._save_checkpoint is save_file  # the converter is left as it was
+    # DeepSpeed's converter: every file it writes (3 optimizer states x each parameter's fragment, merged).
+    assert phases.count("start-up: universal conversion of iter_0000001") > 3 * parameters, phases
+    assert phases.count("start-up: universal conversion of iter_0000001, reading model-parallel rank 0") == 2
+    assert phases.count("start-up: universal conversion of iter_0000001, writing parameters") == 1 + parameters
+    assert json.loads(heartbeat_file(tmp_path / "beats", 0).read_text())["phase"].startswith(
+        "start-up: universal conversion of iter_0000001")
+
+
+def test_a_new_compiled_shape_beats_compiling(tmp_path):
+    import torch
+
+    from megatron_pmlm.models import compiled
+
+    current = heartbeat.start(tmp_path, rank=0, world_size=1)
+    try:
+        current.beat("step 7", 7)
+        compiled._announce_new_shape(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))
+        assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "compiling"
+        current.beat("step 8", 8)
+        compiled._announce_new_shape(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))  # known: no compilation
+        assert current.phase == "step 8"
+    finally:
+        heartbeat.start(None)
 
 
 # ------------------------------------------------------------------------------------------------- the file
