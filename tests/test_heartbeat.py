@@ -16,7 +16,7 @@ import pytest
 
 from megatron_pmlm.training import heartbeat
 from megatron_pmlm.training.heartbeat import Heartbeat, heartbeat_file
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, run_module, torchrun
 
 TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4", "--eval-iters", "0",
         "--log-interval", "1"]
@@ -109,51 +109,73 @@ def test_finetune_s2s_reports_validation_saving_exporting_and_done(tiny_hf_model
     assert json.loads(heartbeat_file(beats, 0).read_text())["phase"] == "done"
 
 
-def test_a_stopped_training_process_is_reported_with_its_phase_a_running_one_is_not(pretraining_samples, tmp_path):
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_stopped_training_process_is_reported_with_its_phase_a_running_one_is_not(nproc, pretraining_samples,
+                                                                                   tmp_path):
+    """One process stopped (SIGSTOP, as a hung rank): `check` names it and its phase once the timeout has
+    passed, not before; with two data-parallel ranks the other one, blocked in the step's all-reduce,
+    stops progressing too and both are named."""
     beats = tmp_path / "beats"
     since = time.time()
+    launcher = [sys.executable, "-m"] if nproc == 1 else [*torchrun(nproc), "-m"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples),
-         "--train-iters", "100000", "--log-interval", "1000", "--heartbeat-dir", str(beats)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT, start_new_session=True,
+        [*launcher, "megatron_pmlm.pretrain", *TINY, "--data-path", str(pretraining_samples), "--global-batch-size",
+         str(4 * nproc), "--train-iters", "100000", "--log-interval", "1000", "--heartbeat-dir", str(beats)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
         env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    pids = {process.pid}
+
+    def records() -> list[dict | None]:
+        found = []
+        for rank in range(nproc):
+            try:
+                found.append(json.loads(heartbeat_file(beats, rank).read_text()))
+            except (OSError, ValueError):
+                found.append(None)
+        return found
 
     def run_check(timeout: float) -> subprocess.CompletedProcess:
-        return run_module("megatron_pmlm.training.heartbeat", "check", str(beats), "--ranks", "1",
+        return run_module("megatron_pmlm.training.heartbeat", "check", str(beats), "--ranks", str(nproc),
                           "--since", str(since), "--timeout", str(timeout), timeout=60)
 
     try:
         deadline = time.time() + 240
-        record = None
         while time.time() < deadline and process.poll() is None:
-            try:
-                record = json.loads(heartbeat_file(beats, 0).read_text())
-            except (OSError, ValueError):
-                record = None
-            if record and record["phase"].startswith("step ") and record["iteration"] >= 3:
+            running = records()
+            pids.update(record["pid"] for record in running if record)
+            if all(record and record["phase"].startswith("step ") and record["iteration"] >= 3 for record in running):
                 break
             time.sleep(0.2)
         assert process.poll() is None, process.stderr.read()[-3000:]
-        assert record and record["phase"].startswith("step "), record
+        assert all(record and record["phase"].startswith("step ") for record in running), running
         healthy = run_check(5)
         assert (healthy.returncode, healthy.stdout, healthy.stderr) == (0, "", "")
-        process.send_signal(signal.SIGSTOP)
+        hung = running[-1]["pid"]  # the last rank: the one that logs
+        os.kill(hung, signal.SIGSTOP)
         stopped_at = time.time()
         time.sleep(0.3)
-        record = json.loads(heartbeat_file(beats, 0).read_text())
         assert run_check(5).returncode == 0  # stopped for less than the timeout: not yet a hang
-        time.sleep(max(0.0, record["progress_time"] + 5.5 - time.time()))
+        time.sleep(max(0.0, max(record["progress_time"] for record in records()) + 5.5 - time.time()))
+        final = records()
         stalled = run_check(5)
         reported_after = time.time() - stopped_at
         assert stalled.returncode == 1, stalled.stdout + stalled.stderr
-        age = time.time() - record["progress_time"]
-        line = stalled.stdout.strip()
-        assert line.startswith(f"rank 0 (host {record['host']}, pid {process.pid}) stalled in phase "
-                               f"'{record['phase']}' for "), line
-        assert 5 <= int(line.rsplit(" ", 2)[1]) <= age + 1, line
+        lines = stalled.stdout.splitlines()
+        assert len(lines) == nproc, lines
+        for record in final:
+            line = next(line for line in lines if line.startswith(f"rank {record['rank']} "))
+            assert line.startswith(f"rank {record['rank']} (host {record['host']}, pid {record['pid']}) stalled in "
+                                   f"phase '{record['phase']}' for "), line
+            assert record["phase"].startswith("step ")
+            assert 5 <= int(line.rsplit(" ", 2)[1]) <= time.time() - record["progress_time"] + 1, line
+        assert final[-1]["pid"] == hung
         assert reported_after < 5 + 1 + 10  # the timeout, the write interval, a loaded machine's check
     finally:
-        process.kill()  # SIGKILL reaches a stopped process, as the batch script's would
+        for pid in sorted(pids - {process.pid}) + [process.pid]:
+            try:  # the workers first (torchrun starts each in its own session), then the launcher; SIGKILL
+                os.kill(pid, signal.SIGKILL)  # reaches a stopped process, as the batch script's would
+            except ProcessLookupError:
+                pass
         process.wait(timeout=60)
         process.stderr.close()
 
