@@ -269,10 +269,10 @@ def run(args: argparse.Namespace) -> int:
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
     if args.save and rank == 0 and (Path(args.save) / LATEST_FILE).is_file():  # none: stopped before a first save
-        heartbeat.beat("exporting")
+        heartbeat.beat("exporting", trainer.iteration)
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
-    heartbeat.beat(heartbeat.DONE_PHASE)
+    heartbeat.beat(heartbeat.DONE_PHASE, trainer.iteration)
     return trainer.exit_status
 
 

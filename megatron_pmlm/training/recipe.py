@@ -164,7 +164,7 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
     trainer, loaders = start_pretraining(args, plan)
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
-    heartbeat.beat(heartbeat.DONE_PHASE)
+    heartbeat.beat(heartbeat.DONE_PHASE, trainer.iteration)
     return trainer.exit_status
 
 
