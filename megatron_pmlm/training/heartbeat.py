@@ -78,13 +78,15 @@ class Heartbeat:
         self.write()
 
     def beat(self, phase: str, iteration: int | None = None) -> None:
-        """Real progress, now in `phase` (e.g. "step 57", "saving: checkpoint files", "validation")."""
+        """Real progress, now in `phase` (e.g. "step 57", "saving iter_0000056: checksums", "validation");
+        `iteration` None keeps the last one given."""
         now = time.time()
         if phase != self.phase:
             if STEP_PHASE.match(self.phase):
                 self.slowest_iteration_seconds = max(self.slowest_iteration_seconds, now - self.phase_start)
             self.phase, self.phase_start = phase, now
-        self.iteration = iteration
+        if iteration is not None:
+            self.iteration = iteration
         self.progress_time = now
         if phase_kind(phase) != self.written_kind or now - self.write_time >= MIN_WRITE_INTERVAL_SECONDS:
             self.write(now)
