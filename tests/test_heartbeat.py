@@ -1,6 +1,7 @@
-"""Hang detection (issue 35 item 3): the heartbeat files a real tiny pretrain writes through its phases,
-a rank stopped by SIGSTOP reported by `heartbeat check` with its phase, the timeout rule, stale files
-and bad input."""
+"""Hang detection (issue 35 item 3): the phases real tiny runs (pretrain, finetune_s2s) write, with the
+sub-step beats of saves, validation, universal conversions and compilation; a training process stopped
+by SIGSTOP (one rank, or one of two) reported by `heartbeat check` with its phase; the file's writes;
+the timeout rule, stale files and bad input."""
 
 from __future__ import annotations
 
