@@ -26,6 +26,8 @@ from .training.preflight import check_run_paths
 from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
+from .training import heartbeat
+from .training.heartbeat import add_heartbeat_argument
 from .training.checkpoint_files import CheckpointError
 from .training.training_config import TrainingConfig, check_precision_supported
 
@@ -99,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--tensorboard-dir")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval)")
+    add_heartbeat_argument(output)
     return parser
 
 
@@ -152,8 +155,9 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be refused is checked before processes start talking to each other;
     # --load and the outputs first, so a refused run has written nothing.
     check_run_paths(args.save, args.load, tensorboard_dir=args.tensorboard_dir, history_json=args.history_json,
-                    lock=args.lock,
+                    lock=args.lock, heartbeat_dir=args.heartbeat_dir,
                     weights_hint="a model to fine-tune goes to --model")
+    heartbeat.start(args.heartbeat_dir)  # from here on, every rank records its phase (start-up first)
     if args.train_iters is not None and args.epochs is not None:
         raise ConfigError("give --train-iters or --epochs, not both")
     train_sources, train_targets = read_pairs(args.train_file, args.train_src, args.train_tgt, "train")
@@ -205,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
     from .training.recipe import flops_per_token, start_processes
     from .training.trainer import Trainer, seed_everything
 
+    heartbeat.beat("start-up: distributed init")
     processes = start_processes(training, 1, 1)
+    heartbeat.beat("start-up: building model")
     layout, rank, dp_rank, log = processes.layout, processes.rank, processes.data_parallel_rank, processes.log
     data_parallel_size = layout.data_parallel_size
     if valid_examples is not None and not args.eval_iters:
@@ -242,12 +248,15 @@ def run(args: argparse.Namespace) -> int:
                 "do_lower_case": loaded.do_lower_case, "s2s_mode": s2s.mode,
                 "s2s_max_source_length": s2s.max_source_length, "s2s_max_target_length": s2s.max_target_length,
                 "source_type_id": s2s.source_type_id, "target_type_id": s2s.target_type_id}
+    heartbeat.beat("start-up: building the engine")
     trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       flops_per_token=flops_per_token(config, s2s.max_length, mask_prob=0.5 if s2s.pseudo_masked else 0),
                       tensorboard_dir=args.tensorboard_dir, log=print, run_args=run_args, metrics=SEQ2SEQ_METRICS,
                       history_path=args.history_json)
     if args.load:
+        heartbeat.beat("start-up: loading checkpoint")
         trainer.load_checkpoint(args.load, expected_model_config=asdict(config))
+    heartbeat.beat("start-up: loading data")
     vocab_size = config.vocab_size
     train_batches = seq2seq_batches(train_examples, s2s, special, vocab_size, training.micro_batch_size, dp_rank,
                                     data_parallel_size, training.seed, trainer.consumed_samples)
@@ -260,8 +269,10 @@ def run(args: argparse.Namespace) -> int:
     trainer.train(train_batches, valid_batches if valid_examples is not None else None, save_dir=args.save)
     dist.barrier()
     if args.save and rank == 0 and (Path(args.save) / LATEST_FILE).is_file():  # none: stopped before a first save
+        heartbeat.beat("exporting", trainer.iteration)
         export_fine_tuned(args.save, s2s, run_args["vocab_file"], log=print)
     dist.barrier()
+    heartbeat.beat(heartbeat.DONE_PHASE, trainer.iteration)
     return trainer.exit_status
 
 

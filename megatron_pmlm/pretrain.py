@@ -22,6 +22,7 @@ from .training.checkpoint_files import CheckpointError
 from .training.preflight import check_run_paths, check_sizes
 from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .training.exit_signal import ExitSignal
+from .training.heartbeat import add_heartbeat_argument
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
 
@@ -127,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--tensorboard-dir", help="TensorBoard event files go here")
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
+    add_heartbeat_argument(output)
     add_dataclass_arguments(parser, UniLMMaskingConfig, prefix="unilm-")  # --objective unilm*: masking and NSP
     from .training.palm_recipe import add_palm_arguments  # --model palm and its options
 
@@ -167,8 +169,12 @@ def check_load_family(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
-    check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json, lock=args.lock)
+    check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json, lock=args.lock,
+                    heartbeat_dir=args.heartbeat_dir)
     check_load_family(args)
+    from .training import heartbeat
+
+    heartbeat.start(args.heartbeat_dir)  # from here on, every rank records its phase (start-up first)
     unilm_overrides = dataclass_overrides(args, UniLMMaskingConfig, "unilm-")
     if unilm_overrides and (args.model != "pmlm" or not get_objective(args.objective).is_unilm):
         raise ConfigError(f"--unilm-{next(iter(unilm_overrides)).replace('_', '-')} sets UniLM v1's masking and NSP; "

@@ -129,6 +129,9 @@ def _announce_new_shape(stack: nn.Module, args: tuple) -> None:
     if signature in _signatures:
         return
     _signatures.add(signature)
+    from ..training import heartbeat
+
+    heartbeat.beat("compiling")  # until the next beat: the compilation and the rest of this step
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):

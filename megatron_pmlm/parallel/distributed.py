@@ -90,6 +90,14 @@ def launcher_rank() -> int:
     return 0
 
 
+def launcher_world_size() -> int:
+    """The number of processes as the launcher set it (before torch.distributed exists)."""
+    for key in ("WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 1
+
+
 def quiet_other_ranks() -> None:
     """Start-up warnings (missing optional kernels, DeepSpeed notices) once per job, not once per
     GPU: every rank but 0 drops Python warnings and DeepSpeed's info/warning logs."""

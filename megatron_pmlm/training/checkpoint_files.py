@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from . import heartbeat
+
 LATEST_FILE = "latest"
 RUN_STATE_FILE = "run_state.json"
 UNIVERSAL_SUFFIX = "_universal"
@@ -78,8 +80,12 @@ def checksum_share(sizes: dict[str, int], rank: int, world_size: int) -> list[st
 
 
 def file_checksums(tag_dir: Path, names: Iterable[str]) -> dict[str, tuple[int, str]]:
-    """{name: (size, checksum)} of the named files of `tag_dir`."""
-    return {name: file_checksum(tag_dir / name) for name in names}
+    """{name: (size, checksum)} of the named files of `tag_dir`; each file hashed is progress for the heartbeat."""
+    checksums = {}
+    for name in names:
+        checksums[name] = file_checksum(tag_dir / name)
+        heartbeat.progress()
+    return checksums
 
 
 def manifest(checksums: dict[str, tuple[int, str]]) -> dict[str, dict]:

@@ -145,8 +145,10 @@ def check_sizes(args: Any) -> None:
 
 
 def check_run_paths(save: str | None, load: str | None, finetune: bool = False, tensorboard_dir: str | None = None,
-                    history_json: str | None = None, lock: bool = True, **load_options: Any) -> None:
-    """A training run's --load, --save, --tensorboard-dir and --history-json, before anything is built;
+                    history_json: str | None = None, lock: bool = True, heartbeat_dir: str | None = None,
+                    **load_options: Any) -> None:
+    """A training run's --load, --save, --tensorboard-dir, --history-json and --heartbeat-dir, before anything
+    is built;
     then global rank 0 takes --save's lock (save_lock.py: one run per directory; `lock` False:
     --no-lock, warned). The other ranks write nothing before the process group exists, which
     needs rank 0, so rank 0 holds the lock by then."""
@@ -157,6 +159,7 @@ def check_run_paths(save: str | None, load: str | None, finetune: bool = False, 
     check_output_dir(save, "--save")
     check_output_dir(tensorboard_dir, "--tensorboard-dir")
     check_output_file(history_json, "--history-json")
+    check_output_dir(heartbeat_dir, "--heartbeat-dir")
     # Last: a run refused for another path leaves no --save folder made for the lock behind.
     if save and launcher_rank() == 0:
         try:
@@ -180,7 +183,7 @@ LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
 """How the weights are split into files: DeepSpeed reads them back only into the same layout;
 --universal-checkpoint re-shards them for another one (relayout.py), --finetune does not."""
 
-NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "local_rank", "finetune", "universal_checkpoint",
+NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "heartbeat_dir", "local_rank", "finetune", "universal_checkpoint",
                 "lock", "checksums", "data_identity", "allow_data_change",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
                 "converted_from", "vocab_file", "s2s_max_source_length", "s2s_max_target_length"}

@@ -159,35 +159,44 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
     model, the universal-checkpoint decision, Trainer, resume, data, iterations. The exit status."""
     import torch.distributed as dist
 
+    from . import heartbeat
+
     trainer, loaders = start_pretraining(args, plan)
     trainer.train(loaders.train, loaders.valid, save_dir=args.save)
     dist.barrier()
+    heartbeat.beat(heartbeat.DONE_PHASE, trainer.iteration)
     return trainer.exit_status
 
 
 def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[Any, Any]:
     """Everything of `run_pretraining` before the iterations: (Trainer, data.PretrainingLoaders)."""
     from ..parallel.distributed import MegatronMPU
+    from . import heartbeat
     from .trainer import Trainer, seed_everything
 
     training = plan.training
+    heartbeat.beat("start-up: distributed init")
     processes = start_processes(training, plan.tensor_parallel_size, plan.pipeline_parallel_size,
                                 args.distributed_timeout_minutes)
     layout, log = processes.layout, processes.log
     # The same seed on every tensor- and data-parallel rank keeps replicated dropout in step.
     seed_everything(training.seed + 100 * processes.pipeline_rank)
+    heartbeat.beat("start-up: building model")
     model = plan.build_model(layout)
     universal = needs_universal_checkpoint(args, training.zero_stage, layout.data_parallel_size, log,
                                            plan.tensor_parallel_size, plan.pipeline_parallel_size)
     log(plan.describe_model)
     log(parallelism_line(training, layout, plan.show_pipeline))
+    heartbeat.beat("start-up: building the engine")
     trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=MegatronMPU(),
                       pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=plan.metrics,
                       universal_checkpoint=universal, history_path=args.history_json,
                       run_args={**vars(args), "model_config": asdict(plan.model_config)})
     if args.load:
+        heartbeat.beat("start-up: loading checkpoint")
         trainer.load_checkpoint(args.load, expected_model_config=asdict(plan.model_config), finetune=args.finetune)
+    heartbeat.beat("start-up: loading data")
     loaders = plan.build_loaders(processes, trainer.consumed_samples)
     log(plan.describe_data(loaders))
     return trainer, loaders

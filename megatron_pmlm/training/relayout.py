@@ -32,6 +32,7 @@ import torch
 
 from ..config import ConfigError
 from .checkpoint_files import RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError
+from . import heartbeat
 
 OPTIMIZER_STATES = ("fp32", "exp_avg", "exp_avg_sq")
 """What DeepSpeed's universal loader reads per parameter, besides `step`."""
@@ -145,6 +146,7 @@ def _read_shard_states(tag_dir: Path, model_parallel_rank: int, data_parallel_si
     for data_parallel_rank in range(data_parallel_size):
         path = _optimizer_file(tag_dir, data_parallel_rank, model_parallel_rank)
         optimizer = torch_load(path)["optimizer_state_dict"]
+        heartbeat.progress()  # one data-parallel partition read
         try:
             groups = zip(optimizer["param_slice_mappings"], optimizer["single_partition_of_fp32_groups"],
                          optimizer["base_optimizer_state"]["state"].values())
@@ -196,6 +198,8 @@ def relayout_to_universal(tag_dir: Path, run_state: dict[str, Any], tensor_paral
     per_tp_rank: list[dict[str, dict[str, torch.Tensor]]] = [{s: {} for s in OPTIMIZER_STATES} for _ in range(saved_tp)]
     step = None
     for model_parallel_rank in range(saved_tp * saved_pp):
+        heartbeat.beat(f"start-up: universal conversion of {tag_dir.name}, reading model-parallel rank "
+                       f"{model_parallel_rank}")
         states, step = _read_shard_states(tag_dir, model_parallel_rank, data_parallel_size, canonical)
         for state, tensors in states.items():
             for name, tensor in tensors.items():  # the tied embedding: on the first and the last stage
@@ -205,7 +209,9 @@ def relayout_to_universal(tag_dir: Path, run_state: dict[str, Any], tensor_paral
     shutil.rmtree(staging, ignore_errors=True)
     zero = staging / "zero"
     full = {state: merge_state_dicts([rank[state] for rank in per_tp_rank]) for state in OPTIMIZER_STATES}
+    heartbeat.beat(f"start-up: universal conversion of {tag_dir.name}, writing parameters")
     for name in full["fp32"]:
+        heartbeat.progress()
         folder_name = pipeline_parameter_name(name, num_layers) if pipeline_parallel_size > 1 else name
         folder = zero / folder_name
         folder.mkdir(parents=True)

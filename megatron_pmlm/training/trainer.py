@@ -37,6 +37,7 @@ from ..parallel.distributed import collective_device
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
                                checkpoint_listing, checksum_share, file_checksums, manifest,
                                newest_verified_checkpoint)
+from . import heartbeat
 from .exit_signal import ExitSignal, signal_text
 from .preflight import check_resumed_settings
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
@@ -202,11 +203,13 @@ class Trainer:
         with DevicePrefetcher(batches, self.device) as prefetched:
             if self.pipeline:
                 for _ in range(max(1, num_batches // self.engine.gradient_accumulation_steps())):
+                    heartbeat.beat("validation", self.iteration)
                     self.engine.eval_batch(data_iter=_PipelineInputs(prefetched))
                     for metrics in self.engine.module.pop_metrics():
                         sums.add_tensor(metrics)
             else:
                 for _ in range(num_batches):
+                    heartbeat.beat("validation", self.iteration)
                     out = self.engine(*next(prefetched).as_tuple())
                     sums.add_tensor(out.metrics())
         return self._data_parallel_average(sums).averages()
@@ -260,6 +263,7 @@ class Trainer:
         interval_start, interval_first = time.time(), self.iteration
         stop_reason = None
         while self.iteration < config.train_iters and stop_reason is None:
+            heartbeat.beat(f"step {self.iteration + 1}", self.iteration + 1)
             sums, tokens = self.train_step(batches)
             interval.merge(sums)
             interval_tokens += tokens
@@ -365,6 +369,7 @@ class Trainer:
         is complete exactly when its manifest matches the files (see `checkpoint_problem`)."""
         save_dir = Path(save_dir)
         tag = f"iter_{self.iteration:07d}"
+        heartbeat.beat(f"saving {tag}", self.iteration)
         client_state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                         "consumed_tokens": self.consumed_tokens, "training_config": asdict(self.config), "args": self.run_args,
                         "world_size": self.world_size, "data_parallel_size": self.data_parallel_size}
@@ -385,11 +390,16 @@ class Trainer:
             for conversion in save_dir.glob(f"{tag}{UNIVERSAL_SUFFIX}*"):
                 shutil.rmtree(conversion, ignore_errors=True)
         dist.barrier()
-        self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
-                                    save_latest=False)
+        # Each file DeepSpeed writes is progress (so is each file hashed, checkpoint_files.file_checksums).
+        with heartbeat.beat_after_each_call(getattr(self.engine, "checkpoint_engine", None), "save",
+                                            f"saving {tag}: DeepSpeed files"):
+            self.engine.save_checkpoint(str(save_dir), tag=tag, client_state={**client_state, **extra_state},
+                                        save_latest=False)
         torch.save(rng_state(), save_dir / tag / f"rng_state_rank{self.rank:05d}.pt")
+        heartbeat.beat(f"saving {tag}: checksums")
         dist.barrier()
         files = self._checksum_files(save_dir / tag)
+        heartbeat.beat(f"saving {tag}: manifest")
         if self.rank == 0:
             tag_dir = save_dir / tag
             write_text_atomically(tag_dir / RUN_STATE_FILE,

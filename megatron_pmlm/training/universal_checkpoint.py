@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..files import write_text_atomically
+from . import heartbeat
 from .checkpoint_files import RUN_STATE_FILE, UNIVERSAL_SUFFIX
 
 
@@ -53,9 +54,12 @@ def convert_to_universal(tag_dir: Path, log: Callable[[str], None]) -> Path:
     log(f"converting {tag_dir} to DeepSpeed's universal format in {target}")
     import argparse
 
-    ds_to_universal.main(argparse.Namespace(
-        input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1, num_merge_workers=1,
-        keep_temp_folder=False, strict=True, inject_missing_state=False))
+    # Each file the converter writes (a parameter's fragment, a merged state) is progress.
+    with heartbeat.beat_after_each_call(ds_to_universal, "_save_checkpoint",
+                                        f"start-up: universal conversion of {tag_dir.name}"):
+        ds_to_universal.main(argparse.Namespace(
+            input_folder=str(tag_dir), output_folder=str(staging), num_extract_workers=1, num_merge_workers=1,
+            keep_temp_folder=False, strict=True, inject_missing_state=False))
     shutil.copy2(tag_dir / RUN_STATE_FILE, staging / RUN_STATE_FILE)
     for rng_file in tag_dir.glob("rng_state_rank*.pt"):
         shutil.copy2(rng_file, staging / rng_file.name)
