@@ -169,6 +169,7 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
     """Everything of `run_pretraining` before the iterations: (Trainer, data.PretrainingLoaders)."""
     from ..parallel.distributed import MegatronMPU
     from .trainer import Trainer, seed_everything
+    from .tracking import TrackingConfig
 
     training = plan.training
     processes = start_processes(training, plan.tensor_parallel_size, plan.pipeline_parallel_size,
@@ -185,7 +186,8 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
                       pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=plan.metrics,
                       universal_checkpoint=universal, history_path=args.history_json,
-                      run_args={**vars(args), "model_config": asdict(plan.model_config)})
+                      run_args={**vars(args), "model_config": asdict(plan.model_config)},
+                      tracking=TrackingConfig.from_args(args))
     if args.load:
         trainer.load_checkpoint(args.load, expected_model_config=asdict(plan.model_config), finetune=args.finetune)
     loaders = plan.build_loaders(processes, trainer.consumed_samples)
