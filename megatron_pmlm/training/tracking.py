@@ -51,7 +51,7 @@ class TrackingConfig:
     wandb_mode: str = "online"
     """online: stream to the W&B server; offline: files only, `wandb sync` uploads them later."""
     mlflow_tracking_uri: str | None = None
-    """MLflow tracking URI: a file store, a database (sqlite:///runs.db) or a server; None: no MLflow."""
+    """MLflow tracking URI: a database (sqlite:///runs.db) or a server; None: no MLflow."""
     mlflow_experiment: str = DEFAULT_MLFLOW_EXPERIMENT
     """MLflow experiment (created when missing)."""
 
@@ -68,15 +68,16 @@ def add_tracking_arguments(parser: argparse.ArgumentParser) -> None:
     """The --wandb-* and --mlflow-* options (pretrain, finetune_s2s, finetune_glue/squad)."""
     group = parser.add_argument_group(f"experiment tracking (needs {INSTALL_HINT})")
     group.add_argument("--wandb-project", metavar="P", default=None,
-                       help="log the metrics, against the iteration, to this Weights & Biases project (none: no W&B)")
-    group.add_argument("--wandb-run-name", metavar="N", default=None, help="the W&B run's name (none: W&B picks one)")
+                       help="log the metrics, against the iteration, to this Weights & Biases project "
+                            "(default: not set, no W&B)")
+    group.add_argument("--wandb-run-name", metavar="N", default=None, help="the W&B run's name (default: one W&B picks)")
     group.add_argument("--wandb-dir", metavar="D", default=None,
-                       help="folder for W&B's run files (none: $WANDB_DIR, else ./wandb)")
+                       help="folder for W&B's run files (default: $WANDB_DIR, else the current folder)")
     group.add_argument("--wandb-mode", choices=WANDB_MODES, default="online",
                        help="offline: run files only, uploaded later by `wandb sync` (clusters without internet)")
     group.add_argument("--mlflow-tracking-uri", metavar="URI", default=None,
-                       help="log to MLflow: a tracking server (http://host:5000), a database (sqlite:///runs.db) or "
-                            "a folder (none: no MLflow)")
+                       help="log to MLflow: a tracking server (http://host:5000) or a database (sqlite:///runs.db) "
+                            "(default: not set, no MLflow)")
     group.add_argument("--mlflow-experiment", metavar="E", default=DEFAULT_MLFLOW_EXPERIMENT,
                        help="MLflow experiment, created when missing")
 
@@ -227,7 +228,7 @@ class MlflowBackend:
         experiment = self.client.get_experiment_by_name(config.mlflow_experiment)
         experiment_id = experiment.experiment_id if experiment else \
             self.client.create_experiment(config.mlflow_experiment)
-        self.run_id = self.client.create_run(experiment_id, run_name=config.wandb_run_name).info.run_id
+        self.run_id = self.client.create_run(experiment_id).info.run_id
         params = [Param(key, value[:self.PARAM_LENGTH]) for key, value in flatten(identity).items()]
         for start in range(0, len(params), self.PARAM_BATCH):
             self.client.log_batch(self.run_id, params=params[start:start + self.PARAM_BATCH])
