@@ -288,21 +288,37 @@ def test_options_of_one_backend_need_its_main_flag(pretraining_samples, tmp_path
         "error: --wandb-run-name needs --wandb-project", result.stderr[-2000:]
 
 
-def test_hugging_face_trainer_reports_through_its_own_integrations(monkeypatch):
-    """finetune_glue/squad: our flags become the HF Trainer's report_to and the environment its
-    W&B and MLflow integrations read."""
-    from megatron_pmlm.finetune_glue import build_parser
-    from megatron_pmlm.tasks.hf_trainer import training_arguments
+def test_hugging_face_fine_tuning_reports_through_the_trainers_own_integrations(tiny_hf_model, shared_data, tmp_path):
+    """finetune_glue: our flags become the HF Trainer's report_to (beside --report-to) and the
+    environment its W&B and MLflow integrations read; both get the losses trainer_state.json logs."""
+    glue = shared_data / "glue"
+    if not (glue / "MRPC" / "train.tsv").is_file():
+        pytest.skip(f"{glue}/MRPC is absent")
+    uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    result = run_module("megatron_pmlm.finetune_glue", "--model", str(tiny_hf_model), "--task", "mrpc", "--data-dir",
+                        str(glue), "--output-dir", str(tmp_path / "out"), "--max-steps", "10", "--max-train-samples",
+                        "160", "--max-eval-samples", "32", "--per-device-train-batch-size", "16", "--logging-steps", "5",
+                        "--disable-tqdm", "--report-to", "tensorboard", "--mlflow-tracking-uri", uri,
+                        "--mlflow-experiment", "glue", "--wandb-project", "glue-test", "--wandb-mode", "offline",
+                        "--wandb-dir", str(tmp_path), timeout=300,
+                        env={k: v for k, v in tracking_env(tmp_path).items() if k.startswith(("HOME", "WANDB_"))})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    losses = [(record["step"], record["loss"]) for record in state["log_history"] if "loss" in record]
+    assert [step for step, _ in losses] == [5, 10]
 
-    for name in ("WANDB_PROJECT", "WANDB_MODE", "WANDB_DIR", "WANDB_NAME", "MLFLOW_TRACKING_URI",
-                 "MLFLOW_EXPERIMENT_NAME"):
-        monkeypatch.delenv(name, raising=False)
-    args = build_parser().parse_args(["--model", "m", "--task", "sst2", "--data-dir", "d", "--output-dir", "o", "--report-to",
-                                      "tensorboard", "--wandb-project", "p", "--wandb-mode", "offline",
-                                      "--wandb-run-name", "n", "--mlflow-tracking-uri", "sqlite:///r.db",
-                                      "--mlflow-experiment", "e"])
-    assert training_arguments(args, Path("o")).report_to == ["tensorboard", "wandb", "mlflow"]
-    assert (os.environ["WANDB_PROJECT"], os.environ["WANDB_MODE"], os.environ["WANDB_NAME"]) == ("p", "offline", "n")
-    assert (os.environ["MLFLOW_TRACKING_URI"], os.environ["MLFLOW_EXPERIMENT_NAME"]) == ("sqlite:///r.db", "e")
-    plain = build_parser().parse_args(["--model", "m", "--task", "sst2", "--data-dir", "d", "--output-dir", "o"])
-    assert training_arguments(plain, Path("o")).report_to == []
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("glue").experiment_id])
+    (trained,) = [run for run in runs if "loss" in run.data.metrics]
+    history = client.get_metric_history(trained.info.run_id, "loss")
+    assert [m.step for m in history] == [5, 10]
+    assert [m.value for m in history] == pytest.approx([loss for _, loss in losses])
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = list(wandb_records(next(run_dir.glob("run-*.wandb"))))
+    assert {r.run.project for r in records if r.WhichOneof("record_type") == "run"} == {"glue-test"}
+    logged = [json.loads(item.value_json) for r in records if r.WhichOneof("record_type") == "history"
+              for item in r.history.item if (item.key or "/".join(item.nested_key)) == "train/loss"]
+    assert logged == pytest.approx([loss for _, loss in losses])
+    assert any((tmp_path / "out").glob("runs/*/events.out.tfevents.*"))  # --report-to tensorboard kept
