@@ -322,3 +322,29 @@ def test_hugging_face_fine_tuning_reports_through_the_trainers_own_integrations(
               for item in r.history.item if (item.key or "/".join(item.nested_key)) == "train/loss"]
     assert logged == pytest.approx([loss for _, loss in losses])
     assert any((tmp_path / "out").glob("runs/*/events.out.tfevents.*"))  # --report-to tensorboard kept
+
+
+def test_runs_closed_after_an_error_are_marked_failed(tmp_path, monkeypatch):
+    """Tracking.close(succeeded=False), what the Trainer's `finally` calls when training raised:
+    MLflow's run FAILED, W&B's finished with exit code 1; both with the points logged before."""
+    from mlflow.tracking import MlflowClient
+
+    from megatron_pmlm.training.tracking import RUNS_FILE, Tracking, TrackingConfig
+
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home"))
+    uri = f"sqlite:///{tmp_path / 'runs.db'}"
+    lines: list[str] = []
+    tracking = Tracking(lines.append)
+    config = TrackingConfig(wandb_project="p", wandb_mode="offline", wandb_dir=str(tmp_path), mlflow_tracking_uri=uri)
+    ids = tracking.start_runs(config, {"config": {"lr": 0.1}}, {}, 0, tmp_path)
+    assert json.loads((tmp_path / RUNS_FILE).read_text()) == ids and set(ids) == {"wandb", "mlflow"}
+    tracking.log({"train/loss": 2.5, "train/grad_norm": float("nan")}, 1)
+    tracking.close(succeeded=False)
+    assert lines == [] and tracking.backends == []
+    run = MlflowClient(tracking_uri=uri).get_run(ids["mlflow"])
+    assert run.info.status == "FAILED" and run.data.metrics == {"train/loss": 2.5}  # NaN left out
+    assert run.data.params["config.lr"] == "0.1"
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    exits = [r.exit.exit_code for r in wandb_records(next(run_dir.glob("run-*.wandb")))
+             if r.WhichOneof("record_type") == "exit"]
+    assert exits == [1]
