@@ -24,6 +24,7 @@ from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
 from .training.preflight import check_run_paths
 from .training.save_lock import add_no_lock_argument, release_save_dirs
+from .training.tracking import add_tracking_arguments, check_tracking_arguments
 from .models.seq2seq import MODES, Seq2SeqConfig
 from .training.exit_signal import ExitSignal
 from .training import heartbeat
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval)")
     add_heartbeat_argument(output)
+    add_tracking_arguments(parser)
     return parser
 
 
@@ -154,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything that can be refused is checked before processes start talking to each other;
     # --load and the outputs first, so a refused run has written nothing.
+    tracking = check_tracking_arguments(args)
     check_run_paths(args.save, args.load, tensorboard_dir=args.tensorboard_dir, history_json=args.history_json,
                     lock=args.lock, heartbeat_dir=args.heartbeat_dir,
                     weights_hint="a model to fine-tune goes to --model")
@@ -252,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=MegatronMPU(),
                       flops_per_token=flops_per_token(config, s2s.max_length, mask_prob=0.5 if s2s.pseudo_masked else 0),
                       tensorboard_dir=args.tensorboard_dir, log=print, run_args=run_args, metrics=SEQ2SEQ_METRICS,
-                      history_path=args.history_json)
+                      history_path=args.history_json, tracking=tracking)
     if args.load:
         heartbeat.beat("start-up: loading checkpoint")
         trainer.load_checkpoint(args.load, expected_model_config=asdict(config))

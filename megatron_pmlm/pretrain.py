@@ -23,6 +23,7 @@ from .training.preflight import check_run_paths, check_sizes
 from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .training.exit_signal import ExitSignal
 from .training.heartbeat import add_heartbeat_argument
+from .training.tracking import add_tracking_arguments, check_tracking_arguments
 from .training.training_config import LR_DECAY_STYLES, PRESET_TRAINING_DEFAULTS, TrainingConfig
 
 
@@ -129,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     output.add_argument("--history-json", help="also write the logged metrics to this JSON file (rewritten at "
                                                "every log interval, so a crash loses nothing logged)")
     add_heartbeat_argument(output)
+    add_tracking_arguments(parser)
     add_dataclass_arguments(parser, UniLMMaskingConfig, prefix="unilm-")  # --objective unilm*: masking and NSP
     from .training.palm_recipe import add_palm_arguments  # --model palm and its options
 
@@ -167,6 +169,7 @@ def check_load_family(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_tracking_arguments(args)
     check_sizes(args)
     # --load, --save and the other outputs first: a refused run has written nothing (PALM too).
     check_run_paths(args.save, args.load, args.finetune, args.tensorboard_dir, args.history_json, lock=args.lock,

@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from ..config import non_negative_int, positive_int
+from ..config import ConfigError, non_negative_int, positive_int
 from ..files import InputError, write_json_atomically
+from ..training.tracking import add_tracking_arguments, check_tracking_arguments, hf_report_to
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                 "pytorch_model.bin.index.json")
@@ -153,9 +154,12 @@ def add_trainer_arguments(parser: argparse.ArgumentParser, defaults: dict[str, A
                        help="Trainer checkpoints kept (default: all)")
     train.add_argument("--no-save-model", action="store_true", help="do not write the fine-tuned model at the end")
     train.add_argument("--dataloader-num-workers", type=non_negative_int, default=0)
-    train.add_argument("--report-to", default="none", help="Trainer's integrations: none, tensorboard, wandb, ...")
+    train.add_argument("--report-to", default="none",
+                       help="Trainer's integrations: none, tensorboard, wandb, ... (--wandb-project and "
+                            "--mlflow-tracking-uri add theirs)")
     train.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
     train.add_argument("--use-cpu", action="store_true", help="train on the CPU even when a GPU is present")
+    add_tracking_arguments(parser)
 
 
 def check_trainer_arguments(args: argparse.Namespace) -> None:
@@ -182,8 +186,12 @@ def no_accelerator() -> bool:
 
 def training_arguments(args: argparse.Namespace, output_dir: Path, has_eval: bool = True):
     """TrainingArguments from our options. Without a GPU, use_cpu is set: then (and only then)
-    Trainer runs data parallel on CPU processes under torchrun (gloo) instead of one model each."""
+    Trainer runs data parallel on CPU processes under torchrun (gloo) instead of one model each.
+    --wandb-*/--mlflow-* go through the Trainer's own integrations (report_to and the environment
+    variables they read)."""
     from transformers import TrainingArguments
+
+    report_to = hf_report_to(args, args.report_to)
 
     return TrainingArguments(
         output_dir=str(output_dir), do_train=True, do_eval=has_eval,
@@ -198,7 +206,7 @@ def training_arguments(args: argparse.Namespace, output_dir: Path, has_eval: boo
         logging_steps=args.logging_steps, eval_strategy=args.eval_strategy if has_eval else "no",
         eval_steps=args.eval_steps, save_strategy=args.save_strategy, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, dataloader_num_workers=args.dataloader_num_workers,
-        report_to=args.report_to, disable_tqdm=args.disable_tqdm or None,
+        report_to=report_to, disable_tqdm=args.disable_tqdm or None,
         use_cpu=args.use_cpu or no_accelerator(),
     )
 
@@ -249,8 +257,9 @@ def run_command(build_parser: Callable[[], argparse.ArgumentParser], run: Callab
     quiet_third_parties()
     args = build_parser().parse_args(argv)
     try:
+        check_tracking_arguments(args)  # before anything is read or written
         run(args)
-    except InputError as error:
+    except (InputError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from .checkpoint_files import LATEST_FILE, CheckpointError, newest_complete_checkpoint
 from ..config import ConfigError
 from ..files import check_output_folder
+from .tracking import TRACKING_ARGS
 
 
 def same_directory(a: str | os.PathLike, b: str | os.PathLike) -> bool:
@@ -186,7 +187,8 @@ LAYOUT_ARGS = {"tensor_model_parallel_size": "--tensor-model-parallel-size",
 NOT_SETTINGS = {"load", "save", "tensorboard_dir", "history_json", "heartbeat_dir", "local_rank", "finetune", "universal_checkpoint",
                 "lock", "checksums", "data_identity", "allow_data_change",
                 "distributed_timeout_minutes", "deepspeed_config", "model_config", "epochs", "fp16", "bf16",
-                "converted_from", "vocab_file", "s2s_max_source_length", "s2s_max_target_length"}
+                "converted_from", "vocab_file", "s2s_max_source_length", "s2s_max_target_length",
+                *TRACKING_ARGS}
 """Arguments that are where the run reads and writes, how it is launched, or are stored resolved
 elsewhere (training_config, model_config): not compared."""
 

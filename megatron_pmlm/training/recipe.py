@@ -173,6 +173,7 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
     from ..parallel.distributed import MegatronMPU
     from . import heartbeat
     from .trainer import Trainer, seed_everything
+    from .tracking import TrackingConfig
 
     training = plan.training
     heartbeat.beat("start-up: distributed init")
@@ -192,7 +193,8 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
                       pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=plan.metrics,
                       universal_checkpoint=universal, history_path=args.history_json,
-                      run_args={**vars(args), "model_config": asdict(plan.model_config)})
+                      run_args={**vars(args), "model_config": asdict(plan.model_config)},
+                      tracking=TrackingConfig.from_args(args))
     if args.load:
         heartbeat.beat("start-up: loading checkpoint")
         trainer.load_checkpoint(args.load, expected_model_config=asdict(plan.model_config), finetune=args.finetune)

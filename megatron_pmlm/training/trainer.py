@@ -1,5 +1,5 @@
 """The training loop on DeepSpeed: the paper's optimizer and schedule, checkpoints that resume
-exactly, preemption by signal, and metrics to the console and TensorBoard.
+exactly, preemption by signal, and metrics to the console, TensorBoard, W&B and MLflow (tracking.py).
 
 DeepSpeed owns ZeRO, mixed precision, gradient accumulation, pipeline scheduling and the checkpoint
 files; the optimizer, learning-rate schedule (UniLMv2 Table 7) and DeepSpeed config are built from
@@ -40,6 +40,8 @@ from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, Ch
 from . import heartbeat
 from .exit_signal import ExitSignal, signal_text
 from .preflight import check_resumed_settings
+from .run_identity import IDENTITY_KEY, identity_lines, run_identity
+from .tracking import Tracking, TrackingConfig, read_run_ids
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
                               lr_lambda, parameter_groups)
@@ -83,7 +85,8 @@ class Trainer:
                  pipeline: bool = False, flops_per_token: float = 0.0,
                  tensorboard_dir: str | None = None, log: Callable[[str], None] | None = None,
                  run_args: dict[str, Any] | None = None, metrics: MetricSpec = PMLM_METRICS,
-                 universal_checkpoint: bool = False, history_path: str | os.PathLike | None = None):
+                 universal_checkpoint: bool = False, history_path: str | os.PathLike | None = None,
+                 tracking: TrackingConfig | None = None):
         import deepspeed
 
         self.config = config
@@ -153,11 +156,20 @@ class Trainer:
             self.exit_signal.agreement_group()  # made here, on every rank at the same point
         self.stop_signal: int | None = None
         """The signal that stopped `train` (None: it ran to the end, or to --exit-interval)."""
-        self.tensorboard = None
+        # What produced the run: into every checkpoint's run state (rank 0) and the logs, W&B, MLflow
+        # (the logging rank).
+        self.identity = run_identity(self.run_args, asdict(config), self.ds_config, self.world_size) \
+            if self.rank == 0 or self.is_logging_rank else {}
+        for line in identity_lines(self.identity) if self.is_logging_rank else ():
+            self.log(line)
+        self.tracking_config = tracking or TrackingConfig()
+        self.tracking = Tracking(self._log)
+        """TensorBoard (from here on), W&B and MLflow (from `train`, once a resume knows its iteration)."""
+        self.tracking_run_ids: dict[str, str] = {}
+        """The W&B / MLflow run ids (every rank), saved in the run state so a resume continues them."""
+        self._resumed_tracking_ids: dict[str, str] = {}
         if tensorboard_dir and self.is_logging_rank:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(log_dir=tensorboard_dir)
+            self.tracking.add_tensorboard(tensorboard_dir)
 
     @property
     def exit_status(self) -> int:
@@ -236,16 +248,18 @@ class Trainer:
             self.stop_signal = self.exit_signal.agreed
             self.log(f"received signal {signal_text(self.exit_signal.received)} before the first "
                      f"iteration: exiting at iteration {self.iteration} without training")
+            self.tracking.close()
             return self.history
+        finished = False
         try:
+            self._start_tracking(save_dir)
             # The prefetch thread ends on every way out of the loop (an error, Ctrl-C twice included).
             with DevicePrefetcher(train_batches, self.device) as batches:
                 stop_reason = self._iterations(batches, valid_batches, save_dir)
+            finished = True
         finally:
-            if self.tensorboard:
-                # Closed, not just flushed: its writer thread is then gone before the process ends.
-                self.tensorboard.close()
-                self.tensorboard = None
+            # Every run closed on every way out (W&B finished, MLflow terminated; FAILED after an error).
+            self.tracking.close(succeeded=finished)
         if stop_reason == "signal":
             self.log(f"received signal {signal_text(self.exit_signal.received)}: "
                      + (f"saved at iteration {self.iteration}" if save_dir else
@@ -327,13 +341,13 @@ class Trainer:
                  + (f"loss scale {record['loss_scale']:.0f} | " if config.precision == "fp16" else "")
                  + f"samples/s {record['samples_per_sec']:.1f} | tokens/s {record['tokens_per_sec']:.0f} | "
                  f"TFLOP/s/GPU {record['tflops_per_gpu']:.2f} | ETA {_format_seconds(remaining)}")
-        if self.tensorboard:
-            for key in (*losses, "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec",
-                        "tflops_per_gpu", "consumed_tokens", "skipped_iterations", "memory_allocated_gb",
-                        "memory_reserved_gb"):
-                if key in record and math.isfinite(record[key]):
-                    self.tensorboard.add_scalar(f"train/{key}", record[key], self.iteration)
         self._write_history()
+        # TensorBoard, W&B and MLflow get the same scalars (the finite ones), after the history file:
+        # a tracker is never ahead of it.
+        self.tracking.log({f"train/{key}": record[key] for key in (
+            *losses, "lr", "grad_norm", "loss_scale", "samples_per_sec", "tokens_per_sec", "tflops_per_gpu",
+            "consumed_tokens", "skipped_iterations", "memory_allocated_gb", "memory_reserved_gb") if key in record},
+            self.iteration)
 
     def _continue_history(self) -> None:
         """Resuming into the same --history-json: keep its records up to the checkpoint (later ones
@@ -357,10 +371,24 @@ class Trainer:
         self.history.append({"iteration": self.iteration, **{f"valid_{k}": v for k, v in valid.items()}})
         self.log(f"validation at iteration {self.iteration} | "
                  + " | ".join(f"{name} {value:.4f}" for name, value in valid.items()))
-        if self.tensorboard:
-            for key, value in valid.items():
-                self.tensorboard.add_scalar(f"valid/{key}", value, self.iteration)
         self._write_history()
+        self.tracking.log({f"valid/{key}": value for key, value in valid.items()}, self.iteration)
+
+    def _start_tracking(self, save_dir: str | None) -> None:
+        """Start the W&B / MLflow runs on the logging rank, or continue those of the checkpoint
+        resumed from (else of the save folder: a run that crashed before its first checkpoint);
+        every rank learns their ids (rank 0 saves the run state)."""
+        if not self.tracking_config.enabled:
+            return
+        ids: dict[str, str] = {}
+        if self.is_logging_rank:
+            resume_ids = self._resumed_tracking_ids or read_run_ids(save_dir)
+            ids = self.tracking.start_runs(self.tracking_config, self.identity, resume_ids, self.iteration, save_dir)
+        if self.world_size > 1:
+            shared = [ids]
+            dist.broadcast_object_list(shared, src=self.world_size - 1, device=collective_device())
+            ids = shared[0]
+        self.tracking_run_ids = ids
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(self, save_dir: str | os.PathLike) -> str:
@@ -372,7 +400,8 @@ class Trainer:
         heartbeat.beat(f"saving {tag}", self.iteration)
         client_state = {"iteration": self.iteration, "consumed_samples": self.consumed_samples,
                         "consumed_tokens": self.consumed_tokens, "training_config": asdict(self.config), "args": self.run_args,
-                        "world_size": self.world_size, "data_parallel_size": self.data_parallel_size}
+                        "world_size": self.world_size, "data_parallel_size": self.data_parallel_size,
+                        "tracking": self.tracking_run_ids}
         model_config = self.run_args.get("model_config") or {}
         embedding_rows = model_config.get("padded_vocab_size") or model_config.get("vocab_size")
         parameter_names = [name for name, _ in self.engine.module.named_parameters()]
@@ -403,7 +432,8 @@ class Trainer:
         if self.rank == 0:
             tag_dir = save_dir / tag
             write_text_atomically(tag_dir / RUN_STATE_FILE,
-                                  json.dumps({**client_state, **manifest(files)}, indent=1, default=str))
+                                  json.dumps({**client_state, IDENTITY_KEY: self.identity, **manifest(files)},
+                                             indent=1, default=str))
             write_text_atomically(save_dir / LATEST_FILE, tag)
             self._delete_old_checkpoints(save_dir, tag)
         dist.barrier()
@@ -522,6 +552,7 @@ class Trainer:
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {load_dir / load_tag}")
         self.iteration = int(saved["iteration"])
+        self._resumed_tracking_ids = saved.get("tracking") or {}
         self.consumed_samples = int(saved["consumed_samples"])
         self.consumed_tokens = int(saved.get("consumed_tokens", 0))
         self._continue_history()
