@@ -192,41 +192,73 @@ def _reader(prefix: str) -> IndexedDatasetReader:
     return _READERS[prefix]
 
 
-def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
-    """Pack documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences split)."""
-    task_id, prefix, corpus_index, doc_lo, doc_hi, seq_length, short_seq_prob, seed_key = task
-    reader = _reader(prefix)
-    sentence_lo = int(reader.document_indices[doc_lo])
+PACK_BLOCK_SENTENCES = 1 << 16
+"""A packing task reads its chunk's documents in blocks of about this many sentences (one document
+at least): the per-sentence arrays of a block, not of the whole chunk (which can hold millions of
+sentences), are what a worker holds. The blocks share the chunk's generator, so the result is the
+chunk's whatever the block size."""
+
+
+def _document_blocks(reader: IndexedDatasetReader, doc_lo: int, doc_hi: int) -> Iterator[tuple[int, int, int]]:
+    """Consecutive (first document, end document, first sentence) of about PACK_BLOCK_SENTENCES sentences."""
+    ends = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64)
+    low = 0
+    while low < doc_hi - doc_lo:
+        high = int(np.searchsorted(ends, ends[low] + PACK_BLOCK_SENTENCES, side="right")) - 1
+        high = min(max(high, low + 1), doc_hi - doc_lo)
+        yield doc_lo + low, doc_lo + high, int(ends[low])
+        low = high
+
+
+def _block_sentences(reader: IndexedDatasetReader, doc_lo: int, doc_hi: int,
+                     sentence_lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lengths, token starts and document bounds (from 0) of the sentences of documents [doc_lo, doc_hi)."""
     sentence_hi = int(reader.document_indices[doc_hi])
     lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
     starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
     bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
-    max_tokens = seq_length - 3
-    long_count = int((lengths > max_tokens).sum())
-    if long_count:  # split, as preprocess does: tokens stay put, only the boundaries move
-        lengths, pieces = split_long_sentences(lengths, max_tokens)
-        offset_in_sentence = (np.arange(len(lengths)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_tokens
-        starts = np.repeat(starts, pieces) + offset_in_sentence
-        bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
-    rng = np.random.default_rng(seed_key)
-    rows = pack_sentences(lengths, starts, bounds, np.arange(doc_lo, doc_hi), seq_length, rng, short_seq_prob)
+    return lengths, starts, bounds
+
+
+def _chunk_rows(parts: list[np.ndarray], corpus_index: int) -> np.ndarray:
+    rows = np.concatenate(parts) if parts else np.zeros((0, len(SAMPLE_COLUMNS)), np.int64)
     rows[:, 0] = corpus_index
-    return task_id, rows, long_count
+    return rows
+
+
+def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
+    """Pack documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences split)."""
+    task_id, prefix, corpus_index, doc_lo, doc_hi, seq_length, short_seq_prob, seed_key = task
+    reader = _reader(prefix)
+    max_tokens = seq_length - 3
+    rng = np.random.default_rng(seed_key)
+    parts, long_count = [], 0
+    for block_lo, block_hi, sentence_lo in _document_blocks(reader, doc_lo, doc_hi):
+        lengths, starts, bounds = _block_sentences(reader, block_lo, block_hi, sentence_lo)
+        long_in_block = int((lengths > max_tokens).sum())
+        if long_in_block:  # split, as preprocess does: tokens stay put, only the boundaries move
+            lengths, pieces = split_long_sentences(lengths, max_tokens)
+            offset_in_sentence = (np.arange(len(lengths)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_tokens
+            starts = np.repeat(starts, pieces) + offset_in_sentence
+            bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
+        long_count += long_in_block
+        parts.append(pack_sentences(lengths, starts, bounds, np.arange(block_lo, block_hi), seq_length, rng,
+                                    short_seq_prob))
+    return task_id, _chunk_rows(parts, corpus_index), long_count
 
 
 def palm_pair_task(task: tuple) -> tuple[int, np.ndarray, int]:
     """PALM pairs of documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences cut)."""
     task_id, prefix, corpus_index, doc_lo, doc_hi, context_length, continuation_length = task
     reader = _reader(prefix)
-    sentence_lo = int(reader.document_indices[doc_lo])
-    sentence_hi = int(reader.document_indices[doc_hi])
-    lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
-    starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
-    bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
-    rows, long_count = palm_pairs(lengths, starts, bounds, np.arange(doc_lo, doc_hi), context_length,
-                                  continuation_length)
-    rows[:, 0] = corpus_index
-    return task_id, rows, long_count
+    parts, long_count = [], 0
+    for block_lo, block_hi, sentence_lo in _document_blocks(reader, doc_lo, doc_hi):
+        lengths, starts, bounds = _block_sentences(reader, block_lo, block_hi, sentence_lo)
+        rows, long_in_block = palm_pairs(lengths, starts, bounds, np.arange(block_lo, block_hi), context_length,
+                                         continuation_length)
+        parts.append(rows)
+        long_count += long_in_block
+    return task_id, _chunk_rows(parts, corpus_index), long_count
 
 
 def mask_task(task: tuple) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

@@ -49,9 +49,14 @@ def _cases(tokenized: Path, wiki_and_books: tuple[Path, Path]) -> dict[str, dict
     }
 
 
-@pytest.mark.parametrize("case", ["pmlm", "blend", "palm"])
-def test_outputs_are_the_in_memory_builds_bytes(tmp_path, tokenized, wiki_and_books, case):
+@pytest.mark.parametrize("case, block_sentences", [("pmlm", None), ("pmlm", 7), ("blend", None), ("palm", None),
+                                                    ("palm", 7)])
+def test_outputs_are_the_in_memory_builds_bytes(tmp_path, tokenized, wiki_and_books, case, block_sentences,
+                                                 monkeypatch):
+    """Also with packing blocks of a few sentences (in-process builds: a spawned worker would not see it)."""
     settings = _cases(tokenized, wiki_and_books)[case]
+    if block_sentences:
+        monkeypatch.setattr(build_samples, "PACK_BLOCK_SENTENCES", block_sentences)
     build(BuildConfig(output=str(tmp_path / case), progress=False, **settings))
     assert outputs_digest(tmp_path / case) == GOLDEN[case]
 
@@ -147,3 +152,17 @@ def test_tasks_are_drawn_at_most_a_window_ahead():
         ahead.append(len(drawn) - len(results))
     assert results == list(range(40))
     assert max(ahead) <= build_samples.IN_FLIGHT_PER_WORKER * workers
+
+
+def test_document_blocks_cover_the_chunk_in_bounded_blocks(tokenized, monkeypatch):
+    from megatron_pmlm.data.indexed import IndexedDatasetReader
+
+    reader = IndexedDatasetReader(tokenized)
+    ends = np.asarray(reader.document_indices)
+    monkeypatch.setattr(build_samples, "PACK_BLOCK_SENTENCES", 40)
+    low, high = 3, reader.num_documents - 2
+    blocks = list(build_samples._document_blocks(reader, low, high))
+    assert len(blocks) > 3 and blocks[0][0] == low and blocks[-1][1] == high
+    for (first, end, sentence), following in zip(blocks, blocks[1:] + [(high, None, None)]):
+        assert end == following[0] and sentence == ends[first]  # contiguous, none skipped
+        assert ends[end] - ends[first] <= 40 or end == first + 1  # bounded, or one long document
