@@ -166,3 +166,23 @@ def test_document_blocks_cover_the_chunk_in_bounded_blocks(tokenized, monkeypatc
     for (first, end, sentence), following in zip(blocks, blocks[1:] + [(high, None, None)]):
         assert end == following[0] and sentence == ends[first]  # contiguous, none skipped
         assert ends[end] - ends[first] <= 40 or end == first + 1  # bounded, or one long document
+
+
+def test_reader_checks_document_order_block_by_block(tmp_path, monkeypatch):
+    """The reader's check of the document indices runs in blocks (no whole-corpus temporary), and
+    still finds a decrease anywhere, a block boundary included."""
+    from megatron_pmlm.data import indexed
+
+    monkeypatch.setattr(indexed, "CHECK_BLOCK_ENTRIES", 4)
+    prefix = tmp_path / "c"
+    lengths = np.full(20, 3)
+    indexed.bin_path(prefix).write_bytes(np.zeros(60, np.uint16).tobytes())
+    good = np.arange(0, 21, 2)
+    indexed.write_index(indexed.idx_path(prefix), np.uint16, lengths, good)
+    assert indexed.IndexedDatasetReader(prefix).num_documents == 10
+    for where in (3, 4, 5, 8):  # inside a block, and across the boundary between two
+        bad = good.copy()
+        bad[where] = bad[where + 1] + 1
+        indexed.write_index(indexed.idx_path(prefix), np.uint16, lengths, bad)
+        with pytest.raises(indexed.IndexedDatasetError, match=r"c\.idx: inconsistent document indices"):
+            indexed.IndexedDatasetReader(prefix)
