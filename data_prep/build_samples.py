@@ -12,6 +12,10 @@ of `--workers`. With `--layout palm` the samples are PALM's context/continuation
 sliding by one sentence), in the same format, with the masks of the context alone.
 The directory is written under a temporary name and renamed when complete; a
 rerun with the same settings reuses it. Format: megatron_pmlm/data/samples.py.
+Memory stays flat in the corpus size: the packed rows and the blend's picks stream to scratch files
+in the temporary folder and are memory-mapped, the blend and the masks run window by window, and
+at most 2 x --workers tasks are in flight; the main process adds 8 bytes a sample, each worker one
+task (docs/data_prep.md, "At the paper's scale").
 """
 
 from __future__ import annotations
