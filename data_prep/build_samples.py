@@ -12,6 +12,10 @@ of `--workers`. With `--layout palm` the samples are PALM's context/continuation
 sliding by one sentence), in the same format, with the masks of the context alone.
 The directory is written under a temporary name and renamed when complete; a
 rerun with the same settings reuses it. Format: megatron_pmlm/data/samples.py.
+Memory stays flat in the corpus size: the packed rows and the blend's picks stream to scratch files
+in the temporary folder and are memory-mapped, the blend and the masks run window by window, and
+at most 2 x --workers tasks are in flight; the main process adds 8 bytes a sample, each worker one
+task (docs/data_prep.md, "At the paper's scale").
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -54,6 +59,8 @@ PALM_CONTEXT_LENGTH = 400
 PALM_CONTINUATION_LENGTH = 100
 PALM_BLOCK_PROB = 0.0
 """PALM's stage 1 is BERT's masked LM: single tokens, no blocks."""
+SCRATCH_FOLDER = ".scratch"
+"""In the temporary output folder: the packed rows and the blend's picks, removed before the rename."""
 
 
 @dataclass
@@ -189,41 +196,73 @@ def _reader(prefix: str) -> IndexedDatasetReader:
     return _READERS[prefix]
 
 
-def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
-    """Pack documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences split)."""
-    task_id, prefix, corpus_index, doc_lo, doc_hi, seq_length, short_seq_prob, seed_key = task
-    reader = _reader(prefix)
-    sentence_lo = int(reader.document_indices[doc_lo])
+PACK_BLOCK_SENTENCES = 1 << 16
+"""A packing task reads its chunk's documents in blocks of about this many sentences (one document
+at least): the per-sentence arrays of a block, not of the whole chunk (which can hold millions of
+sentences), are what a worker holds. The blocks share the chunk's generator, so the result is the
+chunk's whatever the block size."""
+
+
+def _document_blocks(reader: IndexedDatasetReader, doc_lo: int, doc_hi: int) -> Iterator[tuple[int, int, int]]:
+    """Consecutive (first document, end document, first sentence) of about PACK_BLOCK_SENTENCES sentences."""
+    ends = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64)
+    low = 0
+    while low < doc_hi - doc_lo:
+        high = int(np.searchsorted(ends, ends[low] + PACK_BLOCK_SENTENCES, side="right")) - 1
+        high = min(max(high, low + 1), doc_hi - doc_lo)
+        yield doc_lo + low, doc_lo + high, int(ends[low])
+        low = high
+
+
+def _block_sentences(reader: IndexedDatasetReader, doc_lo: int, doc_hi: int,
+                     sentence_lo: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Lengths, token starts and document bounds (from 0) of the sentences of documents [doc_lo, doc_hi)."""
     sentence_hi = int(reader.document_indices[doc_hi])
     lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
     starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
     bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
-    max_tokens = seq_length - 3
-    long_count = int((lengths > max_tokens).sum())
-    if long_count:  # split, as preprocess does: tokens stay put, only the boundaries move
-        lengths, pieces = split_long_sentences(lengths, max_tokens)
-        offset_in_sentence = (np.arange(len(lengths)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_tokens
-        starts = np.repeat(starts, pieces) + offset_in_sentence
-        bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
-    rng = np.random.default_rng(seed_key)
-    rows = pack_sentences(lengths, starts, bounds, np.arange(doc_lo, doc_hi), seq_length, rng, short_seq_prob)
+    return lengths, starts, bounds
+
+
+def _chunk_rows(parts: list[np.ndarray], corpus_index: int) -> np.ndarray:
+    rows = np.concatenate(parts) if parts else np.zeros((0, len(SAMPLE_COLUMNS)), np.int64)
     rows[:, 0] = corpus_index
-    return task_id, rows, long_count
+    return rows
+
+
+def pack_task(task: tuple) -> tuple[int, np.ndarray, int]:
+    """Pack documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences split)."""
+    task_id, prefix, corpus_index, doc_lo, doc_hi, seq_length, short_seq_prob, seed_key = task
+    reader = _reader(prefix)
+    max_tokens = seq_length - 3
+    rng = np.random.default_rng(seed_key)
+    parts, long_count = [], 0
+    for block_lo, block_hi, sentence_lo in _document_blocks(reader, doc_lo, doc_hi):
+        lengths, starts, bounds = _block_sentences(reader, block_lo, block_hi, sentence_lo)
+        long_in_block = int((lengths > max_tokens).sum())
+        if long_in_block:  # split, as preprocess does: tokens stay put, only the boundaries move
+            lengths, pieces = split_long_sentences(lengths, max_tokens)
+            offset_in_sentence = (np.arange(len(lengths)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * max_tokens
+            starts = np.repeat(starts, pieces) + offset_in_sentence
+            bounds = np.concatenate([[0], np.cumsum(pieces)])[bounds]
+        long_count += long_in_block
+        parts.append(pack_sentences(lengths, starts, bounds, np.arange(block_lo, block_hi), seq_length, rng,
+                                    short_seq_prob))
+    return task_id, _chunk_rows(parts, corpus_index), long_count
 
 
 def palm_pair_task(task: tuple) -> tuple[int, np.ndarray, int]:
     """PALM pairs of documents [doc_lo, doc_hi) of one corpus: (task id, rows, long sentences cut)."""
     task_id, prefix, corpus_index, doc_lo, doc_hi, context_length, continuation_length = task
     reader = _reader(prefix)
-    sentence_lo = int(reader.document_indices[doc_lo])
-    sentence_hi = int(reader.document_indices[doc_hi])
-    lengths = np.asarray(reader.sequence_lengths[sentence_lo:sentence_hi], dtype=np.int64)
-    starts = reader.sequence_starts(np.arange(sentence_lo, sentence_hi))
-    bounds = np.asarray(reader.document_indices[doc_lo:doc_hi + 1], dtype=np.int64) - sentence_lo
-    rows, long_count = palm_pairs(lengths, starts, bounds, np.arange(doc_lo, doc_hi), context_length,
-                                  continuation_length)
-    rows[:, 0] = corpus_index
-    return task_id, rows, long_count
+    parts, long_count = [], 0
+    for block_lo, block_hi, sentence_lo in _document_blocks(reader, doc_lo, doc_hi):
+        lengths, starts, bounds = _block_sentences(reader, block_lo, block_hi, sentence_lo)
+        rows, long_in_block = palm_pairs(lengths, starts, bounds, np.arange(block_lo, block_hi), context_length,
+                                         continuation_length)
+        parts.append(rows)
+        long_count += long_in_block
+    return task_id, _chunk_rows(parts, corpus_index), long_count
 
 
 def mask_task(task: tuple) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -253,20 +292,32 @@ def mask_task(task: tuple) -> tuple[int, np.ndarray, np.ndarray, np.ndarray, np.
             np.concatenate(steps or [empty]), np.concatenate(corrupted or [empty]))
 
 
-def _run_tasks(function, tasks: list, workers: int, description: str, show: bool) -> Iterator:
-    """Results in task order, from a spawn pool (or in-process for one worker), with a progress bar."""
+IN_FLIGHT_PER_WORKER = 2
+"""Tasks submitted ahead of the one being consumed, per worker: keeps every worker busy while
+bounding what waits in memory (the pool's own imap would buffer every finished result)."""
+
+
+def _run_tasks(function, tasks: Iterable, total: int, workers: int, description: str, show: bool) -> Iterator:
+    """Results in task order, from a spawn pool (or in-process for one worker), with a progress bar.
+    `tasks` is drawn lazily, at most IN_FLIGHT_PER_WORKER x workers tasks ahead of the consumer."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(tasks), desc=description, disable=not show, dynamic_ncols=True)
-    if workers == 1 or len(tasks) <= 1:
+    bar = tqdm(total=total, desc=description, disable=not show, dynamic_ncols=True)
+    if workers == 1 or total <= 1:
         for task in tasks:
             yield function(task)
             bar.update()
     else:
         context = multiprocessing.get_context("spawn")
-        with context.Pool(min(workers, len(tasks))) as pool:
-            for result in pool.imap(function, tasks):
-                yield result
+        with context.Pool(min(workers, total)) as pool:
+            in_flight: deque = deque()
+            for task in tasks:
+                in_flight.append(pool.apply_async(function, (task,)))
+                if len(in_flight) >= IN_FLIGHT_PER_WORKER * workers:
+                    yield in_flight.popleft().get()
+                    bar.update()
+            while in_flight:
+                yield in_flight.popleft().get()
                 bar.update()
     bar.close()
 
@@ -283,22 +334,59 @@ def blend_counts(weights: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
-def blend_rows(rows_per_corpus: list[np.ndarray], counts: np.ndarray, seed: int, split_id: int) -> np.ndarray:
-    """Draw counts[c] samples of corpus c (whole shuffled passes, then a partial one) and interleave
-    the corpora in proportion, deterministically."""
-    chosen, keys = [], []
-    for corpus, (rows, count) in enumerate(zip(rows_per_corpus, counts.tolist())):
-        if count == 0:
-            continue
-        rng = np.random.default_rng([seed, split_id, corpus, 7])
-        passes = -(-count // len(rows))
-        picks = np.concatenate([rng.permutation(len(rows)) for _ in range(passes)])[:count]
-        chosen.append(rows[picks])
-        keys.append((np.arange(count) + 0.5) / count)
-    if not chosen:
-        return np.zeros((0, len(SAMPLE_COLUMNS)), dtype=np.int64)
-    order = np.argsort(np.concatenate(keys), kind="stable")
-    return np.concatenate(chosen)[order]
+def _keys_below(count: int, threshold: float) -> int:
+    """How many of a corpus's blend keys (k + 0.5) / count, k < count, are below threshold (they rise
+    with k), with the very float arithmetic numpy applies to the keys."""
+    k = min(count, max(0, int(threshold * count)))
+    while k > 0 and (k - 1 + 0.5) / count >= threshold:
+        k -= 1
+    while k < count and (k + 0.5) / count < threshold:
+        k += 1
+    return k
+
+
+def blended_windows(rows_per_corpus: Sequence[np.ndarray], counts: np.ndarray, seed: int, split_id: int,
+                    scratch: Path, window: int) -> Iterator[np.ndarray]:
+    """The blend, in consecutive windows of about `window` samples (at most window + corpora):
+    counts[c] samples of corpus c (whole shuffled passes, then a partial one), the corpora
+    interleaved in proportion, deterministically.
+
+    The order is a stable sort of every sample by its key (k + 0.5) / counts[c]; all keys below a
+    threshold form a prefix of each corpus, so the windows between thresholds j / W are sorted
+    one at a time. The picks (8 bytes a sample) go to files in `scratch` and are memory-mapped: no
+    array of every sample's rows, keys or order is ever built."""
+    active = [c for c, count in enumerate(counts.tolist()) if count > 0]
+    picks: dict[int, np.ndarray] = {}
+    paths = []
+    try:
+        for corpus in active:
+            count, available = int(counts[corpus]), len(rows_per_corpus[corpus])
+            rng = np.random.default_rng([seed, split_id, corpus, 7])
+            path = scratch / f"picks-{split_id}-{corpus}.bin"
+            paths.append(path)
+            with open(path, "wb") as handle:
+                for start in range(0, count, available):  # whole passes, the last one cut
+                    handle.write(rng.permutation(available)[:count - start].tobytes())
+            picks[corpus] = np.memmap(path, dtype=np.int64, mode="r", shape=(count,))
+        total = int(sum(int(counts[c]) for c in active))
+        num_windows = max(1, -(-total // window))
+        low = dict.fromkeys(active, 0)
+        for j in range(1, num_windows + 1):
+            high = {c: int(counts[c]) if j == num_windows else _keys_below(int(counts[c]), j / num_windows)
+                    for c in active}
+            parts, keys = [], []
+            for corpus in active:
+                if high[corpus] > low[corpus]:
+                    indices = np.asarray(picks[corpus][low[corpus]:high[corpus]])
+                    parts.append(np.asarray(rows_per_corpus[corpus][indices], dtype=np.int64))
+                    keys.append((np.arange(low[corpus], high[corpus]) + 0.5) / int(counts[corpus]))
+            low = high
+            if parts:
+                yield np.concatenate(parts)[np.argsort(np.concatenate(keys), kind="stable")]
+    finally:
+        picks.clear()
+        for path in paths:
+            path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,19 +478,6 @@ def build(config: BuildConfig) -> dict:
                     pack_tasks.append((len(pack_tasks), entry["prefix"], corpus, doc_lo, doc_hi, config.seq_length,
                                        config.short_seq_prob, [config.seed, corpus, split_id, chunk]))
                 task_keys.append((corpus, split_id))
-    packed = {(c, s): [] for c in range(len(entries)) for s in range(3)}
-    long_sentences = 0
-    pack_function = palm_pair_task if config.layout == "palm" else pack_task
-    for task_id, rows, long_count in _run_tasks(pack_function, pack_tasks, config.workers, "packing", show):
-        packed[task_keys[task_id]].append(rows)
-        long_sentences += long_count
-    natural = {key: np.concatenate(parts) if parts else np.zeros((0, len(SAMPLE_COLUMNS)), np.int64)
-               for key, parts in packed.items()}
-    for corpus, entry in enumerate(entries):
-        if entry["weight"] != 0 and len(natural[(corpus, 0)]) == 0:
-            raise BuildError(f"corpus {entry['prefix']} yields no training sample ({entry['num_documents']} "
-                             f"documents, split {config.split})")
-
     tmp = output.with_name(f"{output.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -414,8 +489,31 @@ def build(config: BuildConfig) -> dict:
     token_dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     splits_meta = {}
     try:
+        # The packed rows stream to scratch files (48 bytes a sample, memory-mapped for the blend),
+        # which go before the folder is renamed into place.
+        scratch = tmp / SCRATCH_FOLDER
+        scratch.mkdir()
+        natural_counts = {(c, s): 0 for c in range(len(entries)) for s in range(3)}
+        natural_files = {key: open(scratch / f"natural-{key[0]}-{key[1]}.bin", "wb") for key in natural_counts}
+        long_sentences = 0
+        pack_function = palm_pair_task if config.layout == "palm" else pack_task
+        try:
+            for task_id, rows, long_count in _run_tasks(pack_function, pack_tasks, len(pack_tasks), config.workers,
+                                                        "packing", show):
+                natural_files[task_keys[task_id]].write(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
+                natural_counts[task_keys[task_id]] += len(rows)
+                long_sentences += long_count
+        finally:
+            for handle in natural_files.values():
+                handle.close()
+        for corpus, entry in enumerate(entries):
+            if entry["weight"] != 0 and natural_counts[(corpus, 0)] == 0:
+                raise BuildError(f"corpus {entry['prefix']} yields no training sample ({entry['num_documents']} "
+                                 f"documents, split {config.split})")
+        natural = {key: _rows_file(scratch / f"natural-{key[0]}-{key[1]}.bin", count)
+                   for key, count in natural_counts.items()}
         for split_id, name in enumerate(SPLIT_NAMES):
-            sizes = np.array([len(natural[(c, split_id)]) for c in range(len(entries))])
+            sizes = np.array([natural_counts[(c, split_id)] for c in range(len(entries))])
             weights = np.array([sizes[c] if e["weight"] is None else e["weight"] for c, e in enumerate(entries)],
                                dtype=np.float64)
             weights = np.where(sizes > 0, weights, 0.0)
@@ -423,8 +521,9 @@ def build(config: BuildConfig) -> dict:
             if config.num_samples and split_id < len(config.num_samples):
                 total = config.num_samples[split_id]
             counts = blend_counts(weights, total) if weights.sum() > 0 else np.zeros(len(entries), np.int64)
-            rows = blend_rows([natural[(c, split_id)] for c in range(len(entries))], counts, config.seed, split_id)
-            splits_meta[name] = _write_split(tmp / name, rows, config, prefixes, tokenizer, split_id,
+            blended = blended_windows([natural[(c, split_id)] for c in range(len(entries))], counts, config.seed,
+                                      split_id, scratch, config.samples_per_task)
+            splits_meta[name] = _write_split(tmp / name, blended, config, prefixes, tokenizer, split_id,
                                              position_dtype, step_dtype, token_dtype, show)
             splits_meta[name]["samples_per_corpus"] = counts.tolist()
             splits_meta[name]["natural_samples_per_corpus"] = sizes.tolist()
@@ -439,6 +538,8 @@ def build(config: BuildConfig) -> dict:
                        "mask_corrupted": token_dtype.str, "samples": "<i8", "mask_offsets": "<i8"},
             "sample_columns": list(SAMPLE_COLUMNS), "long_sentences_split": long_sentences,
             "splits": splits_meta, "build_seconds": round(time.perf_counter() - started, 2)}
+        natural.clear()
+        shutil.rmtree(scratch)
         if config.layout == "palm":
             metadata.update(layout="palm", continuation_length=config.continuation_length)
         # What the samples are, whatever their path: recorded with each checkpoint, compared on resume.
@@ -465,18 +566,36 @@ def _older_samples(folder: Path) -> bool:
     return isinstance(metadata, dict) and {"format_version", "settings", "splits"} <= set(metadata)
 
 
-def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixes: list[str],
+def _rows_file(path: Path, count: int) -> np.ndarray:
+    """Sample rows written raw (int64, SAMPLE_COLUMNS wide) to `path`, memory-mapped read-only."""
+    if count == 0:
+        return np.zeros((0, len(SAMPLE_COLUMNS)), dtype=np.int64)
+    return np.memmap(path, dtype=np.int64, mode="r", shape=(count, len(SAMPLE_COLUMNS)))
+
+
+def _mask_tasks(rows: np.ndarray, config: BuildConfig, prefixes: list[str], tokenizer: WordPieceTokenizer,
+                split_id: int) -> Iterator[tuple]:
+    """mask_task's tasks, one chunk of samples_per_task rows at a time (copied out of the map)."""
+    for start in range(0, len(rows), config.samples_per_task):
+        chunk = np.array(rows[start:start + config.samples_per_task], dtype=np.int64)
+        if config.layout == "palm":  # the MLM masks cover [CLS] context [SEP] only
+            chunk[:, 5] = 0
+        yield (start // config.samples_per_task, chunk, start, prefixes, asdict(tokenizer.special),
+               tokenizer.vocab_size, asdict(config.masking), config.mask_epochs, config.seed, split_id)
+
+
+def _write_split(directory: Path, blended: Iterable[np.ndarray], config: BuildConfig, prefixes: list[str],
                  tokenizer: WordPieceTokenizer, split_id: int, position_dtype: np.dtype,
                  step_dtype: np.dtype, token_dtype: np.dtype, show: bool) -> dict:
+    """samples.bin from the blend's windows, then the masks of its memory-mapped rows, task by task."""
     directory.mkdir(parents=True)
-    (directory / "samples.bin").write_bytes(np.ascontiguousarray(rows, dtype=np.int64).tobytes())
-    masked_rows = rows
-    if config.layout == "palm":  # the MLM masks cover [CLS] context [SEP] only
-        masked_rows = rows.copy()
-        masked_rows[:, 5] = 0
-    tasks = [(start // config.samples_per_task, masked_rows[start:start + config.samples_per_task], start, prefixes,
-              asdict(tokenizer.special), tokenizer.vocab_size, asdict(config.masking), config.mask_epochs,
-              config.seed, split_id) for start in range(0, len(rows), config.samples_per_task)]
+    num_samples = num_tokens = 0
+    with open(directory / "samples.bin", "wb") as samples_file:
+        for window in blended:
+            samples_file.write(np.ascontiguousarray(window, dtype=np.int64).tobytes())
+            num_samples += len(window)
+            num_tokens += int((2 + window[:, 3] + np.where(window[:, 5] > 0, window[:, 5] + 1, 0)).sum())
+    rows = _rows_file(directory / "samples.bin", num_samples)
     total_entries = 0
     with open(directory / "mask_offsets.bin", "wb") as offsets_file, \
             open(directory / "mask_positions.bin", "wb") as positions_file, \
@@ -484,7 +603,9 @@ def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixe
             open(directory / "mask_corrupted.bin", "wb") as corrupted_file:
         offsets_file.write(np.zeros(1, np.int64).tobytes())
         for _, counts, positions, steps, corrupted in _run_tasks(
-                mask_task, tasks, config.workers, f"masking {SPLIT_NAMES[split_id]}", show):
+                mask_task, _mask_tasks(rows, config, prefixes, tokenizer, split_id),
+                -(-num_samples // config.samples_per_task), config.workers, f"masking {SPLIT_NAMES[split_id]}",
+                show):
             if len(steps) and steps.max() > np.iinfo(step_dtype).max:
                 raise BuildError(f"{int(steps.max())} factorization steps do not fit {step_dtype}")
             offsets_file.write((total_entries + np.cumsum(counts)).astype(np.int64).tobytes())
@@ -492,9 +613,8 @@ def _write_split(directory: Path, rows: np.ndarray, config: BuildConfig, prefixe
             steps_file.write(steps.astype(step_dtype).tobytes())
             corrupted_file.write(corrupted.astype(token_dtype).tobytes())
             total_entries += int(counts.sum())
-    lengths = 2 + rows[:, 3] + np.where(rows[:, 5] > 0, rows[:, 5] + 1, 0) if len(rows) else np.zeros(0)
-    return {"num_samples": int(len(rows)), "num_mask_entries": total_entries,
-            "num_tokens": int(lengths.sum()), "mean_length": float(lengths.mean()) if len(rows) else 0.0}
+    return {"num_samples": num_samples, "num_mask_entries": total_entries, "num_tokens": num_tokens,
+            "mean_length": num_tokens / num_samples if num_samples else 0.0}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,10 @@ _HEADER_BYTES = 9 + 8 + 1 + 8 + 8
 DTYPE_CODES: dict[int, type] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
                                 6: np.float64, 7: np.float32, 8: np.uint16}
 _CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
+CHECK_BLOCK_ENTRIES = 1 << 20
+"""The document indices are checked in blocks of this many entries: a whole-array diff would cost 16
+bytes a document of private memory in every process that opens the corpus (each build_samples
+worker, each loader rank)."""
 
 
 class IndexedDatasetError(ValueError):
@@ -156,7 +160,9 @@ class IndexedDatasetReader:
         offset += 8 * num_sequences
         self.document_indices = np.frombuffer(index, np.int64, num_doc_entries, offset)
         docs = self.document_indices
-        if num_doc_entries == 0 or docs[0] != 0 or docs[-1] != num_sequences or (np.diff(docs) < 0).any():
+        block = CHECK_BLOCK_ENTRIES
+        if num_doc_entries == 0 or docs[0] != 0 or docs[-1] != num_sequences or any(
+                (np.diff(docs[start:start + block + 1]) < 0).any() for start in range(0, num_doc_entries, block)):
             raise IndexedDatasetError(f"{index_file}: inconsistent document indices")
         # O(1) checks only (an index of a 160 GB corpus has over a billion entries): the first and
         # last pointers must agree with the lengths; the .bin size with the last pointer.

@@ -7,7 +7,9 @@ these functions): document and sentence splitting, and BERT-style packing of sen
 from __future__ import annotations
 
 import re
+from array import array
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -82,23 +84,27 @@ def pack_sentences(sentence_lengths: Sequence[int], sentence_starts: Sequence[in
     equal length (what BERT's one-token-at-a-time truncation converges to).
     """
     max_tokens = seq_length - 3
-    lengths = list(map(int, sentence_lengths))
-    starts = list(map(int, sentence_starts))
-    prefix = [0]
-    for length in lengths:
-        prefix.append(prefix[-1] + length)
-    rows: list[tuple[int, ...]] = []
+    # Python ints one document at a time: whole-chunk lists cost ~36 bytes a sentence per list
+    # (a chunk of 20,000 documents holds a million sentences); the rows go to a flat int64 array.
+    lengths_array = np.asarray(sentence_lengths, dtype=np.int64)
+    starts_array = np.asarray(sentence_starts, dtype=np.int64)
+    bounds = np.asarray(document_bounds, dtype=np.int64).tolist()
+    rows = array("q")
 
     def target_length() -> int:
         return int(rng.integers(2, max_tokens + 1)) if rng.random() < short_seq_prob else max_tokens
 
-    for d in range(len(document_bounds) - 1):
-        low, high = int(document_bounds[d]), int(document_bounds[d + 1])
+    for d in range(len(bounds) - 1):
+        low, high = bounds[d], bounds[d + 1]
+        lengths = lengths_array[low:high].tolist()
+        starts = starts_array[low:high].tolist()
+        prefix = list(accumulate(lengths, initial=0))  # document-relative, as are the indices below
+        document_id = int(document_ids[d])
         target = target_length()
-        chunk_start, chunk_tokens = low, 0
-        for i in range(low, high):
+        chunk_start, chunk_tokens = 0, 0
+        for i in range(high - low):
             chunk_tokens += lengths[i]
-            if chunk_tokens < target and i != high - 1:
+            if chunk_tokens < target and i != high - low - 1:
                 continue
             count = i + 1 - chunk_start
             split = int(rng.integers(1, count)) if count > 1 else 1
@@ -113,11 +119,10 @@ def pack_sentences(sentence_lengths: Sequence[int], sentence_starts: Sequence[in
                 else:
                     keep_second = max(budget - first, (budget + 1) // 2)
                     first, second = min(first, budget - keep_second), min(second, keep_second)
-            rows.append((0, int(document_ids[d]), starts[chunk_start], first,
-                         starts[middle] if second else 0, second))
+            rows.extend((0, document_id, starts[chunk_start], first, starts[middle] if second else 0, second))
             chunk_start, chunk_tokens = i + 1, 0
             target = target_length()
-    return np.array(rows, dtype=np.int64).reshape(-1, 6)
+    return np.frombuffer(rows, dtype=np.int64).reshape(-1, 6) if rows else np.zeros((0, 6), np.int64)
 
 
 def pack_samples(documents: Sequence[Sequence[np.ndarray]], seq_length: int,
