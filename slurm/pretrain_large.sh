@@ -33,6 +33,7 @@
 #SBATCH --exclusive
 #SBATCH --time=24:00:00
 #SBATCH --requeue
+#SBATCH --no-kill
 #SBATCH --signal=USR1@900
 #SBATCH --open-mode=append
 #SBATCH --output=logs/%x-%j.out

@@ -12,6 +12,8 @@
 #   ROOT_STATUS  the root cause's status, to exit with (128+N for signal N)
 #   ROOT_CAUSE   in words: "exit status 2 of task 1 on host node3", "signal 9 (SIGKILL) of task 0 on
 #                host node1"
+#   ROOT_TASK, ROOT_HOST, ROOT_WHEN  its task rank, host and end time (microseconds since the epoch),
+#                empty without a record
 # The root cause is the failed task that ended first, SIGTERM'd tasks (143: what srun sends the
 # others) counting only when every failed task was; a task ended by srun's SIGKILL records nothing.
 # Without a record (srun could not start the tasks, or they were all SIGKILLed) srun's status stands.
@@ -32,7 +34,7 @@ exit "$status"'
 task_root_cause() {
   local dir=$1 file task status when host rank
   local best_task="" best_status="" best_when="" best_host="" best_rank=""
-  ROOT_STATUS=$2
+  ROOT_STATUS=$2 ROOT_TASK="" ROOT_HOST="" ROOT_WHEN=""
   ROOT_CAUSE="srun's exit status $2 (no task recorded a failure)"
   for file in "$dir"/task-*; do
     [ -f "$file" ] || continue
@@ -46,7 +48,7 @@ task_root_cause() {
     fi
   done
   [ -n "$best_task" ] || return 0
-  ROOT_STATUS=$best_status
+  ROOT_STATUS=$best_status ROOT_TASK=$best_task ROOT_HOST=$best_host ROOT_WHEN=$best_when
   if (( best_status > 128 )); then
     ROOT_CAUSE="signal $((best_status - 128)) (SIG$(kill -l $((best_status - 128)) 2>/dev/null || echo '?'))"
   else

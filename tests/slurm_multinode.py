@@ -1,4 +1,4 @@
-"""A private two-node SLURM cluster on this machine, for tests: each node is a network namespace
+"""A private N-node SLURM cluster (2 unless asked) on this machine, for tests: each node is a network namespace
 the test creates (with its own hostname, in a UTS namespace of its own for every process started
 there), the nodes joined by veth pairs to a bridge that lives in a third test-created namespace.
 Real munged, slurmctld and one slurmd per node (Debian's packages, as tests/slurm_cluster.py),
@@ -7,6 +7,7 @@ nothing mocked.
     bridge namespace  pmlm<PID>-<K>-br:     br0 <- port1, port2
     node namespace    pmlm<PID>-<K>-node1:  lo, pmlmnet 10.77.0.1/24   munged, slurmctld, slurmd, clients
     node namespace    pmlm<PID>-<K>-node2:  lo, pmlmnet 10.77.0.2/24   slurmd
+    ...               (node N: 10.77.0.N, up to 200 nodes)
 
 Every address lives inside those namespaces (the host's own network is never used), so the fixed
 SLURM ports and the subnet cannot collide with the host or with another such cluster. The node
@@ -20,6 +21,8 @@ GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME select); `interface_bytes()` reads its c
 The file system is shared by all nodes (the same machine), as a cluster's shared storage is.
 
     cluster = MultiNodeCluster.start()    # SlurmUnavailable (a skip) when it cannot be built here
+    cluster = MultiNodeCluster.start(nodes=3, slurmd_timeout=5)   # 3 nodes, DOWN after 5 s of silence
+    cluster.fail_node("pmlm-node2")       # link down + SIGKILL of everything in it: a dead node
     job = cluster.sbatch(["--nodes=2", "script.sh"], env=cluster.env(FOO="1"), cwd=repo)
     cluster.wait_until_done(job, timeout=300)
     cluster.stop()                        # also at exit; namespaces, links, daemons, directory
@@ -51,7 +54,11 @@ PREFIX = "pmlm"                       # namespaces: pmlm<PID>-<K>-br, pmlm<PID>-
 DIRECTORY_PREFIX = "pmlm-slurm2n-"    # the cluster's directory under /tmp
 INTERFACE = "pmlmnet"                 # each node's interface to the bridge
 SUBNET = "10.77.0"                    # node N: 10.77.0.N/24, inside the namespaces only
-NODES = ("pmlm-node1", "pmlm-node2")
+NODES = ("pmlm-node1", "pmlm-node2")  # the default two nodes; node_names(n) for more
+
+
+def node_names(count: int) -> tuple[str, ...]:
+    return tuple(f"pmlm-node{i}" for i in range(1, count + 1))
 NAMESPACE_NAME = re.compile(rf"^{PREFIX}(\d+)-\d+-(br|node\d+)$")
 _CLUSTERS = itertools.count(1)      # K: clusters started by this process
 
@@ -124,34 +131,39 @@ def check_possible() -> None:
 
 
 class MultiNodeCluster(SlurmCluster):
-    """Two nodes (each with this machine's CPU count), one partition, root as SlurmUser."""
+    """N nodes (each with this machine's CPU count), one partition, root as SlurmUser."""
 
-    def __init__(self, root: Path, cpus: int):
-        super().__init__(root, NODES[0], cpus)
-        self.nodes = NODES
+    def __init__(self, root: Path, cpus: int, nodes: tuple[str, ...] = NODES):
+        super().__init__(root, nodes[0], cpus)
+        self.nodes = nodes
         tag = f"{PREFIX}{os.getpid()}-{next(_CLUSTERS)}"
         self.bridge_namespace = f"{tag}-br"
-        self.namespaces = {node: f"{tag}-{node.split('-')[-1]}" for node in NODES}
-        self.addresses = {node: f"{SUBNET}.{i + 1}" for i, node in enumerate(NODES)}
-        self.hosts = {node: root / f"hosts-{node}" for node in NODES}
+        self.namespaces = {node: f"{tag}-{node.split('-')[-1]}" for node in nodes}
+        self.addresses = {node: f"{SUBNET}.{i + 1}" for i, node in enumerate(nodes)}
+        self.hosts = {node: root / f"hosts-{node}" for node in nodes}
+        self.failed: set[str] = set()   # nodes taken down by fail_node()
         self.created: list[str] = []   # namespaces made by this object, deleted by stop()
         self.stopped = False
 
     # ------------------------------------------------------------------ start / stop
     @classmethod
-    def start(cls, kill_wait: int = 120) -> "MultiNodeCluster":
+    def start(cls, kill_wait: int = 120, nodes: int = 2, slurmd_timeout: int | None = None) -> "MultiNodeCluster":
+        """`nodes` nodes; `slurmd_timeout`: SlurmdTimeout (seconds of silence before slurmctld marks a
+        node DOWN; SLURM's default 300 when None)."""
+        if not 2 <= nodes <= 200:
+            raise ValueError(f"nodes must be 2..200, got {nodes}")
         check_possible()
         ensure_installed()
         remove_stale()
         root = Path(tempfile.mkdtemp(prefix=DIRECTORY_PREFIX, dir="/tmp"))
         root.chmod(0o755)  # munged: every directory above its socket searchable by all
         (root / "owner.pid").write_text(str(os.getpid()))
-        cluster = cls(root, _detected_cpus())
+        cluster = cls(root, _detected_cpus(), node_names(nodes))
         atexit.register(cluster.stop)
         try:
             cluster._make_network()
             cluster._start_munge()
-            cluster._write_config(kill_wait)
+            cluster._write_config(kill_wait, slurmd_timeout)
             cluster._start_slurm()
         except BaseException:
             cluster.stop()
@@ -201,7 +213,7 @@ class MultiNodeCluster(SlurmCluster):
         _wait(lambda: self.munge_socket.exists() or self._died("munged"), 30, "munged's socket")
         self._check_alive("munged", directory / "munged.log")
 
-    def _write_config(self, kill_wait: int) -> None:
+    def _write_config(self, kill_wait: int, slurmd_timeout: int | None = None) -> None:
         for sub in ("state", "spool", "log", *(f"spool/{node}" for node in self.nodes)):
             (self.root / sub).mkdir()
         (self.root / "plugstack.conf").write_text("")
@@ -238,6 +250,7 @@ class MultiNodeCluster(SlurmCluster):
             "ReturnToService=2",
             "JobRequeue=1",
             f"KillWait={kill_wait}",
+            *([f"SlurmdTimeout={slurmd_timeout}"] if slurmd_timeout else []),
             "MinJobAge=3600",
             *(f"NodeName={node} NodeAddr={self.addresses[node]} CPUs={self.cpus} State=UNKNOWN" for node in self.nodes),
             f"PartitionName=test Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
@@ -257,7 +270,7 @@ class MultiNodeCluster(SlurmCluster):
                 return False
             return len(states) == len(self.nodes) and all(s.rstrip("*~#") in ("idle", "mix", "alloc") for s in states)
 
-        _wait(nodes_ready, 90, "both nodes to be idle in the private cluster", interval=0.5)
+        _wait(nodes_ready, 90 + 10 * len(self.nodes), "every node to be idle in the private cluster", interval=0.5)
 
     def _spawn_on(self, node: str, name: str, command: list) -> None:
         log = open(self.root / f"{name}.out", "wb")
@@ -311,6 +324,28 @@ class MultiNodeCluster(SlurmCluster):
 
         stats = json.loads(_ip("-n", self.namespaces[node], "-s", "-j", "link", "show", interface).stdout)[0]["stats64"]
         return stats["rx"]["bytes"], stats["tx"]["bytes"]
+
+    def fail_node(self, node: str) -> list[int]:
+        """What a node's sudden death looks like to the others: its link goes down (nothing it had
+        sent arrives, nothing reaches it) and every process in its network namespace (its slurmd,
+        slurmstepd and job tasks) gets SIGKILL. Returns the pids killed. Not the first node (the
+        controller and the batch host live there)."""
+        if node == self.nodes[0] or node not in self.nodes:
+            raise ValueError(f"fail_node: {node} is not one of the other nodes {self.nodes[1:]}")
+        _ip("-n", self.namespaces[node], "link", "set", INTERFACE, "down")
+        target = os.stat(f"/run/netns/{self.namespaces[node]}").st_ino
+        killed = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                if os.stat(entry / "ns" / "net").st_ino == target:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                    killed.append(int(entry.name))
+            except OSError:
+                pass
+        self.failed.add(node)
+        return killed
 
     # ------------------------------------------------------------------ clients (on node 1)
     def run(self, command: list[str], check: bool = True, timeout: float = 60, node: str | None = None,

@@ -45,6 +45,7 @@ def test_pretrain_script_requests_the_papers_run():
     headers = _sbatch_headers(SCRIPT)
     assert headers["nodes"] == "8" and headers["gres"] == "gpu:8"
     assert "requeue" in headers and headers["open-mode"] == "append"
+    assert "no-kill" in headers  # a failed node leaves the job instead of ending it (in-job restarts)
     assert re.fullmatch(r"(B:)?USR1@\d+", headers["signal"]), headers["signal"]
     text = SCRIPT.read_text()
     defaults = dict(re.findall(r"^(\w+)=\$\{\1:-([^}]*)\}", text, re.M))
@@ -69,7 +70,7 @@ def test_large_script_runs_the_base_script_with_a_micro_batch_that_fits():
     result = subprocess.run(["bash", "-n", str(large)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     headers = _sbatch_headers(large)
-    assert headers["nodes"] == "8" and headers["gres"] == "gpu:8" and "requeue" in headers
+    assert headers["nodes"] == "8" and headers["gres"] == "gpu:8" and "requeue" in headers and "no-kill" in headers
     text = large.read_text()
     assert "PRESET=${PRESET:-large}" in text and 'exec bash "$REPO/slurm/pretrain_base.sh"' in text
     micro = int(re.search(r"MICRO_BATCH=\$\{MICRO_BATCH:-(\d+)\}", text)[1])
@@ -80,6 +81,22 @@ def test_pretrain_script_outside_slurm_says_so(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=30)
     assert result.returncode != 0 and "run this script with sbatch" in result.stderr
+
+
+@pytest.mark.parametrize("knob, value, message", [
+    ("IN_JOB_RESTARTS", "three", "IN_JOB_RESTARTS must be a whole number >= 0, got 'three'"),
+    ("SPARE_NODES", "-1", "SPARE_NODES must be a whole number >= 0, got '-1'"),
+    ("HANG_TIMEOUT_SECONDS", "1.5", "HANG_TIMEOUT_SECONDS must be a whole number >= 0, got '1.5'"),
+    ("SHRINK_ON_FAILURE", "yes", "SHRINK_ON_FAILURE must be 0 or 1, got 'yes'"),
+    ("SPARE_NODES", "2", "NNODES must be at least 1 (the job's 2 nodes less SPARE_NODES=2), got '0'"),
+])
+def test_pretrain_script_refuses_bad_restart_settings_in_one_line(tmp_path, knob, value, message):
+    """The restart knobs are checked before anything runs or is written: one line naming the culprit, exit 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="7", SLURM_JOB_NUM_NODES="2", REPO=str(REPO), SAVE_DIR=str(tmp_path / "never"), **{knob: value})
+    result = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env, timeout=30)
+    assert result.returncode == 2 and result.stderr.strip() == message and not result.stdout, result
+    assert not (tmp_path / "never").exists()
 
 
 def test_without_slurm_and_without_root_the_cluster_tests_skip_saying_why(monkeypatch):
@@ -322,37 +339,107 @@ def _task_rank(pid: int) -> int:
     return int(next(v for v in environ if v.startswith(b"SLURM_PROCID=")).split(b"=", 1)[1])
 
 
-def test_pretrain_job_requeues_after_a_crash_and_gives_up_after_repeated_start_failures(cluster, prepared, tmp_path):
-    """kill -9 of one training process mid-run (what a GPU Xid or the OOM killer does): the job
-    requeues and resumes from its newest checkpoint. A job that cannot start (here: its data is
-    missing) is requeued until MAX_FAILED_RESTARTS (3) failures in a row, then stops with the error."""
+STEP = re.compile(r"job (\d+) restart (\d+)(?: step (\d+))?: \d+ node\(s\) x \d+ task\(s\)")
+TIME_LOST = re.compile(r"step (\d+): time lost: ([\d.]+) s from the failure to the first iteration of step \1 ")
+
+
+def _steps(log: str) -> list[str]:
+    """The job log split at each training step (in-job restarts and requeued starts alike)."""
+    starts = [m.start() for m in STEP.finditer(log)]
+    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
+
+
+def _wait_for_step_iteration(cluster, job: int, log_path: Path, step: int, at_least: int, timeout: float) -> int:
+    """Poll the job log (bounded) until training step `step` (counted over the whole log) has logged
+    iteration >= at_least."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = _steps(log_path.read_text(errors="replace") if log_path.exists() else "")
+        if len(steps) > step:
+            done = [i for i, _, _ in _iterations(steps[step])]
+            if done and done[-1] >= at_least:
+                return done[-1]
+        assert cluster.job_state(job) not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), _log_tail(log_path)
+        time.sleep(0.3)
+    raise AssertionError(f"step {step} did not reach iteration {at_least}:\n{_log_tail(log_path)}" + cluster.daemon_logs())
+
+
+def _log_tail(path: Path) -> str:
+    return path.read_text(errors="replace")[-6000:] if path.exists() else ""
+
+
+def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_and_gives_up_after_repeated_start_failures(
+        cluster, prepared, tmp_path):
+    """One job, IN_JOB_RESTARTS=2: kill -9 of one training process mid-run (what a GPU Xid or the OOM
+    killer does) -> a second srun step in the same job resumes from the newest checkpoint; SIGSTOP of
+    one rank (a hang no collective timeout sees soon) -> the heartbeat check names the stalled ranks and
+    their phases, the step is SIGKILLed and a third step resumes; a second kill -9 -> no in-job restart
+    left: the job requeues as before (Restarts=1) and finishes. Each in-job restart prints its time lost.
+    A job that cannot start (here: its data is missing) is requeued until MAX_FAILED_RESTARTS (3)
+    failures in a row, then stops with the error."""
     save_dir = tmp_path / "crash-checkpoints"
     env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
                       GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS="40", LOG_INTERVAL="1", SAVE_INTERVAL="2",
                       EVAL_ITERS="0", DATA_PATH=str(prepared[0]), SAVE_DIR=str(save_dir),
                       TB_DIR=str(tmp_path / "tensorboard"), PYTHON=sys.executable,
-                      EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", OMP_NUM_THREADS="1")
+                      EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", OMP_NUM_THREADS="1",
+                      IN_JOB_RESTARTS="2", HANG_TIMEOUT_SECONDS="60", POLL_SECONDS="1")
     log_path = tmp_path / "crash.out"
     job = cluster.sbatch(["--nodes=1", "--gres=none", f"--output={log_path}", str(SCRIPT)], env=env, cwd=REPO)
-    _wait_for_iteration(cluster, job, log_path, 0, at_least=5, timeout=240)
+    seen = _wait_for_step_iteration(cluster, job, log_path, 0, at_least=5, timeout=240)
     victims = _training_pids(str(save_dir))
     assert len(victims) == 2, victims
     task = _task_rank(victims[1])
     os.kill(victims[1], 9)
+    seen = _wait_for_step_iteration(cluster, job, log_path, 1, at_least=seen + 3, timeout=240)
+    victims = _training_pids(str(save_dir))
+    assert len(victims) == 2, victims
+    os.kill(victims[0], 19)  # SIGSTOP: the other rank waits in its next collective
+    seen = _wait_for_step_iteration(cluster, job, log_path, 2, at_least=seen + 3, timeout=240)
+    victims = _training_pids(str(save_dir))
+    assert len(victims) == 2, victims
+    os.kill(victims[1], 9)
     info = cluster.wait_until_done(job, timeout=300)
     log = log_path.read_text(errors="replace")
-    context = f"\n{log[-6000:]}\n{info}"
+    context = f"\n{log[-8000:]}\n{info}"
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context
-    first, second = _attempts(log)
-    crashed_at = int(re.search(r"training failed with status 137 \(checkpoint at iteration (\d+)", first)[1])
-    assert crashed_at >= 4 and f"requeueing job {job}" in first, context
-    # The cause is the killed task's SIGKILL (not the SIGTERM srun then sent the other one), mid-run.
+    steps = _steps(log)
+    assert [STEP.search(s).group(2, 3) for s in steps] == [("0", None), ("0", "1"), ("0", "2"), ("1", None)], context
+    assert not re.search(r"restart 0 step 3:", log), context
+    # Step 0: the killed task's SIGKILL is the cause (not the SIGTERM srun then sent the other one),
+    # mid-run, with progress: an in-job restart.
+    first = steps[0]
     assert re.search(r"training crashed mid-run \(last iteration logged by this attempt: ([5-9]|\d\d+);.*\): "
                      rf"signal 9 \(SIGKILL\) of task {task} on host {cluster.node}\n", first), context
-    assert "start-up" not in first and not list((save_dir / ".task_status").iterdir()), context
-    assert f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in second, context
-    assert [i for i, _, _ in _iterations(second)] == list(range(crashed_at + 1, 41)), context
-    assert "training complete" in second and (save_dir / ".failed_restarts").read_text().strip() == "0"
+    assert "in-job restart 1 of 2 after a crash after progress" in first and "requeueing" not in first, context
+    # Step 1: the hang, named rank by rank with its phase, ended with SIGKILL.
+    second = steps[1]
+    assert "hang: no rank progressed for the timeout (HANG_TIMEOUT_SECONDS=60); stalled:" in second, context
+    named = re.findall(r"  rank (\d) \(host \S+, pid \d+\) stalled in phase '([^']+)' for (\d+) s", second)
+    assert sorted(rank for rank, _, _ in named) == ["0", "1"], context
+    # Where each stopped: in a training step or a checkpoint save (SAVE_INTERVAL=2), for the timeout.
+    assert all(re.fullmatch(r"step \d+|saving iter_\d+.*", phase) and int(age) >= 60 for _, phase, age in named), \
+        context
+    assert re.search(rf"sending SIGKILL to step {job}\.1\n", second), context
+    assert "in-job restart 2 of 2 after a crash after progress" in second and "a hang" in second, context
+    # Step 2: the second kill -9: no in-job restart left, requeued as before.
+    third = steps[2]
+    assert "no in-job restart left (IN_JOB_RESTARTS=2 used)" in third and f"requeueing job {job}" in third, context
+    # Every step resumed from the newest complete checkpoint and went on from there.
+    for before, after in zip(steps, steps[1:]):
+        crashed_at = int(re.search(r"checkpoint at iteration (\d+), \d+ at the start\)", before)[1])
+        assert crashed_at >= 4 and f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in after, context
+        assert [i for i, _, _ in _iterations(after)][:1] == [crashed_at + 1], context
+    assert [i for i, _, _ in _iterations(steps[-1])][-1] == 40 and "training complete" in steps[-1], context
+    # The time lost (failure -> first iteration of the next step) is printed for both in-job restarts.
+    lost = [(int(s), float(seconds)) for s, seconds in TIME_LOST.findall(log)]
+    assert [s for s, _ in lost] == [1, 2] and all(0 < seconds < 120 for _, seconds in lost), (lost, context)
+    # Per-step history files; the status directories are cleaned up.
+    assert all((save_dir / "history" / f"job{job}-{name}.json").is_file()
+               for name in ("restart0", "restart0-step1", "restart0-step2", "restart1")), context
+    assert not list((save_dir / ".task_status").iterdir()), context
+    assert (save_dir / ".failed_restarts").read_text().strip() == "0"
+    print(f"in-job restart time lost (single node, 2 tasks): {lost}")
 
     env.update(DATA_PATH=str(tmp_path / "no-such-samples"), SAVE_DIR=str(tmp_path / "never"))
     log_path = tmp_path / "broken.out"

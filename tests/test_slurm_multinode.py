@@ -4,13 +4,17 @@ hostname, veth pairs to a bridge, munged + slurmctld + one slurmd per node; skip
 reason where namespaces cannot be made). What the multi-node half of the scripts does: node list
 -> MASTER_ADDR, one task per node, gloo over the interface GLOO_SOCKET_IFNAME selects, the merge
 after every rank's shards, a node's training process dying mid-run (requeue, resume from the
-newest complete checkpoint), and resuming on one node with --universal-checkpoint.
+newest complete checkpoint, in the same job: a second srun step), resuming on one node with
+--universal-checkpoint, and whole nodes failing (link down, processes killed): the next step on the
+spare node, then, with no spare left, on the one node left (SHRINK_ON_FAILURE=1).
 
-One cluster for the module; the pre-training tests chain on one set of settings, so the losses of
-every run can be compared with a clean 2-process single-node run of the same job:
+One 3-node cluster for the module (SlurmdTimeout 5 s); the pre-training tests chain on one set of
+settings, so the losses of every run can be compared with a clean 2-process single-node run:
   reference: 2 processes on 1 node, 16 iterations;  2 nodes x 1 process, 16 iterations
-  2 nodes with node 2's process killed mid-run, up to iteration 12 (--exit-interval)
-  that checkpoint resumed on 1 node x 1 process (--universal-checkpoint), iterations 13-16."""
+  2 nodes with node 2's process killed mid-run, up to iteration 12 (--exit-interval): in-job restart
+  that checkpoint resumed on 1 node x 1 process (--universal-checkpoint), iterations 13-16
+  3 nodes (2 + 1 spare): node 2 dies -> nodes 1 + 3; node 3 dies -> node 1 alone (last: the failed
+  nodes stay down)."""
 
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ def cluster():
     if (os.cpu_count() or 1) < 2:
         pytest.skip("the 2-node SLURM tests run 2 training processes and need 2 CPUs")
     try:
-        started = MultiNodeCluster.start(kill_wait=60)
+        started = MultiNodeCluster.start(kill_wait=60, nodes=3, slurmd_timeout=5)
     except SlurmUnavailable as reason:
         pytest.skip(str(reason))
     try:
@@ -106,7 +110,7 @@ def test_prepare_data_on_two_nodes_equals_one_node(cluster, prepared):
         job, prefix, log = prepared[name]
         assert "tokenizing on 2 task(s)" in log and "rank 0/2" in log and "rank 1/2" in log, (name, log)
         assert log.count("merging the shards into") == 1, (name, log)
-        assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()  # tokenizing: both nodes
+        assert _step_nodes(cluster, job, 0) == set(cluster.nodes[:2]), cluster.daemon_logs()  # tokenizing: both nodes
         _same_output(prefix, single)
 
 
@@ -127,6 +131,14 @@ def _same_output(prefix: Path, single: Path) -> None:
 # ---------------------------------------------------------------------------- pre-training
 ITERATION = re.compile(r"^iteration\s+(\d+)/(\d+) \| consumed samples (\d+) \| lr \S+ \| loss ([\d.]+)", re.M)
 START = re.compile(r"job (\d+) restart (\d+): (\d+) node\(s\) x (\d+) task\(s\) on ([^|]*)\| master (\S+):(\d+)")
+STEP = re.compile(r"job (\d+) restart (\d+)(?: step (\d+))?: (\d+) node\(s\) x (\d+) task\(s\) on ([^|]*)\| master")
+TIME_LOST = re.compile(r"step (\d+): time lost: ([\d.]+) s from the failure to the first iteration of step \1 ")
+
+
+def _steps(log: str) -> list[str]:
+    """The job log split at each training step (in-job restarts included)."""
+    starts = [m.start() for m in STEP.finditer(log)]
+    return [log[a:b] for a, b in zip(starts, starts[1:] + [len(log)])]
 
 
 def _attempts(log: str) -> list[str]:
@@ -138,8 +150,9 @@ def _iterations(text: str) -> list[int]:
     return [int(m[1]) for m in ITERATION.finditer(text)]
 
 
-def _history(save_dir: Path, job: int, restart: int) -> list[dict]:
-    return [r for r in json.loads((save_dir / "history" / f"job{job}-restart{restart}.json").read_text()) if "loss" in r]
+def _history(save_dir: Path, job: int, restart: int, step: int = 0) -> list[dict]:
+    name = f"job{job}-restart{restart}" + (f"-step{step}" if step else "")
+    return [r for r in json.loads((save_dir / "history" / f"{name}.json").read_text()) if "loss" in r]
 
 
 def _train_env(cluster, samples: Path, save_dir: Path, tasks_per_node: int, extra: str = "", **more: str) -> dict:
@@ -195,19 +208,19 @@ def test_pretrain_on_two_nodes_trains_one_data_parallel_group(cluster, samples, 
     ranks come from SLURM, gloo runs over the veth interface named by GLOO_SOCKET_IFNAME; the two
     nodes train as one data-parallel group: the losses equal the 2-process single-node run's."""
     save_dir, log_path = tmp_path / "checkpoints", tmp_path / "two-nodes.out"
-    before = {node: cluster.interface_bytes(node) for node in cluster.nodes}
+    before = {node: cluster.interface_bytes(node) for node in cluster.nodes[:2]}
     job = _submit(cluster, 2, _train_env(cluster, samples, save_dir, 1), log_path)
     info, log, context = _finished(cluster, job, log_path)
-    after = {node: cluster.interface_bytes(node) for node in cluster.nodes}
+    after = {node: cluster.interface_bytes(node) for node in cluster.nodes[:2]}
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0" and info["Restarts"] == "0", context
     start = START.search(log)
     assert start and start.group(3, 4, 5, 6) == ("2", "1", "pmlm-node1 pmlm-node2 ", "pmlm-node1"), context
     assert "GLOO_SOCKET_IFNAME unset" not in log, context  # the user's choice stands
     # The gradients crossed the veth link: each node sent at least half of the fp32 gradients
     # (~2.1 M parameters, 8.4 MB) per iteration through it (ZeRO-2's reduce-scatter alone).
-    sent = {node: after[node][1] - before[node][1] for node in cluster.nodes}
+    sent = {node: after[node][1] - before[node][1] for node in cluster.nodes[:2]}
     assert all(count > TRAIN_ITERS * 4_000_000 for count in sent.values()), sent
-    assert _step_nodes(cluster, job, 0) == set(cluster.nodes), cluster.daemon_logs()
+    assert _step_nodes(cluster, job, 0) == set(cluster.nodes[:2]), cluster.daemon_logs()
     assert "parallelism: world 2 = data 2 x tensor 1 x pipeline 1; ZeRO-2, fp32, micro batch 4, global batch 16 " \
            "(2 accumulation steps)" in log, context
     state = json.loads((save_dir / f"iter_{TRAIN_ITERS:07d}" / "run_state.json").read_text())
@@ -267,25 +280,29 @@ def killed_run(cluster, samples, reference, tmp_path_factory):
 
 
 def test_pretrain_on_two_nodes_survives_a_killed_process(cluster, killed_run, reference):
-    """The job requeues itself, restarts on both nodes from the newest complete checkpoint and
-    finishes; over both starts every iteration consumed the next global batch exactly once: the
-    losses are those of the uninterrupted reference run."""
+    """The same job restarts in place (a second srun step, Restarts=0) on both nodes from the newest
+    complete checkpoint and finishes; over both steps every iteration consumed the next global batch
+    exactly once: the losses are those of the uninterrupted reference run. The time lost is printed."""
     job, save_dir, info, log, context = killed_run
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", context
-    first, second = _attempts(log)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", context
+    first, second = _steps(log)
+    assert STEP.search(second).group(2, 3) == ("0", "1"), context
     # GLOO_SOCKET_IFNAME unset: the script chose the interface to node 2 (each node's own name
     # resolves to 127.0.1.1 there, which gloo would otherwise offer the other node).
-    for attempt in (first, second):
-        assert "GLOO_SOCKET_IFNAME unset: using pmlmnet, this node's interface to pmlm-node2 (10.77.0.2)" in attempt
-    crashed_at = int(re.search(r"training failed with status 137 \(checkpoint at iteration (\d+)", first)[1])
-    assert crashed_at >= 3 and crashed_at % 3 == 0 and f"requeueing job {job}" in first, context
+    assert "GLOO_SOCKET_IFNAME unset: using pmlmnet, this node's interface to pmlm-node2 (10.77.0.2)" in first
     assert re.search(r"training crashed mid-run .*: signal 9 \(SIGKILL\) of task 1 on host pmlm-node2\n", first), context
-    assert START.search(second).group(3, 4, 5) == ("2", "1", "pmlm-node1 pmlm-node2 "), context
+    crashed_at = int(re.search(r"checkpoint at iteration (\d+), 0 at the start\)", first)[1])
+    assert crashed_at >= 3 and crashed_at % 3 == 0 and "in-job restart 1 of 3 after a crash after progress" in first
+    assert "requeueing" not in log and "excluding" not in log, context
+    assert STEP.search(second).group(4, 5, 6) == ("2", "1", "pmlm-node1 pmlm-node2 "), context
     assert f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}, " \
            f"consumed samples {crashed_at * GLOBAL_BATCH}" in second, context
     assert _iterations(second) == list(range(crashed_at + 1, KILLED_RUN_EXIT + 1)), context
     assert "training complete" in second, context
-    kept = _history(save_dir, job, 0)[:crashed_at] + _history(save_dir, job, 1)
+    lost = [(int(s), float(seconds)) for s, seconds in TIME_LOST.findall(log)]
+    assert [s for s, _ in lost] == [1] and 0 < lost[0][1] < 120, (lost, context)
+    print(f"time lost to a killed process, 2 nodes: {lost[0][1]} s")
+    kept = _history(save_dir, job, 0)[:crashed_at] + _history(save_dir, job, 0, step=1)
     assert [(r["iteration"], r["consumed_samples"]) for r in kept] == \
         [(i, i * GLOBAL_BATCH) for i in range(1, KILLED_RUN_EXIT + 1)], context
     assert _losses(kept) == pytest.approx(_losses(reference[:KILLED_RUN_EXIT]), abs=1e-5), context
@@ -315,6 +332,110 @@ def test_pretrain_resumes_on_one_node_with_universal_checkpoint(cluster, samples
         [(i, i * GLOBAL_BATCH) for i in range(KILLED_RUN_EXIT + 1, TRAIN_ITERS + 1)], context
     assert _losses(history) == pytest.approx(_losses(reference[KILLED_RUN_EXIT:]), abs=1e-4), context
     assert "training complete" in log, context
+
+
+def _wait_for_step(cluster, job: int, log_path: Path, step: int, at_least: int, timeout: float) -> int:
+    """Poll the log (bounded) until training step `step` has logged iteration >= at_least."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = _steps(_log(log_path))
+        if len(steps) > step and _iterations(steps[step]) and _iterations(steps[step])[-1] >= at_least:
+            return _iterations(steps[step])[-1]
+        state = cluster.job_state(job)
+        assert state not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"), f"ended early ({state}):\n{_log(log_path)[-5000:]}"
+        time.sleep(0.3)
+    raise AssertionError(f"step {step}: no iteration {at_least} in time:\n{_log(log_path)[-5000:]}" + cluster.daemon_logs())
+
+
+def test_failed_nodes_are_replaced_by_the_spare_then_the_job_shrinks(cluster, samples, reference, tmp_path):
+    """3 nodes, SPARE_NODES=1, SHRINK_ON_FAILURE=1, checkpoints every 3 iterations. Node 2 dies (link
+    down, every process in it SIGKILLed): the next step of the same job runs on nodes 1 + 3. Node 3
+    dies: no spare left, so the job goes on on node 1 alone (the largest node count whose data-parallel
+    size divides the global batch) through --universal-checkpoint, the global batch kept. Each failed
+    host is excluded and named; the losses are the reference's all along; each time lost is printed.
+    Runs last in the module: the failed nodes stay down."""
+    save_dir, log_path = tmp_path / "checkpoints", tmp_path / "spare.out"
+    env = _train_env(cluster, samples, save_dir, 1, SAVE_INTERVAL="3", SPARE_NODES="1", SHRINK_ON_FAILURE="1",
+                     POLL_SECONDS="1")
+    job = _submit(cluster, 3, env, log_path)
+    seen = _wait_for_step(cluster, job, log_path, 0, at_least=4, timeout=240)
+    assert cluster.fail_node(cluster.nodes[1])
+    seen = _wait_for_step(cluster, job, log_path, 1, at_least=seen + 3, timeout=240)
+    assert cluster.fail_node(cluster.nodes[2])
+    info, log, context = _finished(cluster, job, log_path, timeout=400)
+    context += "\n" + cluster.daemon_logs()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", context
+    steps = _steps(log)
+    assert [STEP.search(s).group(3, 4, 6) for s in steps] == [
+        (None, "2", "pmlm-node1 pmlm-node2 "), ("1", "2", "pmlm-node1 pmlm-node3 "), ("2", "1", "pmlm-node1 ")], context
+    assert "SPARE_NODES=1: the job's other node(s) wait as spares" in steps[0], context
+    assert re.search(r"excluding host pmlm-node2 from the next steps: (srun reports that the node failed|"
+                     r"scontrol show node says State=\S*(DOWN|NOT_RESPONDING|\*))", steps[0]), context
+    assert "in-job restart 1 of 3 after" in steps[0], context
+    assert re.search(r"excluding host pmlm-node3 from the next steps: ", steps[1]), context
+    assert "SHRINK_ON_FAILURE=1: 1 usable node(s) left, 2 needed: continuing on 1 node(s) (data-parallel size 1, " \
+           "global batch 16 kept) with --universal-checkpoint" in steps[1], context
+    assert "--universal-checkpoint" in steps[2] and "data-parallel size 2 -> 1" in steps[2], context
+    assert "parallelism: world 1 = data 1 x tensor 1 x pipeline 1; ZeRO-2, fp32, micro batch 4, global batch 16 " \
+           "(4 accumulation steps)" in steps[2], context
+    assert "training complete" in steps[2] and "requeueing" not in log, context
+    # The steps ran where the log says (the slurmd logs: step 1 on nodes 1 and 3, step 2 on node 1).
+    assert _step_nodes(cluster, job, 1) == {cluster.nodes[0], cluster.nodes[2]}, context
+    assert _step_nodes(cluster, job, 2) == {cluster.nodes[0]}, context
+    # Every iteration once, each on the next global batch, the reference's losses.
+    checkpoints = [int(re.search(r"checkpoint at iteration (\d+), \d+ at the start\)", s)[1]) for s in steps[:2]]
+    kept = _history(save_dir, job, 0)[:checkpoints[0]] + \
+        _history(save_dir, job, 0, step=1)[:checkpoints[1] - checkpoints[0]] + _history(save_dir, job, 0, step=2)
+    assert [(r["iteration"], r["consumed_samples"]) for r in kept] == \
+        [(i, i * GLOBAL_BATCH) for i in range(1, TRAIN_ITERS + 1)], context
+    assert _losses(kept) == pytest.approx(_losses(reference), abs=1e-4), context
+    lost = [(int(s), float(seconds)) for s, seconds in TIME_LOST.findall(log)]
+    assert [s for s, _ in lost] == [1, 2] and all(0 < seconds < 120 for _, seconds in lost), (lost, context)
+    print(f"time lost to a node failure, 2 nodes + spare / shrink to 1: {lost}")
+
+
+# ---------------------------------------------------------------------------- the paper's topology (opt-in)
+@pytest.mark.skipif(os.environ.get("PMLM_SLURM_EIGHT_NODES") != "1",
+                    reason="the 8-node run (9 namespaces, 16 training processes over its two jobs) is opt-in: "
+                           "PMLM_SLURM_EIGHT_NODES=1")
+def test_eight_nodes_and_a_spare_finish_on_the_spare_with_the_same_losses(samples, tmp_path):
+    """The paper's topology: 8 nodes x 1 process (+ 1 spare), a few iterations; the losses equal an
+    8-process single-node run's. Node 5 dies mid-run: the next step of the same job runs on nodes 1-4,
+    6-9 from the newest checkpoint, with the same losses."""
+    try:
+        nine = MultiNodeCluster.start(kill_wait=60, nodes=9, slurmd_timeout=5)
+    except SlurmUnavailable as reason:
+        pytest.skip(str(reason))
+    try:
+        iterations, more = 8, dict(TRAIN_ITERS="8", MICRO_BATCH="2", SRUN_ARGS="--overcommit", SAVE_INTERVAL="2",
+                                   POLL_SECONDS="1")
+        single_dir, single_log = tmp_path / "single", tmp_path / "single.out"
+        job = nine.sbatch(["--nodes=1", "--gres=none", f"--output={single_log}", str(SCRIPT)],
+                          env=_train_env(nine, samples, single_dir, 8, **more), cwd=REPO)
+        info, log, context = _finished(nine, job, single_log, timeout=900)
+        assert info["JobState"] == "COMPLETED", context
+        reference8 = _history(single_dir, job, 0)
+        assert [r["iteration"] for r in reference8] == list(range(1, iterations + 1)), context
+
+        save_dir, log_path = tmp_path / "eight", tmp_path / "eight.out"
+        job = nine.sbatch(["--nodes=9", "--gres=none", f"--output={log_path}", str(SCRIPT)],
+                          env=_train_env(nine, samples, save_dir, 1, SPARE_NODES="1", **more), cwd=REPO)
+        seen = _wait_for_step(nine, job, log_path, 0, at_least=3, timeout=900)
+        assert seen < iterations and nine.fail_node(nine.nodes[4])
+        info, log, context = _finished(nine, job, log_path, timeout=900)
+        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", context
+        first, second = _steps(log)
+        assert STEP.search(first).group(4, 6) == ("8", " ".join(nine.nodes[:8]) + " "), context
+        assert STEP.search(second).group(4, 6) == ("8", " ".join(nine.nodes[:4] + nine.nodes[5:]) + " "), context
+        assert "excluding host pmlm-node5 from the next steps" in first, context
+        checkpoint = int(re.search(r"checkpoint at iteration (\d+), 0 at the start\)", first)[1])
+        kept = _history(save_dir, job, 0)[:checkpoint] + _history(save_dir, job, 0, step=1)
+        assert [r["iteration"] for r in kept] == list(range(1, iterations + 1)), context
+        assert _losses(kept) == pytest.approx(_losses(reference8), abs=1e-5), context
+        assert len(TIME_LOST.findall(log)) == 1, context
+        print(f"8 nodes + spare, time lost: {TIME_LOST.findall(log)}")
+    finally:
+        nine.stop()
 
 
 # ---------------------------------------------------------------------------- the harness itself
