@@ -129,13 +129,14 @@ def test_a_short_run_says_how_it_warms_up(tiny_hf_model, qg_pairs, tmp_path):
     args = ["--max-source-length", "40", "--max-target-length", "12", "--micro-batch-size", "6",
             "--global-batch-size", "6", "--epochs", "1", "--log-interval", "1"]
     records, result = _finetune(tiny_hf_model, tmp_path / "s.txt", tmp_path / "t.txt", tmp_path, *args, name="a")
-    notes = [line for line in result.stdout.splitlines() if "warm" in line]
+    notes = [line for line in result.stdout.splitlines() if "warm" in line and not line.startswith("run identity:")]
     assert notes == ["note: the run has 2 iterations, no more than the default warmup of 1000: warming up over 1 "
                      "(10% of the run; --lr-warmup-iters sets it)"], result.stdout
     assert max(r["lr"] for r in records) == pytest.approx(5e-5)
     records, result = _finetune(tiny_hf_model, tmp_path / "s.txt", tmp_path / "t.txt", tmp_path, *args,
                                 "--lr-warmup-iters", "4", name="b")
-    warnings_given = [line for line in result.stdout.splitlines() if "warm" in line]
+    warnings_given = [line for line in result.stdout.splitlines()
+                      if "warm" in line and not line.startswith("run identity:")]
     assert len(warnings_given) == 1 and warnings_given[0].startswith("warning: --lr-warmup-iters 4 is not shorter "
                                                                      "than the run's 2 iterations"), result.stdout
     assert max(r["lr"] for r in records) < 5e-5
