@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from ..config import ConfigError
+from ..files import open_output
 from .samples import SamplesError
 
 INDEX_CACHE_FOLDER = "index-cache"
@@ -150,16 +151,8 @@ class EpochOrderCache:
         order = np.ascontiguousarray(order, dtype=self.dtype)
         if order.shape != (self.expected_length,):
             raise RuntimeError(f"epoch order of {order.shape} built for {self.expected_length} samples")
-        tmp = path.with_name(f".{path.name}.{socket.gethostname()}-{os.getpid()}.tmp")
-        try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as handle:
-                np.save(handle, order)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        with open_output(path, binary=True) as handle:  # a fresh hidden tmp file, fsynced, renamed
+            np.save(handle, order)
 
     def _delete_before(self, epoch: int) -> None:
         """This key's files of epochs before `epoch`, and tmp files a killed writer left of them
