@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compile:
         from .models.compiled import compile_transformer_layers
 
-        compile_transformer_layers(model)
+        compile_transformer_layers(model, on_new_shape=heartbeat.compiling)
     if warmup_line:
         log(warmup_line)
     log(f"model: {loaded.source}; {config.num_layers} layers, hidden {config.hidden_size}, "

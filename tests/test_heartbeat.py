@@ -5,6 +5,7 @@ the timeout rule, stale files and bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -234,12 +235,13 @@ def test_a_new_compiled_shape_beats_compiling(tmp_path):
     from megatron_pmlm.models import compiled
 
     current = heartbeat.start(tmp_path, rank=0, world_size=1)
+    announce = functools.partial(compiled._announce_new_shape, on_new_shape=heartbeat.compiling)  # as the recipes hook it
     try:
         current.beat("step 7", 7)
-        compiled._announce_new_shape(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))
+        announce(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))
         assert json.loads(heartbeat_file(tmp_path, 0).read_text())["phase"] == "compiling"
         current.beat("step 8", 8)
-        compiled._announce_new_shape(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))  # known: no compilation
+        announce(torch.nn.Identity(), (torch.zeros(1, 7919, 3),))  # known: no compilation
         assert current.phase == "step 8"
     finally:
         heartbeat.start(None)

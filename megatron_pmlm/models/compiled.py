@@ -25,8 +25,10 @@ dropout the random streams differ from eager's (inductor draws its own), as on a
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from typing import Callable
 
 import torch
 from torch import nn
@@ -92,10 +94,11 @@ def compilations() -> int:
     return len(_signatures)
 
 
-def compile_transformer_layers(model: nn.Module) -> int:
+def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None] | None = None) -> int:
     """Compile every transformer layer of `model` in place (see the module docstring); the stacks
     holding them get the compile layout quantum (`layout_quantum` where they have one and it is
-    unset) and announce each new shape. Returns the number of layers compiled."""
+    unset) and announce each new shape (and call `on_new_shape`: the trainer's heartbeat marks the
+    compilation as progress). Returns the number of layers compiled."""
     import torch._dynamo
 
     config = torch._dynamo.config  # `cache_size_limit` before torch 2.6
@@ -116,11 +119,11 @@ def compile_transformer_layers(model: nn.Module) -> int:
             if isinstance(layer, BertLayer):
                 layer.compile(dynamic=False)
                 compiled += 1
-        module.register_forward_pre_hook(_announce_new_shape)
+        module.register_forward_pre_hook(functools.partial(_announce_new_shape, on_new_shape=on_new_shape))
     return compiled
 
 
-def _announce_new_shape(stack: nn.Module, args: tuple) -> None:
+def _announce_new_shape(stack: nn.Module, args: tuple, on_new_shape: Callable[[], None] | None = None) -> None:
     """Count and announce (rank 0, one line) each new input signature a stack of compiled layers
     meets: what the compiled layer is guarded on (shapes, dtype, grad mode)."""
     tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
@@ -129,9 +132,8 @@ def _announce_new_shape(stack: nn.Module, args: tuple) -> None:
     if signature in _signatures:
         return
     _signatures.add(signature)
-    from ..training import heartbeat
-
-    heartbeat.beat("compiling")  # until the next beat: the compilation and the rest of this step
+    if on_new_shape is not None:
+        on_new_shape()
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):

@@ -153,6 +153,11 @@ def progress() -> None:
         _current.beat(_current.phase, _current.iteration)
 
 
+def compiling() -> None:
+    """A new compiled shape (models/compiled.py calls it): the compilation, until the next beat."""
+    beat("compiling")
+
+
 def current() -> Heartbeat | None:
     return _current
 

@@ -143,6 +143,7 @@ def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_ac
     model.bert.encoder.checkpoint_activations = checkpoint_activations
     if compile_layers:
         from ..models.compiled import compile_transformer_layers
+        from . import heartbeat
 
-        compile_transformer_layers(model)
+        compile_transformer_layers(model, on_new_shape=heartbeat.compiling)
     return model
