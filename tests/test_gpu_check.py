@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
+import subprocess
 import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
 
 from pmlm_testing import REPO_ROOT, run_module
 
@@ -24,6 +32,14 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     assert [s["seq_length"] for s in plan if s["traced"]] == [128]
     assert [(s["seq_length"], s["precision"], s["flags"]) for s in plan if s["kind"] == "compile"] == \
         [(128, "bf16", ["--compile"]), (512, "bf16", ["--compile"])]
+    # Most important first, so that a short lease measures what the goals are judged on: the real
+    # path, the compiled rows, the other backend at the preferred precision, the other precision.
+    assert [gpu_check.bench_name(spec, "base") for spec in plan] == [
+        "base-seq128-bf16-sdpa", "base-seq512-bf16-sdpa", "base-seq128-bf16-sdpa-compile",
+        "base-seq512-bf16-sdpa-compile", "base-seq128-bf16-flex", "base-seq512-bf16-flex",
+        "base-seq128-fp16-sdpa", "base-seq128-fp16-flex", "base-seq512-fp16-sdpa", "base-seq512-fp16-flex"]
+    assert [spec["priority"] for spec in plan] == sorted(spec["priority"] for spec in plan)
+    assert 2 < gpu_check.TESTS_PRIORITY < 3  # the gpu tests before the other precision's rows
     # A V100: fp16 only, sdpa only, bench_train without --compile.
     v100 = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("fp16",), ("sdpa",), "fp16", compile_rows=False)
     assert [(s["precision"], s["real"], s["traced"]) for s in v100] == [("fp16", True, True), ("fp16", True, False)]
@@ -83,3 +99,96 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     changed["bench"].append({**changed["bench"][0], "ok": False, "error": "exit code 1: out of memory"})
     text = gpu_check.markdown(changed)
     assert "| 64 | 4 | skipped: ../shared/data absent |" in text and "failed: exit code 1: out of memory" in text
+
+
+def _archived_report(archive: Path) -> dict:
+    """gpu-check.json from inside an --archive file (one results folder)."""
+    with tarfile.open(archive) as tar:
+        (member,) = [m for m in tar.getmembers() if m.name.endswith("/gpu-check.json")]
+        names = {m.name.split("/", 1)[-1] for m in tar.getmembers() if m.isfile()}
+        assert "gpu-check.md" in names
+        return json.loads(tar.extractfile(member).read())
+
+
+def test_a_spent_budget_runs_nothing_and_says_so(tmp_path):
+    """A budget smaller than one step: every step listed as not run, the report and the archive still
+    written, exit 0 (nothing failed)."""
+    archive = tmp_path / "results.tar.gz"
+    budget = gpu_check.REPORT_SECONDS + gpu_check.MIN_STEP_SECONDS - 1
+    result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path / "out"),
+                        "--budget-seconds", str(budget), "--archive", str(archive), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = _archived_report(archive)
+    assert report["bench"] == [] and report["budget_seconds"] == budget
+    assert report["not_run"][0] == "tiny-seq64-fp32-sdpa"
+    assert report["not_run_reason"] == f"the budget of {budget} s was spent"
+    (run,) = (tmp_path / "out").iterdir()
+    assert f"Not run (the budget of {budget} s was spent): tiny-seq64-fp32-sdpa" in (run / "gpu-check.md").read_text()
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def _children(pid: int) -> list[str]:
+    """The command lines of `pid`'s direct children."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to find the benchmark process")
+def test_sigterm_during_a_benchmark_still_writes_the_report_and_the_archive(tmp_path):
+    """`timeout` or a scheduler stopping the check mid-benchmark: the benchmark process is ended, the
+    report names what did not run and why, the archive holds it, exit 1."""
+    archive = tmp_path / "results.tar.gz"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "tools.gpu_check", "--cpu-dry-run", "--output-dir",
+                                str(tmp_path / "out"), "--archive", str(archive)], env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not any("bench_train.py" in line and "--json" in line for line in _children(process.pid)):
+            assert process.poll() is None, process.communicate()
+            assert time.time() < deadline, "no benchmark process started within 240 s"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+    assert process.returncode == 1, stdout[-2000:] + stderr[-2000:]
+    assert "gpu-check: stopped by SIGTERM" in stderr
+    report = _archived_report(archive)
+    assert report["not_run"][0] == "tiny-seq64-fp32-sdpa" and report["not_run_reason"] == "stopped by SIGTERM"
+    assert any(note.startswith("stopped by SIGTERM after ") for note in report["notes"])
+    assert not _children(process.pid)
+
+
+@pytest.mark.parametrize("kind", ["zip", "fifo", "folder", "no folder"])
+def test_bad_archive_paths_are_refused_before_anything_runs(tmp_path, kind):
+    path = tmp_path / {"zip": "results.zip", "fifo": "fifo.tar.gz", "folder": "folder.tar.gz",
+                       "no folder": "missing/results.tar.gz"}[kind]
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "folder":
+        path.mkdir()
+    message = {"zip": "give a file name ending in .tar.gz", "fifo": "is not a regular file",
+               "folder": "is a folder", "no folder": f"the folder {path.parent} does not exist"}[kind]
+    result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path / "out"), "--archive",
+                        str(path), timeout=120)
+    assert result.returncode == 2 and f"--archive {path}" in result.stderr and message in result.stderr, \
+        result.stderr
+    assert not (tmp_path / "out").exists() and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_budget_too_small_for_the_report_is_refused(tmp_path):
+    result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path), "--budget-seconds", "5",
+                        timeout=120)
+    assert result.returncode == 2 and "--budget-seconds 5: give more than" in result.stderr

@@ -15,11 +15,21 @@ and one step of seq 128 traced by torch.profiler (a Chrome trace file; its top-2
 gpu-check.md). The MFU peak comes from the exact device name (bench_train.PEAK_TFLOPS), its source
 printed.
 
+Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
+step at seq 128 then 512 (with Hugging Face and the trace), the `--compile` rows, the other attention
+backend at the preferred precision, the `gpu` tests, then the other precision. `--budget-seconds S`
+bounds the whole check: a step starts only with at least `MIN_STEP_SECONDS` left (tests:
+`MIN_TESTS_SECONDS`), runs with a timeout of what is left, and what did not fit is listed as not run.
+The report (`gpu-check.json`, `gpu-check.md`) is rewritten after every step, and `--archive
+FILE.tar.gz` packs the whole results folder into one file at the end, also when SIGTERM/SIGINT
+(a scheduler's or `timeout`'s) stops the check: one file to copy off a lent machine.
+
 Without a CUDA device it stops at once, saying so in one line (exit 1); `--cpu-dry-run` instead
 runs the benchmark part on the CPU at the tiny preset (seq 64, micro batch 4, fp32, one step) to
 check the tooling. Each benchmark runs in its own process (a fresh CUDA context and peak-memory
 count); a failing one is recorded and the others still run. Exit 0 only when the tests pass and
-every benchmark ran.
+every benchmark ran (a budget that left steps out: exit 0 when what ran passed, the steps left out
+named in the report).
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -43,6 +55,13 @@ DRY_RUN_SHAPES = ((64, 4),)
 """--cpu-dry-run: the tiny preset at this (sequence length, micro batch), fp32, one timed step."""
 TRACED_SEQ_LENGTH = 128
 """The shape whose step is traced (the first shape in a dry run)."""
+MIN_STEP_SECONDS = 45
+"""--budget-seconds: a benchmark starts only with this much left (start-up, one compilation, the
+timed steps: ~30 s per eager row and ~60-90 s per compiled or real-path row on the first H100)."""
+MIN_TESTS_SECONDS = 120
+"""--budget-seconds: the gpu tests start only with this much left (they took 200 s on the first H100)."""
+REPORT_SECONDS = 15
+"""--budget-seconds: kept back at the end for the report and the archive."""
 
 
 def cuda_problem() -> str | None:
@@ -58,7 +77,7 @@ def cuda_problem() -> str | None:
     return None
 
 
-def run_tests(output_dir: Path, timeout: int) -> dict:
+def run_tests(output_dir: Path, timeout: float) -> dict:
     """pytest -m gpu tests/test_gpu.py, its output kept in tests.log."""
     started = time.time()
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py",
@@ -68,7 +87,7 @@ def run_tests(output_dir: Path, timeout: int) -> dict:
                                 env={**os.environ, "DS_ACCELERATOR": "cuda"})
         output, returncode = result.stdout + result.stderr, result.returncode
     except subprocess.TimeoutExpired as expired:
-        output, returncode = f"{expired.stdout or ''}\ntimed out after {timeout} s", 124
+        output, returncode = f"{_text(expired.stdout)}\ntimed out after {timeout:.0f} s", 124
     (output_dir / "tests.log").write_text(output)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next((line for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line
@@ -86,10 +105,11 @@ def bench_has_compile() -> bool:
 
 def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], preferred: str,
                compile_rows: bool) -> list[dict]:
-    """Every bench_train process of a check: the precision x attention rows, the one at the preferred
-    precision with sdpa also timing the real path (pretrain's step, Hugging Face; the trace at seq
-    128, or at the first shape without one); then per shape the --compile row where bench_train has
-    the flag."""
+    """Every bench_train process of a check, most important first (the module docstring's order):
+    the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
+    Face; the trace at seq 128, or at the first shape without one) per shape; then the --compile
+    row per shape where bench_train has the flag; then the other backends at the preferred
+    precision; then the other precisions. `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
     for seq_length, micro_batch in shapes:
@@ -99,19 +119,30 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                 plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": precision,
                              "backend": backend, "kind": "eager", "real": real,
                              "flags": ["--deepspeed", "--huggingface"] if real else [],
-                             "traced": real and seq_length == traced_length})
+                             "traced": real and seq_length == traced_length,
+                             "priority": 0 if real else 2 if precision == preferred else 3})
         if compile_rows:
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
-                         "kind": "compile", "real": False, "flags": ["--compile"], "traced": False})
-    return plan
+                         "kind": "compile", "real": False, "flags": ["--compile"], "traced": False, "priority": 1})
+    return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
 
-def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeout: int, preset: str = "base",
+TESTS_PRIORITY = 2.5
+"""Where the gpu tests run among the benchmark groups of `bench_plan`: after the other backends at
+the preferred precision, before the other precisions."""
+
+
+def bench_name(spec: dict, preset: str) -> str:
+    return (f"{preset}-seq{spec['seq_length']}-{spec['precision']}-{spec['backend']}"
+            + ("" if spec["kind"] == "eager" else f"-{spec['kind']}"))
+
+
+def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeout: float, preset: str = "base",
               accelerator: str = "cuda") -> dict:
     """One tools/bench_train.py process; its figures, or what went wrong."""
     seq_length, micro_batch, precision, backend = (spec["seq_length"], spec["micro_batch"], spec["precision"],
                                                    spec["backend"])
-    name = f"{preset}-seq{seq_length}-{precision}-{backend}" + ("" if spec["kind"] == "eager" else f"-{spec['kind']}")
+    name = bench_name(spec, preset)
     figures_file = output_dir / f"{name}.json"
     command = [sys.executable, str(REPO_ROOT / "tools" / "bench_train.py"), "--preset", preset, "--seq-length",
                str(seq_length), "--micro-batch-size", str(micro_batch), *([f"--{precision}"] if precision != "fp32"
@@ -128,7 +159,7 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
                                 env={**os.environ, "DS_ACCELERATOR": accelerator})
         output, returncode = result.stdout + result.stderr, result.returncode
     except subprocess.TimeoutExpired as expired:
-        output, returncode = f"{expired.stdout or ''}\ntimed out after {timeout} s", 124
+        output, returncode = f"{_text(expired.stdout)}\ntimed out after {timeout:.0f} s", 124
     (output_dir / f"{name}.log").write_text(output)
     row["seconds"] = time.time() - started
     if returncode == 0 and figures_file.is_file():
@@ -136,6 +167,11 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
     else:
         row.update(ok=False, error=f"exit code {returncode}: " + "; ".join(output.strip().splitlines()[-3:]))
     return row
+
+
+def _text(output) -> str:
+    """A TimeoutExpired's captured output (bytes even with text=True) as text."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def _percent(value) -> str:
@@ -152,9 +188,10 @@ def _proxies(figures: dict) -> str:
 
 def markdown(report: dict) -> str:
     device = report["device"]
+    budget = f" (budget {report['budget_seconds']:.0f} s)" if report.get("budget_seconds") else ""
     lines = [f"# gpu-check: {device['name']} (compute capability {device['capability']}), "
              f"torch {device['torch']}, CUDA {device['cuda']}", "",
-             f"{report['started']}, {report['seconds']:.0f} s in all. Tests (`pytest -m gpu tests/test_gpu.py`): "
+             f"{report['started']}, {report['seconds']:.0f} s in all{budget}. Tests (`pytest -m gpu tests/test_gpu.py`): "
              + (f"{'passed' if report['tests']['passed'] else 'FAILED'}, {report['tests']['summary']} "
                 f"({report['tests']['seconds']:.0f} s)" if report["tests"] else "not run"), ""]
     peaks = report.get("peaks", {})
@@ -226,6 +263,8 @@ def markdown(report: dict) -> str:
                       "| kernel | calls | ms |", "|---|---|---|"]
             lines += [f"| `{kernel['name'][:120].replace('|', '/')}` | {kernel['calls']} | {kernel['self_us'] / 1e3:.2f} |"
                       for kernel in f["top_kernels"]]
+    if report.get("not_run"):
+        lines += ["", f"Not run ({report['not_run_reason']}): " + ", ".join(report["not_run"]) + "."]
     for note in report["notes"]:
         lines += ["", note]
     return "\n".join(lines) + "\n"
@@ -240,6 +279,43 @@ def device_peaks(name: str, precisions: Sequence[str]) -> dict:
             for precision in precisions}
 
 
+class Stopped(Exception):
+    """SIGTERM or SIGINT reached the check: report what ran, archive it, exit."""
+
+
+def _stop(signum, frame):
+    raise Stopped(signal.Signals(signum).name)
+
+
+def write_report(output_dir: Path, report: dict, started: float) -> None:
+    """gpu-check.json and gpu-check.md as they stand (rewritten after every step)."""
+    report["seconds"] = time.time() - started
+    (output_dir / "gpu-check.json").write_text(json.dumps(report, indent=1))
+    (output_dir / "gpu-check.md").write_text(markdown(report))
+
+
+def write_archive(output_dir: Path, archive: Path) -> None:
+    """The results folder as one .tar.gz (written beside, then renamed: never half an archive)."""
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:gz") as tar:
+        tar.add(output_dir, arcname=output_dir.name)
+    os.replace(partial, archive)
+
+
+def archive_problem(path: str) -> str | None:
+    """Why --archive PATH cannot be written (one line), or None."""
+    if not path.endswith((".tar.gz", ".tgz")):
+        return f"--archive {path}: give a file name ending in .tar.gz"
+    target = Path(path)
+    if target.is_dir():
+        return f"--archive {path} is a folder; give a file name ending in .tar.gz"
+    if target.exists() and not target.is_file():
+        return f"--archive {path} is not a regular file (a device, FIFO or socket); give a new file name"
+    if not target.resolve().parent.is_dir():
+        return f"--archive {path}: the folder {target.resolve().parent} does not exist"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/gpu_check.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", default="outputs/gpu-check",
@@ -250,14 +326,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation among them)")
     parser.add_argument("--timeout", type=int, default=300,
                         help="seconds allowed to each benchmark process (twice that to the real-path ones)")
+    parser.add_argument("--budget-seconds", type=float, default=None, metavar="S",
+                        help="the whole check in S seconds: steps run most important first, each only with enough "
+                             "time left and stopped when the budget ends; the ones left out are named in the "
+                             "report (default: no budget)")
+    parser.add_argument("--archive", metavar="FILE.tar.gz",
+                        help="also pack the results folder into this one file at the end (also when stopped by "
+                             "SIGTERM/SIGINT)")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU needed: the benchmark part only, on the CPU at the tiny preset (seq 64, micro "
                              "batch 4, fp32, one warm-up and one timed step), to check the tooling and the report")
     args = parser.parse_args(argv)
-    problem = None if args.cpu_dry_run else cuda_problem()
+    if args.budget_seconds is not None and not args.budget_seconds > REPORT_SECONDS:
+        parser.error(f"--budget-seconds {args.budget_seconds:g}: give more than {REPORT_SECONDS} seconds "
+                     "(kept back for the report)")
+    problem = (archive_problem(args.archive) if args.archive else None) or (
+        None if args.cpu_dry_run else cuda_problem())
     if problem:
         print(problem, file=sys.stderr)
-        return 1
+        return 2 if args.archive and problem.startswith("--archive") else 1
     import torch
 
     sys.path.insert(0, str(REPO_ROOT))
@@ -288,39 +375,87 @@ def main(argv: list[str] | None = None) -> int:
         if not bf16:
             notes.append("bf16 not run: this GPU has no bf16 support")
     report = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device, "preset": preset,
+              "budget_seconds": args.budget_seconds,
               "peaks": {} if args.cpu_dry_run else device_peaks(device["name"], precisions),
-              "tests": None, "bench": [], "notes": notes}
+              "tests": None, "bench": [], "not_run": [], "not_run_reason": "", "notes": notes}
     for precision, peak in report["peaks"].items():
         print(f"gpu-check: {precision} peak {peak['tflops']} TFLOP/s ({peak['source']})", flush=True)
     print(f"gpu-check: {device['name']} (SM {device['capability']}); results go to {output_dir}", flush=True)
-    if not args.skip_tests and not args.cpu_dry_run:
-        print("gpu-check: pytest -m gpu tests/test_gpu.py ...", flush=True)
-        report["tests"] = run_tests(output_dir, timeout=600)
-        print(f"gpu-check: tests {'passed' if report['tests']['passed'] else 'FAILED'}: {report['tests']['summary']}",
-              flush=True)
-    if not args.skip_bench:
-        compile_rows = bench_has_compile()
-        if not compile_rows:
-            report["notes"].append("--compile rows not run: tools/bench_train.py has no --compile flag in this version")
-        for spec in bench_plan(shapes, precisions, backends, preferred, compile_rows):
-            timeout = args.timeout * (2 if spec["real"] else 1)
-            row = run_bench(output_dir, spec, iterations, warmup, timeout, preset, accelerator)
-            report["bench"].append(row)
-            figures = row.get("figures", {})
-            print(f"gpu-check: {row['name']}: " + (
-                f"{figures['tokens_per_sec']:,.0f} tokens/s, {figures['model_tflops']:.1f} TFLOP/s, MFU "
-                + (f"{figures['mfu']:.1%}" if figures.get("mfu") is not None else "?")
-                if row["ok"] else row["error"][:300]) + f" ({row['seconds']:.0f} s)", flush=True)
-            real = figures.get("deepspeed", {})
-            if "skipped" in real:
-                report["notes"].append(f"{row['name']}: pretrain's step skipped: {real['skipped']}")
-    report["seconds"] = time.time() - started
+
+    def seconds_left() -> float:
+        if args.budget_seconds is None:
+            return float("inf")
+        return args.budget_seconds - REPORT_SECONDS - (time.time() - started)
+
+    steps: list[dict] = []
+    previous_handlers = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        if not args.skip_bench:
+            compile_rows = bench_has_compile()
+            if not compile_rows:
+                report["notes"].append("--compile rows not run: tools/bench_train.py has no --compile flag in this "
+                                       "version")
+            steps += bench_plan(shapes, precisions, backends, preferred, compile_rows)
+        if not args.skip_tests and not args.cpu_dry_run:
+            steps.append({"kind": "tests", "priority": TESTS_PRIORITY})
+        steps.sort(key=lambda step: step["priority"])
+        for step in steps:
+            name = "gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
+            left = seconds_left()
+            if left < (MIN_TESTS_SECONDS if step["kind"] == "tests" else MIN_STEP_SECONDS):
+                report["not_run"].append(name)
+                report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                print(f"gpu-check: {name} not run: {left:.0f} s of the budget left", flush=True)
+                continue
+            if step["kind"] == "tests":
+                print("gpu-check: pytest -m gpu tests/test_gpu.py ...", flush=True)
+                report["tests"] = run_tests(output_dir, timeout=min(600, left))
+                if report["tests"]["returncode"] == 124 and left < 600:
+                    report["tests"]["budget_stopped"] = True
+                    report["not_run"].append("gpu tests (stopped when the budget ran out)")
+                    report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                print(f"gpu-check: tests {'passed' if report['tests']['passed'] else 'FAILED'}: "
+                      f"{report['tests']['summary']}", flush=True)
+            else:
+                timeout = min(args.timeout * (2 if step["real"] else 1), left)
+                row = run_bench(output_dir, step, iterations, warmup, timeout, preset, accelerator)
+                if not row["ok"] and row["error"].startswith("exit code 124") and timeout == left:
+                    row["error"] = f"stopped when the budget ran out ({left:.0f} s left when it started)"
+                    row["budget_stopped"] = True
+                    report["not_run"].append(f"{name} (stopped when the budget ran out)")
+                    report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                report["bench"].append(row)
+                figures = row.get("figures", {})
+                print(f"gpu-check: {row['name']}: " + (
+                    f"{figures['tokens_per_sec']:,.0f} tokens/s, {figures['model_tflops']:.1f} TFLOP/s, MFU "
+                    + (f"{figures['mfu']:.1%}" if figures.get("mfu") is not None else "?")
+                    if row["ok"] else row["error"][:300]) + f" ({row['seconds']:.0f} s)", flush=True)
+                real = figures.get("deepspeed", {})
+                if "skipped" in real:
+                    report["notes"].append(f"{row['name']}: pretrain's step skipped: {real['skipped']}")
+            write_report(output_dir, report, started)
+    except Stopped as stopped:
+        report["notes"].append(f"stopped by {stopped} after {time.time() - started:.0f} s")
+        done = {row["name"] for row in report["bench"]} | ({"gpu tests"} if report["tests"] else set())
+        report["not_run"] += [name for name in ("gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
+                                                for step in steps) if name not in done
+                              and name not in report["not_run"]]
+        report["not_run_reason"] = report["not_run_reason"] or f"stopped by {stopped}"
+        print(f"gpu-check: stopped by {stopped}", file=sys.stderr, flush=True)
+    finally:
+        for signum, handler in previous_handlers.items():
+            signal.signal(signum, handler)
+    write_report(output_dir, report, started)
     json_path, md_path = output_dir / "gpu-check.json", output_dir / "gpu-check.md"
-    json_path.write_text(json.dumps(report, indent=1))
-    md_path.write_text(markdown(report))
     print(markdown(report))
+    if args.archive:
+        write_archive(output_dir, Path(args.archive))
+        print(f"gpu-check: results packed into {args.archive}")
     print(f"gpu-check: results in {json_path} and {md_path} ({report['seconds']:.0f} s)")
-    failed = (report["tests"] is not None and not report["tests"]["passed"]) or any(not r["ok"] for r in report["bench"])
+    stopped = any(note.startswith("stopped by ") for note in report["notes"])
+    tests = report["tests"]
+    failed = stopped or (tests is not None and not tests["passed"] and not tests.get("budget_stopped")) or any(
+        not r["ok"] and not r.get("budget_stopped") for r in report["bench"])
     return 1 if failed else 0
 
 
