@@ -302,6 +302,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
     import tempfile
 
     from megatron_pmlm.config import UniLMMaskingConfig
+    from megatron_pmlm.data.loader import DevicePrefetcher
     from megatron_pmlm.parallel.distributed import end_distributed
     from megatron_pmlm.pretrain import build_parser as pretrain_parser
     from megatron_pmlm.training.host_syncs import HostSyncCounter
@@ -329,23 +330,26 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                 trainer, loaders = start_pretraining(pretrain_args, plan)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            for _ in range(args.warmup):
-                trainer.train_step(loaders.train)
-            _synchronize(device)
-            start, tokens = time.perf_counter(), 0
-            for _ in range(args.iterations):
-                tokens += trainer.train_step(loaders.train)[1]
-            _synchronize(device)
-            seconds = (time.perf_counter() - start) / args.iterations
-            memory = (torch.cuda.max_memory_allocated(device) - held_before) / 2**30 if device.type == "cuda" else None
-            # What the engine runs, read back from DeepSpeed rather than from the arguments given.
-            engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
-                      "precision": "fp16" if trainer.engine.fp16_enabled() else
-                      "bf16" if trainer.engine.bfloat16_enabled() else "fp32",
-                      "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
-            with HostSyncCounter() as syncs:
-                trainer.train_step(loaders.train)
-            kernels = count_kernels(lambda: trainer.train_step(loaders.train), compiled=False)
+            # As Trainer.train feeds it: the next batch built and copied by a background thread.
+            with DevicePrefetcher(loaders.train, trainer.device) as train_batches:
+                for _ in range(args.warmup):
+                    trainer.train_step(train_batches)
+                _synchronize(device)
+                start, tokens = time.perf_counter(), 0
+                for _ in range(args.iterations):
+                    tokens += trainer.train_step(train_batches)[1]
+                _synchronize(device)
+                seconds = (time.perf_counter() - start) / args.iterations
+                memory = ((torch.cuda.max_memory_allocated(device) - held_before) / 2**30 if device.type == "cuda"
+                          else None)
+                # What the engine runs, read back from DeepSpeed rather than from the arguments given.
+                engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
+                          "precision": "fp16" if trainer.engine.fp16_enabled() else
+                          "bf16" if trainer.engine.bfloat16_enabled() else "fp32",
+                          "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
+                with HostSyncCounter() as syncs:  # this thread's: the step's, not the loader thread's
+                    trainer.train_step(train_batches)
+                kernels = count_kernels(lambda: trainer.train_step(train_batches), compiled=False)
         finally:
             end_distributed()
     tokens_per_step = tokens / args.iterations
