@@ -8,7 +8,11 @@ reason "needs a CUDA device"). `make gpu-check` runs them, then tools/bench_trai
   and layouts padded to the quantum compile once;
 - cached decoding equals recomputing the prefix on CUDA;
 - apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
-- tools/bench_train.py runs and reports its figures.
+- tools/bench_train.py runs and reports its figures;
+- nothing of ours waits for the GPU between two log lines, by CUDA's own account
+  (`torch.cuda.set_sync_debug_mode`, which also sees blocking host-to-device copies);
+- the DevicePrefetcher's pinned copies on a side stream hand out the loader's batches unchanged;
+- `pretrain --compile` (compiled layers, bf16, ZeRO-1) trains as the eager model does.
 
 The data: the documentation text CPython ships (pydoc_data.topics, as `make demo`), tokenized with a
 WordPiece vocabulary trained on it, so nothing outside the repository is needed.
@@ -308,3 +312,58 @@ def test_bench_train_runs_on_cuda(backend, tmp_path):
         assert figures["compilations"] == 0 and figures["padded_width"] == figures["layout_width"]
     if figures["peak_tflops"]:  # a GPU of the datasheet table (V100, A100, H100, H200)
         assert 0 < figures["mfu"] < 1
+
+
+def test_nothing_of_ours_waits_for_the_gpu_between_two_log_lines_by_cudas_account(gpu_corpus, tmp_path):
+    """tools/count_host_syncs.py on CUDA (bf16, ZeRO-1, the optimizer a CUDA run builds): its dispatch
+    counter and CUDA's sync-debug warnings over the same micro batches, in the training loop's thread
+    (the loader's thread may copy as it likes: it stalls no launch queue). DeepSpeed's are listed."""
+    samples, _ = gpu_corpus
+    output = tmp_path / "syncs.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "count_host_syncs.py"), "--data-path",
+                             str(samples), "--zero-stage", "1", "--precision", "bf16", "--micro-batch-size", "8",
+                             "--global-batch-size", "16", "--json", str(output)],
+                            capture_output=True, text=True, timeout=600, cwd=REPO_ROOT,
+                            env={**os.environ, **CUDA_ENV})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = json.loads(output.read_text())["runs"]
+    assert run["cuda_sync_debug"], "set_sync_debug_mode was not switched on"
+    assert [event for event in run["events"] if event[0] == "ours"] == [], run["report"]
+    ours = [event for event in run["cuda_sync_events"] if event[0] == "ours" and event[2] == run["cuda_sync_main_thread"]]
+    assert ours == [], run["cuda_sync_report"]
+
+
+def test_the_prefetcher_hands_out_the_loader_s_batches_unchanged_on_cuda(gpu_corpus):
+    from megatron_pmlm.data.loader import DevicePrefetcher
+
+    samples, _ = gpu_corpus
+    expected = [_batch(samples, "ae+par", 8, index) for index in range(6)]
+    source = build_pretraining_loaders(samples, 8, objective="ae+par").train
+    with DevicePrefetcher(source, DEVICE) as prefetched:
+        got = [next(prefetched) for _ in range(6)]
+        tokens = prefetched.tokens
+    for want, batch in zip(expected, got):
+        for name, tensor in vars(batch).items():
+            reference = getattr(want, name)
+            if reference is None:
+                assert tensor is None, name
+                continue
+            assert tensor.is_cuda and torch.equal(tensor.cpu(), reference), name
+    assert tokens == sum(batch.num_tokens() for batch in expected)
+
+
+def test_pretrain_with_compiled_layers_trains_as_the_eager_model_does(gpu_corpus, tmp_path):
+    """bf16, ZeRO-1, dropout 0 (inductor draws its own dropout masks): the same losses within bf16's
+    reach over 12 steps, each new width announced and compiled."""
+    samples, _ = gpu_corpus
+    common = ("--bf16", "--train-iters", "12", "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "3")
+    eager_dir, compiled_dir = tmp_path / "eager", tmp_path / "compiled"
+    eager_dir.mkdir()
+    compiled_dir.mkdir()
+    _, eager = pretrain_on_one_gpu(samples, eager_dir, *common)
+    result, compiled = pretrain_on_one_gpu(samples, compiled_dir, *common, "--compile")
+    assert "compiled layers: compiling" in result.stderr + result.stdout
+    assert [r["iteration"] for r in compiled] == [r["iteration"] for r in eager]
+    for want, got in zip(eager, compiled):
+        assert abs(got["loss"] - want["loss"]) <= 0.02 * abs(want["loss"]), (eager, compiled)
+    assert mean_loss(compiled[-4:]) < mean_loss(compiled[:4])

@@ -37,6 +37,34 @@ def test_nothing_of_ours_waits_for_the_device_between_two_log_lines(pretraining_
         assert not any(event[1] == "boolean index" for event in run["events"]), run["report"]
 
 
+def test_cuda_sync_warnings_are_recorded_with_their_owner_and_thread_and_others_still_shown(recwarn):
+    """The recorder behind tools/count_host_syncs.py's CUDA check (tests/test_gpu.py runs it on a GPU,
+    where torch.cuda.set_sync_debug_mode raises the warnings): a synchronising warning is recorded
+    (owner, place, thread), not shown; any other warning still reaches the caller's handler."""
+    import warnings
+
+    from megatron_pmlm.training.host_syncs import CudaSyncWarnings
+
+    def loader_thread():
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+    with CudaSyncWarnings() as cuda_syncs:
+        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("something else entirely", UserWarning)
+        thread = threading.Thread(target=loader_thread, name="batch-prefetch")
+        thread.start()
+        thread.join()
+    assert cuda_syncs.active == torch.cuda.is_available()
+    assert cuda_syncs.count() == 2 and cuda_syncs.count(main_thread_only=True) == 1
+    assert cuda_syncs.count("other", main_thread_only=True) == 1 and cuda_syncs.count("ours") == 0
+    ((owner, place, thread_name), _), ((_, _, other_thread), _) = sorted(
+        cuda_syncs.events.items(), key=lambda item: item[0][2] != cuda_syncs.main_thread)
+    assert owner == "other" and place.endswith("test_sync_free_step.py:" + place.rsplit(":", 1)[1])
+    assert thread_name == cuda_syncs.main_thread and other_thread == "batch-prefetch"
+    assert [str(w.message) for w in recwarn] == ["something else entirely"]
+    assert "batch-prefetch" in cuda_syncs.report()
+
+
 # ---------------------------------------------------------------------------------------------- prefetcher
 
 def _batches(count: int | None, fail_at: int | None = None):

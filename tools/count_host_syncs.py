@@ -12,6 +12,10 @@ batches between the two log lines (the log line's own reads excluded: they happe
 interval, by design): per owner (ours, DeepSpeed, megatron-core), per micro batch, and at each
 place. tests/test_sync_free_step.py holds our share to zero; docs/gpu.md lists DeepSpeed's.
 
+On a CUDA machine (DS_ACCELERATOR=cuda) the same window also runs under
+`torch.cuda.set_sync_debug_mode("warn")` (host_syncs.CudaSyncWarnings): what CUDA itself reports as
+waiting for the device, blocking host-to-device copies included, per owner, place and thread.
+
 The optimizer is the one a CUDA run builds (`training_config.adamw_options("cuda")`: torch's fused
 AdamW). torch's default CPU AdamW reads its step counters with `.item()`, CPU tensors on every
 machine that never wait for a device; `--cpu-adamw` keeps it, to show them.
@@ -46,7 +50,7 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
     from megatron_pmlm.models.objectives import get_objective, objective_metrics
     from megatron_pmlm.parallel.distributed import MegatronMPU
     from megatron_pmlm.training import trainer as trainer_module
-    from megatron_pmlm.training.host_syncs import HostSyncCounter
+    from megatron_pmlm.training.host_syncs import CudaSyncWarnings, HostSyncCounter
     from megatron_pmlm.training.recipe import padded_vocab_size, start_processes
     from megatron_pmlm.training.training_config import TrainingConfig, adamw_options, check_precision_supported
 
@@ -63,17 +67,18 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
                                       padded_vocab_size=padded_vocab_size(vocab_size, 128, 1))
     trainer_module.seed_everything(training.seed)
     model = PMLMForPreTraining(config, objective, init_seed=training.seed)
-    windows: list[HostSyncCounter] = []
+    windows: list[tuple[HostSyncCounter, CudaSyncWarnings]] = []
 
     class CountingTrainer(trainer_module.Trainer):
         """Counts from the end of one log line to the start of the next."""
 
         def _log_interval(self, *args, **kwargs):
             if windows:
-                windows[-1].__exit__(None, None, None)
+                for counter in reversed(windows[-1]):
+                    counter.__exit__(None, None, None)
             super()._log_interval(*args, **kwargs)
             if len(windows) < 1:
-                windows.append(HostSyncCounter().__enter__())
+                windows.append((HostSyncCounter().__enter__(), CudaSyncWarnings().__enter__()))
 
     default_options = trainer_module.adamw_options
     if cuda_optimizer:
@@ -88,12 +93,17 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
                                         seed=training.seed, max_length=config.max_position_embeddings)
     trainer.train(loaders.train)
     dist.barrier()
-    syncs = windows[0]
+    syncs, cuda_syncs = windows[0]
     micro_batches = log_interval * training.gradient_accumulation_steps(processes.layout.data_parallel_size)
     return {"zero_stage": zero_stage, "precision": precision, "micro_batches": micro_batches,
             "events": [[owner, what, place, n] for (owner, what, place), n in sorted(syncs.events.items())],
             "per_micro_batch": {owner: syncs.count(owner) / micro_batches for owner in OWNERS},
-            "report": syncs.report()}
+            "report": syncs.report(),
+            # On CUDA, what torch.cuda.set_sync_debug_mode("warn") reported over the same window.
+            "cuda_sync_debug": cuda_syncs.active,
+            "cuda_sync_events": [[owner, place, thread, n]
+                                 for (owner, place, thread), n in sorted(cuda_syncs.events.items())],
+            "cuda_sync_main_thread": cuda_syncs.main_thread, "cuda_sync_report": cuda_syncs.report()}
 
 
 def main() -> int:
@@ -140,6 +150,9 @@ def main() -> int:
             shares = ", ".join(f"{owner} {run['per_micro_batch'][owner]:g}" for owner in OWNERS)
             print(f"ZeRO-{run['zero_stage']}, {run['precision']}: syncs per micro batch over {run['micro_batches']} micro batches "
                   f"between two log lines: {shares}\n{run['report']}")
+            if run["cuda_sync_debug"]:
+                print(f"CUDA's own sync-debug warnings over the same micro batches (owner, thread, place):\n"
+                      f"{run['cuda_sync_report']}")
     if args.json:
         write_json_atomically(args.json, {"runs": runs}, indent=1)
     return 0

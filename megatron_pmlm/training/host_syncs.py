@@ -19,6 +19,7 @@ import collections
 import sys
 import threading
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,6 +46,8 @@ PATCHED_METHODS = ("item", "cpu", "tolist", "numpy")
 dispatch nothing, so they are counted by patching the methods."""
 
 _THIS_FILE = str(Path(__file__).resolve())
+_WARNINGS_FILE = str(Path(warnings.__file__).resolve())
+"""Skipped too: the warnings machinery between a sync-debug warning and CudaSyncWarnings' record."""
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 OWNERS = (("megatron_pmlm", "ours"), ("deepspeed", "deepspeed"), ("megatron", "megatron-core"))
 
@@ -53,7 +56,7 @@ def _owner_and_place() -> tuple[str, str]:
     """(owner, "file:line") of the innermost frame outside torch and this module."""
     for frame in reversed(traceback.extract_stack()):
         filename = str(Path(frame.filename).resolve()) if frame.filename and not frame.filename.startswith("<") else ""
-        if not filename or filename == _THIS_FILE or filename.startswith(_TORCH_DIR):
+        if not filename or filename in (_THIS_FILE, _WARNINGS_FILE) or filename.startswith(_TORCH_DIR):
             continue
         parts = Path(filename).parts
         for package, owner in OWNERS:
@@ -143,6 +146,64 @@ class HostSyncCounter(TorchDispatchMode):
                  sorted(self.events.items(), key=lambda item: (-item[1], item[0]))
                  if owner is None or who == owner]
         return "\n".join(lines) if lines else "(no host-device synchronisation)"
+
+
+class CudaSyncWarnings:
+    """What CUDA itself reports as synchronising while active, attributed like HostSyncCounter's
+    events: `torch.cuda.set_sync_debug_mode("warn")` makes every call that waits for the device warn
+    (also what the dispatch counter cannot see: a blocking host-to-device copy of pageable memory, a
+    `torch.tensor(..., device="cuda")` of host values, a stream or device synchronize), and each such
+    warning is recorded with its owner, place and thread instead of being printed. On a machine
+    without CUDA it records nothing (`active` is False).
+
+        with CudaSyncWarnings() as cuda_syncs:
+            step()
+        cuda_syncs.count("ours", main_thread_only=True)   # 0 is the goal
+    """
+
+    MESSAGE = "synchroniz"
+    """What torch's sync-debug warnings say ("called a synchronizing CUDA operation")."""
+
+    def __init__(self) -> None:
+        self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        self.active = torch.cuda.is_available()
+        self.main_thread = threading.current_thread().name
+        self._previous_mode = None
+        self._warnings = None
+
+    def __enter__(self):
+        self.main_thread = threading.current_thread().name
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if self.MESSAGE not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            owner, place = _owner_and_place()
+            self.events[(owner, place, threading.current_thread().name)] += 1
+
+        warnings.showwarning = record
+        if self.active:
+            self._previous_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.cuda.set_sync_debug_mode(self._previous_mode)
+        self._warnings.__exit__(*exc)
+        return False
+
+    def count(self, owner: str | None = None, main_thread_only: bool = False) -> int:
+        return sum(n for (who, _, thread), n in self.events.items()
+                   if (owner is None or who == owner) and (not main_thread_only or thread == self.main_thread))
+
+    def report(self) -> str:
+        lines = [f"{n:5d}  {who:13s} {thread:16s} {place}" for (who, place, thread), n in
+                 sorted(self.events.items(), key=lambda item: (-item[1], item[0]))]
+        return "\n".join(lines) if lines else "(no synchronising CUDA call)"
 
 
 def _has_boolean_index(args, kwargs) -> bool:
