@@ -215,3 +215,31 @@ def test_offline_scripts_refuse_bad_arguments_in_one_line(tmp_path):
         assert result.returncode == 2 and result.stderr.strip() == result.stderr.strip().splitlines()[0], result.stderr
         assert message in result.stderr, result.stderr
     assert not (tmp_path / "out").exists() and not (tmp_path / "r.tar.gz").exists()
+
+
+def test_a_step_that_runs_past_its_timeout_is_ended_with_its_whole_process_group(tmp_path):
+    """A benchmark or test process that started helpers of its own (torchrun's workers, say): at the
+    timeout the whole group ends, nothing of it outlives the step."""
+    marker = tmp_path / "grandchild.pid"
+    script = (f"import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(600)']); open({str(marker)!r}, 'w').write(str(child.pid)); print('started', flush=True); "
+              "time.sleep(600)")
+    started = time.time()
+    output, returncode = gpu_check.run_process_group([sys.executable, "-c", script], timeout=5, env=dict(os.environ))
+    assert returncode == 124 and "started" in output and "timed out after 5 s" in output
+    assert time.time() - started < 5 + 2 * gpu_check.GROUP_STOP_SECONDS
+    grandchild = int(marker.read_text())
+    deadline = time.time() + 10
+    while Path(f"/proc/{grandchild}").exists() and "zombie" not in _state(grandchild):
+        assert time.time() < deadline, f"the step's helper {grandchild} outlived it"
+        time.sleep(0.1)
+    # A step that ends by itself: its output and exit code as they were.
+    assert gpu_check.run_process_group([sys.executable, "-c", "print('done'); raise SystemExit(3)"], timeout=60,
+                                       env=dict(os.environ)) == ("done\n", 3)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].splitlines()[0].lower()
+    except (OSError, IndexError):
+        return "zombie"

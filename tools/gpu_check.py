@@ -77,17 +77,73 @@ def cuda_problem() -> str | None:
     return None
 
 
+GROUP_STOP_SECONDS = 10
+"""A step's process group gets this long after SIGTERM before SIGKILL."""
+
+
+def run_process_group(command: list[str], timeout: float, env: dict) -> tuple[str, int]:
+    """(stdout + stderr, exit code) of `command` run in a process group of its own; at the timeout
+    (exit code 124), or when the check itself is stopped, the whole group is ended (SIGTERM, then
+    SIGKILL): a test's torchrun workers or a benchmark's helpers never outlive their step and hold
+    the GPU during the next."""
+    process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return output, process.returncode
+    except subprocess.TimeoutExpired:
+        _end_group(process)
+        return f"{_remaining_output(process)}\ntimed out after {timeout:.0f} s", 124
+    except BaseException:
+        _end_group(process)
+        _remaining_output(process)
+        raise
+    finally:
+        _end_group(process, only_leftovers=True)
+
+
+def _remaining_output(process: subprocess.Popen) -> str:
+    """What an ended step still had to say; bounded, since a process that left the group (a daemon)
+    may hold the output pipe open."""
+    try:
+        return process.communicate(timeout=GROUP_STOP_SECONDS)[0]
+    except subprocess.TimeoutExpired:
+        process.stdout.close()
+        process.wait()
+        return "(its output is lost: a process outside its group holds the pipe open)"
+
+
+def _end_group(process: subprocess.Popen, only_leftovers: bool = False) -> None:
+    """SIGTERM to the process group, SIGKILL to what is left after GROUP_STOP_SECONDS (`only_leftovers`:
+    the leader has exited; end whatever of its group is still running)."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    if not only_leftovers:
+        try:
+            process.wait(timeout=GROUP_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            pass
+    deadline = time.time() + GROUP_STOP_SECONDS
+    while time.time() < deadline:
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def run_tests(output_dir: Path, timeout: float) -> dict:
     """pytest -m gpu tests/test_gpu.py, its output kept in tests.log."""
     started = time.time()
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py",
                f"--junitxml={output_dir / 'tests.xml'}"]
-    try:
-        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "DS_ACCELERATOR": "cuda"})
-        output, returncode = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as expired:
-        output, returncode = f"{_text(expired.stdout)}\ntimed out after {timeout:.0f} s", 124
+    output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": "cuda"})
     (output_dir / "tests.log").write_text(output)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next((line for line in reversed(lines) if " in " in line and ("passed" in line or "failed" in line
@@ -154,12 +210,7 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
     row = {"name": name, "seq_length": seq_length, "micro_batch_size": micro_batch, "precision": precision,
            "attention_backend": backend, "kind": spec["kind"], "command": " ".join(command[1:])}
     started = time.time()
-    try:
-        result = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "DS_ACCELERATOR": accelerator})
-        output, returncode = result.stdout + result.stderr, result.returncode
-    except subprocess.TimeoutExpired as expired:
-        output, returncode = f"{_text(expired.stdout)}\ntimed out after {timeout:.0f} s", 124
+    output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": accelerator})
     (output_dir / f"{name}.log").write_text(output)
     row["seconds"] = time.time() - started
     if returncode == 0 and figures_file.is_file():
@@ -167,11 +218,6 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
     else:
         row.update(ok=False, error=f"exit code {returncode}: " + "; ".join(output.strip().splitlines()[-3:]))
     return row
-
-
-def _text(output) -> str:
-    """A TimeoutExpired's captured output (bytes even with text=True) as text."""
-    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def _percent(value) -> str:
