@@ -166,8 +166,11 @@ def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretrain
     assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)
     announced = [line for line in result.stderr.splitlines() if line.startswith("compiled layers: compiling")]
     assert announced, result.stderr[-2000:]
-    widths = [int(line.split("for width ")[1].split()[0]) for line in announced]
-    assert all(width % RUN_QUANTUM == 0 for width in widths), announced
+    regions = [line for line in result.stderr.splitlines() if line.startswith("compiled regions: compiling")]
+    assert any(line.startswith("compiled regions: compiling embed for width") for line in regions), regions
+    assert any(line.startswith("compiled regions: compiling losses for every width") for line in regions), regions
+    widths = [int(line.split("for width ")[1].split()[0]) for line in announced + regions if "for width " in line]
+    assert all(width % RUN_QUANTUM == 0 for width in widths), announced + regions
 
 
 def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(eager_run, pretraining_samples, tmp_path):
