@@ -146,14 +146,10 @@ def _announce_new_shape(stack: nn.Module, args: tuple, on_new_shape: Callable[[]
     _signatures.add(signature)
     if on_new_shape is not None:
         on_new_shape()
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-        width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
-        print(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
+    width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
+    _announce(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
               f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
-              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})",
-              file=sys.stderr, flush=True)
+              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})")
 
 
 def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | None = None) -> dict[str, int]:
@@ -204,6 +200,7 @@ class CompiledRegion:
 
 
 def _announce(line: str) -> None:
+    """`line` on standard error, on rank 0 only."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
