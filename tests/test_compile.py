@@ -1,5 +1,6 @@
-"""Compiled layers (`--compile`, models/compiled.py): no graph break in a layer, compiled equals
-eager in outputs and every gradient (inductor's C++ backend, fp32, dropout 0), real pretrain and
+"""Compiled step (`--compile`, models/compiled.py): no graph break in a layer nor in any other
+compiled region (embed, losses), compiled equals eager in the loss and every gradient for PMLM,
+UniLM and seq2seq (inductor's C++ backend, fp32, dropout 0), real pretrain and
 finetune_s2s runs with the eager run's losses at ZeRO 0-2, the refusals, and a resume that
 toggles the flag. Tiny preset; the widths repeat across tests so inductor's on-disk cache serves
 all but the first compilation."""
