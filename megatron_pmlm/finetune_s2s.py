@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true")
     train.add_argument("--checkpoint-activations", action="store_true")
     train.add_argument("--compile", action="store_true",
-                       help="torch.compile each transformer layer, as pretrain --compile (ZeRO 0-2)")
+                       help="torch.compile the step region by region (layers, embeddings + attention bias, heads + "
+                            "loss), as pretrain --compile (ZeRO 0-2)")
     train.add_argument("--zero-stage", type=int, default=0)
     train.add_argument("--deepspeed-config", help="a DeepSpeed JSON file; arguments override it")
     train.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -229,9 +230,9 @@ def run(args: argparse.Namespace) -> int:
                           f"{unexpected[:4]})")
     model.bert.encoder.checkpoint_activations = args.checkpoint_activations
     if args.compile:
-        from .models.compiled import compile_transformer_layers
+        from .models.compiled import compile_step_regions
 
-        compile_transformer_layers(model, on_new_shape=heartbeat.compiling)
+        compile_step_regions(model, on_new_shape=heartbeat.compiling)
     if warmup_line:
         log(warmup_line)
     log(f"model: {loaded.source}; {config.num_layers} layers, hidden {config.hidden_size}, "

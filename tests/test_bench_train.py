@@ -56,6 +56,11 @@ def test_bench_train_runs_on_cpu_and_reports_its_figures(tmp_path):
     heads, width = 4, figures["padded_width"]  # tiny: 4 heads
     assert figures["bias_bytes_per_step"] >= 4 * heads * width * width * 4  # at least one fp32 [B, H, T, T]
     assert figures["bias_ops"] and figures["sdpa_pad_bytes_per_step"] == 0  # the bias is built aligned
+    # Where the kernels come from (by phase and op), the optimizer one fused AdamW; the host floor.
+    assert figures["kernels_by_source"]["optimizer: aten::_fused_adamw_"] == 1
+    assert any(source.startswith("backward EmbeddingBackward0: ") for source in figures["kernels_by_source"])
+    assert 0 < figures["host_ms_forward_backward"] < figures["host_ms_per_step"]
+    assert figures["host_proxy_shape"].startswith("micro batch 1, seq 16 ") and "host ms/step" in result.stdout
     bad = run_module("tools.bench_train", "--preset", "tiny", "--micro-batch-size", "0")
     assert bad.returncode == 2 and "--micro-batch-size must be >= 1" in bad.stderr
 

@@ -91,6 +91,7 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert "## pretrain's own step" in markdown and "## Hugging Face BertForMaskedLM" in markdown
     assert f"| {real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | {real['kernels_per_step']:,} |" \
         in markdown
+    assert f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {figures['host_ms_per_step']:,.1f} |" in markdown
     assert f"| `{figures['top_kernels'][0]['name']}` | {figures['top_kernels'][0]['calls']} |" in markdown
     has_compile = gpu_check.bench_has_compile()
     assert ("tiny-seq64-fp32-sdpa-compile" in rows) == has_compile

@@ -52,7 +52,7 @@ from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write
 from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, MASKED, PAD, PMLMBatch, padded_width  # noqa: E402
 from megatron_pmlm.data.batches import build_batch  # noqa: E402
 from megatron_pmlm.data.masking import mask_example  # noqa: E402
-from megatron_pmlm.models.compiled import check_compile, compile_layout_quantum, compile_transformer_layers  # noqa: E402,E501
+from megatron_pmlm.models.compiled import check_compile, compile_layout_quantum, compile_step_regions  # noqa: E402,E501
 from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
 from megatron_pmlm.training.recipe import flops_per_token, padded_vocab_size  # noqa: E402
@@ -225,32 +225,78 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
 
     host_syncs_per_step: training.host_syncs over forward+backward+AdamW, our code's syncs only
     (the list of every owner's in host_syncs); kernels_per_step: training.kernel_count over the same
-    step; bias_bytes_per_step: models.relative_bias.bias_bytes_per_step, the bytes ops write into
+    step (kernels_by_source: the profiler's count of one step by phase and op, the backward named after
+    its autograd node, `kernel_count.profiled_kernel_sources`); bias_bytes_per_step: models.relative_bias.bias_bytes_per_step, the bytes ops write into
     [B, heads or 1, T, >=T] tensors over forward+backward outside SDPA's own scores (building,
     casting, copying the attention bias and summing its gradient), beside what SDPA's fused GPU
     kernel would pad per call (computed: a CPU never pads). Syncs and bias bytes are counted by
     dispatch modes, which run a compiled model eagerly: they describe the eager step."""
     from megatron_pmlm.models.relative_bias import bias_bytes_per_step
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import count_kernels
+    from megatron_pmlm.training.kernel_count import count_kernels, kernel_sources
 
     step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
+    # Kernels first: after HostSyncCounter (it patches torch.Tensor methods) the compiled regions run
+    # eagerly in this process (torch 2.13, CPU), so it and the other dispatch modes come last.
+    kernels = count_kernels(step, compiled=compiled)
+    sources = kernel_sources(step)
     with HostSyncCounter() as syncs:
         step()
-    kernels = count_kernels(step, compiled=compiled)
     bias = bias_bytes_per_step(model, batch.to(device), autocast_dtype)
     return {"host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [],
             "kernels_per_step": kernels, "kernels_counted": "compiled (profiler)" if compiled else "eager (dispatch)",
+            "kernels_by_source": dict(sources.most_common()),
             "bias_bytes_per_step": bias["bias_bytes"], "bias_ops": bias["ops"],
             "sdpa_pad_bytes_per_step": bias["sdpa_pad_bytes"]}
+
+
+HOST_PROXY_SEQ_LENGTH = 16
+"""host_ms_per_step's sequence length: 16 tokens (a layout of ~21 slots), where a step's arithmetic is
+negligible next to its per-op host cost (python, dispatcher, launch)."""
+HOST_PROXY_STEPS = 15
+"""Timed steps of host_ms_per_step (the median is reported), after 2 untimed ones (compilation)."""
+
+
+def host_step_proxy(model, optimizer, config, device, autocast_dtype, scaler, seed: int,
+                    steps: int = HOST_PROXY_STEPS) -> dict:
+    """The per-step host overhead floor (issue 33, item 9): the median wall time of full steps
+    (forward + backward + AdamW) of micro batch 1 at HOST_PROXY_SEQ_LENGTH on one thread, where
+    a GPU step that is launch-bound cannot be faster; and of its forward + backward alone (the
+    optimizer's share is memory traffic over every parameter on a CPU, one fused kernel on CUDA)."""
+    batch = pmlm_batch(make_examples(1, HOST_PROXY_SEQ_LENGTH, config.vocab_size, seed)).to(device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        total, forward_backward = [], []
+        for number in range(steps + 2):
+            _synchronize(device)
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(*batch.as_tuple()).loss
+            (scaler.scale(loss) if scaler else loss).backward()
+            _synchronize(device)
+            middle = time.perf_counter()
+            optimizer_step(optimizer, scaler)
+            _synchronize(device)
+            if number >= 2:
+                total.append(time.perf_counter() - start)
+                forward_backward.append(middle - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {"host_ms_per_step": float(np.median(total)) * 1e3,
+            "host_ms_forward_backward": float(np.median(forward_backward)) * 1e3,
+            "host_proxy_shape": f"micro batch 1, seq {HOST_PROXY_SEQ_LENGTH} (layout width "
+                                f"{batch.input_ids.shape[1]}), 1 thread, median of {steps}"}
 
 
 def proxies_line(figures: dict) -> str:
     return (f"  proxies: host syncs/step {figures['host_syncs_per_step']} ours ({figures['host_syncs_all_owners']} "
             f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | attention-bias "
             f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB (+ {figures['sdpa_pad_bytes_per_step'] / 2**20:,.1f} "
-            f"MiB a GPU's SDPA would pad)")
+            f"MiB a GPU's SDPA would pad)"
+            + (f" | host ms/step {figures['host_ms_per_step']:.1f} (fwd+bwd {figures['host_ms_forward_backward']:.1f}; "
+               f"{figures['host_proxy_shape']})" if "host_ms_per_step" in figures else ""))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -456,8 +502,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pad the layout width to a multiple of this (1: no padding; 0: the model's default, "
                              f"{flex_attention.LAYOUT_QUANTUM} for flex on CUDA, else 1)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile each transformer layer (models/compiled.py; the layout width is then "
-                             "padded to the compile quantum unless --layout-quantum says otherwise)")
+                        help="torch.compile the step's regions: each transformer layer, the embeddings + attention bias, "
+                             "the heads + loss (models/compiled.py; the layout width is then padded to the compile "
+                             "quantum unless --layout-quantum says otherwise)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
@@ -539,9 +586,11 @@ def benchmark(args: argparse.Namespace) -> int:
     model = PMLMForPreTraining(config, "ae+par", LocalLayers(), init_seed=args.seed).to(device)
     model.bert.layout_quantum = quantum
     if args.compile:
-        compile_transformer_layers(model)
-    # torch's fused AdamW on CUDA (one kernel for all parameters), as training uses it.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        compile_step_regions(model)
+    # torch's fused AdamW (one kernel for all parameters), as training uses it on CUDA; on a CPU too,
+    # so that the CPU proxies count the step a GPU runs (torch's default CPU AdamW is ~10 ops per
+    # parameter tensor: ~2,000 of an eager base step's ~2,900 kernels).
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     autocast_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     examples = make_examples(args.micro_batch_size, args.seq_length, config.vocab_size, args.seed)
@@ -591,8 +640,10 @@ def benchmark(args: argparse.Namespace) -> int:
         figures["proxies_skipped"] = "flex: its eager path compiles itself, which dispatch modes block"
         print(f"  proxies: not measured ({figures['proxies_skipped']})")
     else:
+        # The host proxy before step_proxies' dispatch modes (see there).
+        host = host_step_proxy(model, optimizer, config, device, autocast_dtype, scaler, args.seed)
         figures.update(step_proxies(model, optimizer, batch, device, autocast_dtype, scaler,
-                                    config.num_attention_heads, width, compiled))
+                                    config.num_attention_heads, width, compiled), **host)
         print(proxies_line(figures))
     if args.profile_trace:
         figures["profile_trace"] = args.profile_trace

@@ -227,9 +227,10 @@ def _percent(value) -> str:
 def _proxies(figures: dict) -> str:
     """The CPU proxies of a row (absent from figures of a bench_train without them: '?')."""
     if "kernels_per_step" not in figures:
-        return "? | ? | ?"
+        return "? | ? | ? | ?"
+    host = f"{figures['host_ms_per_step']:,.1f}" if "host_ms_per_step" in figures else "?"
     return (f"{figures['host_syncs_per_step']} ({figures['host_syncs_all_owners']}) | {figures['kernels_per_step']:,} "
-            f"| {figures['bias_bytes_per_step'] / 2**20:,.1f}")
+            f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {host}")
 
 
 def markdown(report: dict) -> str:
@@ -248,16 +249,17 @@ def markdown(report: dict) -> str:
     lines += ["tools/bench_train.py, preset " + report.get("preset", "base") + ", model FLOPs "
               "(training.recipe.flops_per_token), MFU against the datasheet dense peak for the precision; first step = "
               "compilation included. Proxies (measured on the host, eager unless the mode is compile): host syncs "
-              "per step in our code (all owners), kernels per step, attention-bias MiB allocated per step.", "",
+              "per step in our code (all owners), kernels per step, attention-bias MiB allocated per step, host ms per "
+              "step (micro batch 1, seq 16, one thread: the launch-bound floor).", "",
               "| seq | micro batch | precision | attention | mode | tokens/s | samples/s | TFLOP/s | MFU | peak memory GB "
               "| layout width (padded) | compilations (recompilations) | first step s | host syncs | kernels "
-              "| bias MiB |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| bias MiB | host ms |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["bench"]:
         head = (f"| {row['seq_length']} | {row['micro_batch_size']} | {row['precision']} | {row['attention_backend']} "
                 f"| {'compile' if row.get('kind') == 'compile' else 'eager'} |")
         if not row["ok"]:
-            lines.append(f"{head} failed: {row['error'][:200].replace('|', '/')} ||||||||||")
+            lines.append(f"{head} failed: {row['error'][:200].replace('|', '/')} |||||||||||")
             continue
         f = row["figures"]
         first = f"{f['first_step_seconds']:.1f}" if f.get("first_step_seconds") is not None else "?"

@@ -1,6 +1,18 @@
-"""Compiled transformer layers (`--compile`): `torch.compile` applied per layer, as torchtitan's
-`apply_compile` does, so that a layer's ~30 forward and ~80 backward kernels become a few fused
-ones while the model, its names, its checkpoints and its parallel layouts stay as they are.
+"""Compiled step (`--compile`, `compile_step_regions`): `torch.compile` applied region by region, as
+torchtitan's `apply_compile` does per block, so that each region's many small kernels become a few
+fused ones while the model, its names, its checkpoints and its parallel layouts stay as they are.
+The regions (docs/benchmarks.md, "Compiled step", has the kernel counts behind the choice):
+
+- the transformer layers (`compile_transformer_layers`, below);
+- `BertModel.embed`: the three embeddings + LayerNorm, and the attention bias every layer shares
+  (the attention rule, the relative-distance buckets, `RelativeBiasGather` with its custom
+  backward): static shapes at the padded width, like the layers;
+- the model's `losses`: gather of the predicted slots, the MLM head (transform + tied logits), the
+  chunked cross entropy (`_ChunkedBiasedCrossEntropy`, traced with its own backward) and the loss
+  arithmetic (NSP for UniLM, label smoothing for seq2seq): the number of predicted slots changes
+  every batch, so this region is compiled with `dynamic=True` (one graph for every count).
+The optimizer stays outside (DeepSpeed owns it on the real path; torch's fused AdamW is already
+one kernel on CUDA).
 
 - Regional: each `BertLayer` (PMLM, UniLM v1, seq2seq fine-tuning) is compiled in place with
   `module.compile()`. Dynamo caches by code object and, inlining nn.Modules, treats parameters as
@@ -90,7 +102,7 @@ _signatures: set[tuple] = set()
 
 
 def compilations() -> int:
-    """Shapes the compiled layers have met in this process (each one a compilation)."""
+    """Shapes the compiled regions have met in this process (each one a compilation)."""
     return len(_signatures)
 
 
@@ -134,11 +146,62 @@ def _announce_new_shape(stack: nn.Module, args: tuple, on_new_shape: Callable[[]
     _signatures.add(signature)
     if on_new_shape is not None:
         on_new_shape()
+    width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
+    _announce(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
+              f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
+              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})")
+
+
+def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | None = None) -> dict[str, int]:
+    """--compile: the transformer layers (`compile_transformer_layers`), then every `BertModel.embed`
+    and the model's `losses` (see the module docstring), each replaced on the instance by a
+    `CompiledRegion`. Returns how many of each were compiled."""
+    from .model import BertModel
+
+    counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}
+    for module in model.modules():
+        if isinstance(module, BertModel):
+            module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
+            counts["embed"] += 1
+    if callable(getattr(model, "losses", None)):
+        model.losses = CompiledRegion("losses", model.losses, dynamic=True, on_new_shape=on_new_shape)
+        counts["losses"] += 1
+    return counts
+
+
+class CompiledRegion:
+    """A method of one module instance compiled as one region (`torch.compile`), announcing (rank 0,
+    one line) and counting in `compilations` each new signature it meets, as the layers do.
+    `dynamic`: False, static shapes (a new shape is a new compilation); True, symbolic sizes (one
+    compilation for every size but 0 and 1, which dynamo specialises). `eager` is the method
+    itself (tests explain it with `torch._dynamo.explain`)."""
+
+    def __init__(self, name: str, method: Callable, dynamic: bool,
+                 on_new_shape: Callable[[], None] | None = None) -> None:
+        self.name, self.eager, self.dynamic, self.on_new_shape = name, method, dynamic, on_new_shape
+        self.compiled = torch.compile(method, dynamic=dynamic)
+
+    def __call__(self, *args, **kwargs):
+        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
+        shapes = tuple(tuple(t.shape) if not self.dynamic else tuple(min(size, 2) for size in t.shape)
+                       for t in tensors)
+        signature = (self.name, shapes, tuple(t.dtype for t in tensors), torch.is_grad_enabled())
+        if signature not in _signatures:
+            _signatures.add(signature)
+            if self.on_new_shape is not None:
+                self.on_new_shape()
+            _announce(f"compiled regions: compiling {self.name} "
+                      + ("for every width" if self.dynamic else
+                         f"for width {tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else '?'}")
+                      + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
+                      + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
+                      f"at most {COMPILE_LIMIT})")
+        return self.compiled(*args, **kwargs)
+
+
+def _announce(line: str) -> None:
+    """`line` on standard error, on rank 0 only."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
-        width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
-        print(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
-              f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
-              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})",
-              file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)

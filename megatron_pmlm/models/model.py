@@ -478,6 +478,12 @@ class PMLMForPreTraining(nn.Module):
         """The objective's losses. `predicted_index`: `PMLMBatch.predicted_index` (flat indices of the
         slots the loss is taken at, made with the batch); None: derived here, a host-device sync."""
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        return self.losses(hidden, token_type_ids, roles, labels, predicted_index)
+
+    def losses(self, hidden: torch.Tensor, token_type_ids: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
+               predicted_index: torch.Tensor | None = None) -> "PMLMLosses | UniLMLosses":
+        """The objective's losses from the encoder's output: the heads on the predicted slots and the
+        cross entropy (one region under --compile, models/compiled.py)."""
         if self.objective.is_unilm:
             from .unilm import unilm_losses
 

@@ -377,6 +377,11 @@ class PMLMForSeq2Seq(PMLMForPreTraining):
         """`predicted_index`: the labelled slots' flat indices (`layout.labelled_index`, made with
         the batch on the CPU); None: computed here, a host-device sync."""
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        return self.losses(hidden, token_type_ids, roles, labels, predicted_index)
+
+    def losses(self, hidden: torch.Tensor, token_type_ids: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
+               predicted_index: torch.Tensor | None = None) -> Seq2SeqLosses:
+        """The label-smoothed loss from the encoder's output (one region under --compile)."""
         if predicted_index is None:
             predicted_index = labelled_index(labels)
         # Only labelled slots go through the vocabulary projection; padding rows (if any) are cut.

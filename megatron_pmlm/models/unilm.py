@@ -41,6 +41,9 @@ LM_TYPES = UNILM_LM_TYPES
 BIDIRECTIONAL, LEFT_TO_RIGHT, RIGHT_TO_LEFT, SEQ2SEQ = range(4)
 # Segment ids of the released UniLM v1 loader (--new_segment_ids): (first segment, second segment).
 LM_SEGMENT_IDS = np.array([[0, 1], [2, 2], [3, 3], [4, 5]], dtype=np.int64)
+LM_FIRST_SEGMENT_IDS = tuple(int(segment) for segment in LM_SEGMENT_IDS[:, 0])
+"""The first segment's id per LM type as host ints (a numpy table's `.tolist()` inside a compiled
+region is a graph break)."""
 TYPE_VOCAB_SIZE = 6
 NSP_IS_NEXT, NSP_IS_RANDOM = 0, 1
 
@@ -49,7 +52,7 @@ def lm_type_of_segment(first_segment_ids: torch.Tensor) -> torch.Tensor:
     """The LM type (index into LM_TYPES) of rows whose [SOS] carries `first_segment_ids`, -1 for
     none. Comparisons with the table's host ints: no index tensor is copied to the device."""
     lm_type = torch.full_like(first_segment_ids, -1)
-    for index, segment in enumerate(LM_SEGMENT_IDS[:, 0].tolist()):
+    for index, segment in enumerate(LM_FIRST_SEGMENT_IDS):
         lm_type = torch.where(first_segment_ids == segment, index, lm_type)
     return lm_type
 

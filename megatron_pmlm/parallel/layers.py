@@ -83,14 +83,21 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
             return _chunked_backward(logits, labels, bias, log_partition, grad_losses, ctx.chunk_rows)
 
 
+def _row_chunks(rows, chunk_rows: int) -> list[slice]:
+    """The row slices of the chunks: one slice of every row when they fit in one chunk, so that a
+    compiled region (--compile) keeps the number of rows symbolic (a loop over it would make each
+    count a compilation of its own)."""
+    if rows <= chunk_rows:
+        return [slice(None)]
+    return [slice(start, min(rows, start + chunk_rows)) for start in range(0, rows, chunk_rows)]
+
+
 def _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted) -> None:
-    rows = logits.shape[0]
-    for start in range(0, rows, chunk_rows):
-        end = min(rows, start + chunk_rows)
-        chunk = (logits[start:end] + bias).float()
-        log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
-        losses[start:end] = log_partition[start:end] - chunk.gather(-1, labels[start:end, None])[:, 0]
-        predicted[start:end] = chunk.argmax(dim=-1)
+    for rows in _row_chunks(logits.shape[0], chunk_rows):
+        chunk = (logits[rows] + bias).float()
+        log_partition[rows] = torch.logsumexp(chunk, dim=-1)
+        losses[rows] = log_partition[rows] - chunk.gather(-1, labels[rows, None])[:, 0]
+        predicted[rows] = chunk.argmax(dim=-1)
 
 
 def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows):
@@ -100,17 +107,16 @@ def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_ro
     grad_logits = torch.empty_like(logits)
     in_place = grad_logits.dtype == promoted == torch.float32
     grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    for start in range(0, logits.shape[0], chunk_rows):
-        end = min(logits.shape[0], start + chunk_rows)
+    for rows in _row_chunks(logits.shape[0], chunk_rows):
         # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
-        grad = (torch.add(logits[start:end], bias, out=grad_logits[start:end]) if in_place
-                else (logits[start:end] + bias).float())
-        grad.sub_(log_partition[start:end, None]).exp_()
-        grad.scatter_add_(-1, labels[start:end, None], grad.new_full((end - start, 1), -1.0))
-        grad.mul_(grad_losses[start:end, None].float())
+        grad = (torch.add(logits[rows], bias, out=grad_logits[rows]) if in_place
+                else (logits[rows] + bias).float())
+        grad.sub_(log_partition[rows, None]).exp_()
+        grad.scatter_add_(-1, labels[rows, None], grad.new_full((grad.shape[0], 1), -1.0))
+        grad.mul_(grad_losses[rows, None].float())
         if not in_place:
             grad = grad.to(promoted)
-            grad_logits[start:end] = grad
+            grad_logits[rows] = grad
         grad_bias += grad.float().sum(0)
     return grad_logits, None, grad_bias.to(bias.dtype), None
 

@@ -16,6 +16,7 @@ kernels visible to the profiler (`cpp.enable_kernel_profile`, one record-functio
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Sequence
 
 import torch
@@ -88,6 +89,18 @@ def count_kernels(step_fn: Callable[[], object], compiled: bool) -> int:
     return count_profiled_kernels(trace.events())
 
 
+def kernel_sources(step_fn: Callable[[], object]) -> Counter:
+    """One call of `step_fn` under torch.profiler, its kernels by source (`profiled_kernel_sources`),
+    compiled or eager."""
+    from torch.profiler import profile
+
+    with profile() as trace:
+        step_fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return profiled_kernel_sources(trace.events())
+
+
 def _aten_launches_kernel(name: str) -> bool:
     """The profiler's "aten::op" name judged like `launches_kernel` (by the op's default overload,
     or any overload when it has none)."""
@@ -101,13 +114,38 @@ def _aten_launches_kernel(name: str) -> bool:
 def count_profiled_kernels(events: Sequence) -> int:
     """Generated kernels + extern calls of compiled graphs + outermost kernel-launching ATen ops
     outside them, from `torch.profiler`'s CPU events of one step."""
-    kernels = 0
+    return sum(1 for _ in _profiled_kernels(events))
+
+
+def profiled_kernel_sources(events: Sequence) -> Counter:
+    """`count_profiled_kernels`'s kernels by where they come from, "<phase>: <what>": the phase is
+    optimizer (inside `Optimizer.step`/`zero_grad`), backward (inside an autograd node, named after
+    it: which forward op's backward it is) or forward; what is the ATen op, or "generated" / "extern
+    <op>" for a compiled graph's own kernels. Works for eager steps too (their outermost ATen ops)."""
+    sources: Counter = Counter()
+    for event, in_graph in _profiled_kernels(events):
+        phase, parent = "forward", event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("Optimizer."):
+                phase = "optimizer"
+                break
+            if parent.name.startswith("autograd::engine::evaluate_function: ") and phase == "forward":
+                phase = "backward " + parent.name.split(": ", 1)[1]
+            parent = parent.cpu_parent
+        what = ("generated" if any(prefix in event.name for prefix in GENERATED_KERNEL_PREFIXES)
+                else f"extern {event.name}" if in_graph else event.name)
+        sources[f"{phase}: {what}"] += 1
+    return sources
+
+
+def _profiled_kernels(events: Sequence):
+    """(event, inside a compiled graph) for every event `count_profiled_kernels` counts."""
     for event in events:
         if getattr(event, "device_type", torch.autograd.DeviceType.CPU) != torch.autograd.DeviceType.CPU:
             continue  # a CUDA kernel's own device event: its launch is counted on the host side
         name = event.name
         if any(prefix in name for prefix in GENERATED_KERNEL_PREFIXES):
-            kernels += 1
+            yield event, True
             continue
         if not name.startswith("aten::"):
             continue
@@ -120,5 +158,4 @@ def count_profiled_kernels(events: Sequence) -> int:
                 in_graph = True
             parent = parent.cpu_parent
         if direct_graph_call or (outermost_aten and not in_graph and _aten_launches_kernel(name)):
-            kernels += 1
-    return kernels
+            yield event, direct_graph_call

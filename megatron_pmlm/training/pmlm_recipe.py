@@ -142,8 +142,8 @@ def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_ac
     model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
     model.bert.encoder.checkpoint_activations = checkpoint_activations
     if compile_layers:
-        from ..models.compiled import compile_transformer_layers
+        from ..models.compiled import compile_step_regions
         from . import heartbeat
 
-        compile_transformer_layers(model, on_new_shape=heartbeat.compiling)
+        compile_step_regions(model, on_new_shape=heartbeat.compiling)
     return model
