@@ -33,7 +33,8 @@ from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead,
                     LayerKeyValues, PMLMLosses, initialize_weights, mask_vocabulary_padding, pmlm_losses,
                     vocabulary_padding)
 from .objectives import get_objective
-from ..parallel.layers import LocalLayers, ParallelLayers
+from ..parallel import layers as parallel_layers
+from ..parallel.layers import LocalLayers, ParallelLayers, chunked_biased_cross_entropy
 
 PALM_STAGES = (1, 2)
 
@@ -317,10 +318,14 @@ def vocab_log_probability(logits: torch.Tensor, targets: torch.Tensor, layers: P
 
     The max is agreed on (no gradient), the partition function and the target's exp are summed
     over ranks by megatron's reduce_from_tensor_model_parallel_region (backward: identity), so each
-    rank's slice gets exactly its part of the gradient, as in vocab_parallel_cross_entropy."""
-    logits = logits.float()
+    rank's slice gets exactly its part of the gradient, as in vocab_parallel_cross_entropy.
+    Tensor parallel size 1: minus the chunked cross entropy, the logits in the compute dtype and no
+    fp32 [tokens, vocab] tensor kept for the backward."""
     if layers.tensor_parallel_size == 1:
-        return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        token_losses, _ = chunked_biased_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                       None)
+        return -token_losses.view(targets.shape)
+    logits = logits.float()
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -471,9 +476,25 @@ def final_distribution(mixture: CopyMixture, context_ids: torch.Tensor,
     return mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
 
 
-def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: ParallelLayers) -> torch.Tensor:
-    """argmax_w P(w) over the whole (possibly split) vocabulary, [B, D]."""
-    return layers.predicted_ids(final_distribution(mixture, context_ids, layers))
+def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: ParallelLayers,
+                  chunk_rows: int | None = None) -> torch.Tensor:
+    """argmax_w P(w) over the whole (possibly split) vocabulary, [B, D]. Tensor parallel size 1:
+    `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) decoder positions at a time, so P's fp32
+    [positions, vocab] tensors are one chunk's, as in the loss."""
+    if layers.tensor_parallel_size != 1:
+        return layers.predicted_ids(final_distribution(mixture, context_ids, layers))
+    batch, steps = mixture.log_gate.shape
+    rows = batch * steps
+    chunk_rows = chunk_rows or parallel_layers.CROSS_ENTROPY_CHUNK_ROWS
+    flat = [field.reshape(rows, 1, *field.shape[2:]) for field in
+            (mixture.vocab_logits, mixture.copy_attention, mixture.log_gate, mixture.log_gate_complement)]
+    predicted = torch.empty(rows, dtype=torch.long, device=context_ids.device)
+    for start in range(0, rows, chunk_rows):  # each chunk: positions as a batch of one-step sequences
+        end = min(rows, start + chunk_rows)
+        sequence = torch.arange(start, end, device=context_ids.device) // steps
+        chunk = CopyMixture(*(field[start:end] for field in flat))
+        predicted[start:end] = layers.predicted_ids(final_distribution(chunk, context_ids[sequence], layers))[:, 0]
+    return predicted.view(batch, steps)
 
 
 def continuation_losses(mixture: CopyMixture, context_ids, labels, layers: ParallelLayers) -> PalmLosses:
