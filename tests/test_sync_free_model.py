@@ -20,7 +20,7 @@ from megatron_pmlm.models.layout import (CONTEXT, IGNORE_INDEX, MASKED, PSEUDO, 
 from megatron_pmlm.models.model import PMLMForPreTraining, mask_vocabulary_padding
 from megatron_pmlm.models.objectives import get_objective
 from megatron_pmlm.models.palm import (COPY_PROBABILITY_FLOOR, PalmBatch, PalmForPreTraining, copy_probability,
-                                      final_distribution, palm_config_from_preset)
+                                      final_distribution, palm_config_from_preset, scatter_copy)
 from megatron_pmlm.models.palm import predicted_ids as palm_predicted_ids
 from megatron_pmlm.models.pipeline import (EmbeddingPipe, HeadTransformPipe, LayerPipe, LossPipe, WordEmbeddingPipe,
                                            canonical_parameter_name, tied_logits_forward)
@@ -302,6 +302,22 @@ def test_bench_mlm_head_compares_the_former_and_todays_head_and_loss():
     assert bad.returncode == 2 and "--chunk-rows must be >= 0" in bad.stderr
 
 
+@pytest.mark.parametrize("loss", ["s2s", "palm"])
+def test_bench_mlm_head_compares_the_former_and_todays_s2s_and_palm_losses(loss):
+    from pmlm_testing import run_module
+
+    result = run_module("tools.bench_mlm_head", "--loss", loss, "--preset", "tiny", "--seq-length", "6",
+                        "--micro-batch-size", "3", "--context-length", "10", "--iterations", "1", "--warmup", "0",
+                        "--chunk-rows", "4", "--bf16", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    former, now = (line for line in result.stdout.splitlines() if "ms fwd+bwd" in line)
+    assert abs(float(former.split()[2]) - float(now.split()[2])) <= 1e-5 * float(former.split()[2])
+    # Only one chunk of fp32 [positions, vocabulary] now (4 x 30,592 x 4 bytes = 0.5 MiB), 18 rows before.
+    assert "largest fp32   0.5 MiB" in now and "largest fp32   0.5 MiB" not in former, (former, now)
+    bad = run_module("tools.bench_mlm_head", "--loss", loss, "--label-smoothing", "1")
+    assert bad.returncode == 2 and "--label-smoothing must be in [0, 1)" in bad.stderr
+
+
 # ---------------------------------------- s2s fine-tuning's and PALM's losses equal to the former ones
 
 def former_label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float,
@@ -333,6 +349,13 @@ def reference_seq2seq_losses(model: PMLMForSeq2Seq, batch: PMLMBatch) -> torch.T
     return torch.stack([loss, (logits.argmax(-1) == targets).sum().float(), count.float()])
 
 
+def former_final_distribution(mixture, context_ids: torch.Tensor) -> torch.Tensor:
+    """models/palm.py's final_distribution before issue 33 item 5 (tensor parallel size 1)."""
+    vocab = torch.softmax(mixture.vocab_logits.float(), -1)
+    copy = scatter_copy(mixture.copy_attention, context_ids, mixture.vocab_logits.shape[-1])
+    return mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
+
+
 def reference_palm_losses(model: PalmForPreTraining, batch: PalmBatch) -> torch.Tensor:
     """Stage 2's continuation_losses before issue 33 item 5 (tensor parallel size 1): log P^v from
     an fp32 log-softmax over [B, D, vocab], the argmax of the whole fp32 P; PALM_METRICS' vector."""
@@ -346,7 +369,7 @@ def reference_palm_losses(model: PalmForPreTraining, batch: PalmBatch) -> torch.
                             mixture.log_gate_complement + torch.log(copy.clamp_min(COPY_PROBABILITY_FLOOR)))
     count = valid.sum()
     loss = -(log_p * valid).sum() / count.clamp(min=1)
-    predicted = final_distribution(mixture, batch.context_ids).argmax(-1)
+    predicted = former_final_distribution(mixture, batch.context_ids).argmax(-1)
     correct = ((predicted == targets) & valid).sum()
     return torch.stack([loss, correct.float(), count.float(), (mixture.log_gate.exp() * valid).sum().detach(),
                         (copy * valid).sum().detach()])
@@ -428,7 +451,9 @@ def test_palm_chunked_predicted_ids_equal_the_argmax_of_the_whole_distribution()
     with torch.no_grad():
         mixture = model.mixture(model.encode(batch.encoder_ids, batch.encoder_roles), batch.encoder_roles,
                                 batch.decoder_ids)
-        expected = final_distribution(mixture, batch.context_ids).argmax(-1)
+        former = former_final_distribution(mixture, batch.context_ids)
+        assert torch.equal(final_distribution(mixture, batch.context_ids), former)  # in place, the same values
+        expected = former.argmax(-1)
         assert len(set(expected.flatten().tolist())) >= 3  # not one id everywhere: which context a row reads shows
         for chunk_rows in (4, 5, 27, 100):
             got = palm_predicted_ids(mixture, batch.context_ids, model.layers, chunk_rows=chunk_rows)

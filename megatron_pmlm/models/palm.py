@@ -468,12 +468,17 @@ def vocab_probabilities(logits: torch.Tensor, layers: ParallelLayers) -> torch.T
 
 def final_distribution(mixture: CopyMixture, context_ids: torch.Tensor,
                        layers: ParallelLayers | None = None) -> torch.Tensor:
-    """P = λ P^v + (1 - λ) P^c over this rank's vocabulary slice, [B, D, V / tp] (fp32)."""
+    """P = λ P^v + (1 - λ) P^c over this rank's vocabulary slice, [B, D, V / tp] (fp32). Without
+    autograd (metrics, decoding) the products and the sum are made in place, in P^v's and P^c's
+    tensors: the same values, two fp32 [B, D, V] tensors instead of five."""
     layers = layers or LocalLayers()
     per_rank = mixture.vocab_logits.shape[-1]
     vocab = vocab_probabilities(mixture.vocab_logits, layers)
     copy = scatter_copy(mixture.copy_attention, context_ids, per_rank, layers.tensor_parallel_rank * per_rank)
-    return mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
+    gate, complement = mixture.log_gate.exp()[..., None], mixture.log_gate_complement.exp()[..., None]
+    if torch.is_grad_enabled() and (vocab.requires_grad or copy.requires_grad or gate.requires_grad):
+        return gate * vocab + complement * copy
+    return vocab.mul_(gate).add_(copy.mul_(complement))
 
 
 def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: ParallelLayers,

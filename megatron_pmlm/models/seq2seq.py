@@ -24,7 +24,7 @@ import torch
 
 from ..config import ConfigError
 from ..files import file_problem
-from ..parallel.layers import LabelSmoothing, chunked_biased_cross_entropy
+from ..parallel.layers import LabelSmoothing, ParallelLayers, chunked_biased_cross_entropy
 from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch, gather_slots, labelled_index
 from .model import PMLMForPreTraining
 from .metrics import MetricSpec
@@ -379,14 +379,18 @@ class PMLMForSeq2Seq(PMLMForPreTraining):
         hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
         if predicted_index is None:
             predicted_index = labelled_index(labels)
-        # Only labelled slots go through the vocabulary projection. The logits stay in the compute
-        # dtype with the output bias apart (-inf at the vocabulary padding, which q leaves out too).
+        # Only labelled slots go through the vocabulary projection.
         logits, bias = self.mlm_logits_and_bias(gather_slots(hidden, predicted_index))
-        targets = gather_slots(labels, predicted_index)
-        token_losses, predicted = self.layers.biased_cross_entropy(
-            logits, targets, bias, label_smoothing_for(self.seq2seq.label_smoothing, self.config.vocab_size,
-                                                       self.pad_token_id))
-        count = torch.full((), targets.numel(), device=logits.device)  # a fill, not a host copy
-        loss = token_losses.sum() / (count.float() + 1e-5)  # s2s-ft's loss_mask_and_normalize
-        correct = (predicted == targets).sum()
-        return Seq2SeqLosses(loss, correct, count)
+        smoothing = label_smoothing_for(self.seq2seq.label_smoothing, self.config.vocab_size, self.pad_token_id)
+        return seq2seq_losses(logits, bias, gather_slots(labels, predicted_index), smoothing, self.layers)
+
+
+def seq2seq_losses(logits: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                   smoothing: LabelSmoothing | None, layers: ParallelLayers) -> Seq2SeqLosses:
+    """s2s-ft's loss of the labelled slots' logits (compute dtype) and output bias (-inf at the
+    vocabulary padding, which q leaves out too): the label-smoothed loss summed over the slots
+    over their count, by the chunked cross entropy (no fp32 [tokens, vocab] tensor)."""
+    token_losses, predicted = layers.biased_cross_entropy(logits, targets, bias, smoothing)
+    count = torch.full((), targets.numel(), device=logits.device)  # a fill, not a host copy
+    loss = token_losses.sum() / (count.float() + 1e-5)  # s2s-ft's loss_mask_and_normalize
+    return Seq2SeqLosses(loss, (predicted == targets).sum(), count)

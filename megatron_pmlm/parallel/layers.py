@@ -144,7 +144,8 @@ def _chunked_forward(logits, labels, bias, chunk_rows, smoothing, losses, log_pa
             continue
         # KL(q || p) = sum q log q - (1 - eps) log p(label) - spread * (sum_{v < V} log p(v) - log p(label)
         # - log p(pad)), in the form (and the fp32 log-probabilities) of the former closed form.
-        log_probs = (chunk.sub_(log_partition[start:end, None]) if fresh  # fp32 logits, no bias: a view of them
+        # In place unless `chunk` is a view of the logits (fp32 logits, no bias).
+        log_probs = (chunk.sub_(log_partition[start:end, None]) if fresh
                      else chunk - log_partition[start:end, None])
         label_log_probs = log_probs.gather(-1, labels[start:end, None])[:, 0]
         others = (log_probs[:, :smoothing.vocab_size].sum(-1) - label_log_probs
