@@ -91,8 +91,9 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
 
     Per chunk: the biased logits in fp32 (`(chunk + bias).float()`: the same values, dtype
     promotion included, as adding the bias first and calling F.cross_entropy on `.float()`), their
-    logsumexp, the target's logit and the argmax; with label smoothing also the chunk's
-    log-probabilities, summed over the real vocabulary. Saved for the backward: the logits as they
+    logsumexp, the target's logit and the argmax; with label smoothing the chunk's fused
+    log-softmax instead (the former loss's log-probabilities, bit for bit), its sums over the real
+    vocabulary and the logsumexp read off it. Saved for the backward: the logits as they
     came (compute dtype), the bias and the fp32 logsumexp per row; the backward recomputes each
     chunk's softmax and subtracts the target distribution (one-hot, or the smoothed q), so the only
     [rows, vocab] tensors are the logits and their gradient, both in the compute dtype.
@@ -132,21 +133,21 @@ def _biased_chunk(logits: torch.Tensor, bias: torch.Tensor | None, start: int, e
 
 def _chunked_forward(logits, labels, bias, chunk_rows, smoothing, losses, log_partition, predicted) -> None:
     rows = logits.shape[0]
-    fresh = bias is not None or logits.dtype != torch.float32
     entropy = None if smoothing is None else smoothing.entropy()
     for start in range(0, rows, chunk_rows):
         end = min(rows, start + chunk_rows)
         chunk = _biased_chunk(logits, bias, start, end)
-        log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
         predicted[start:end] = chunk.argmax(dim=-1)
         if smoothing is None:
+            log_partition[start:end] = torch.logsumexp(chunk, dim=-1)
             losses[start:end] = log_partition[start:end] - chunk.gather(-1, labels[start:end, None])[:, 0]
             continue
         # KL(q || p) = sum q log q - (1 - eps) log p(label) - spread * (sum_{v < V} log p(v) - log p(label)
-        # - log p(pad)), in the form (and the fp32 log-probabilities) of the former closed form.
-        # In place unless `chunk` is a view of the logits (fp32 logits, no bias).
-        log_probs = (chunk.sub_(log_partition[start:end, None]) if fresh
-                     else chunk - log_partition[start:end, None])
+        # - log p(pad)), from the fused log-softmax, as the former closed form took it. Its logsumexp
+        # for the backward is read off at the row's maximum, where log p = -(logsumexp - max) exactly.
+        log_probs = torch.log_softmax(chunk, dim=-1)
+        at_maximum = predicted[start:end, None]
+        log_partition[start:end] = (chunk.gather(-1, at_maximum) - log_probs.gather(-1, at_maximum))[:, 0]
         label_log_probs = log_probs.gather(-1, labels[start:end, None])[:, 0]
         others = (log_probs[:, :smoothing.vocab_size].sum(-1) - label_log_probs
                   - log_probs[:, smoothing.pad_id])
