@@ -45,8 +45,8 @@ from megatron_pmlm.config import HelpFormatter, model_config_from_preset  # noqa
 from megatron_pmlm.models.layout import MASKED, PSEUDO, predicted_slots  # noqa: E402
 from megatron_pmlm.models.model import PMLMForPreTraining, pmlm_losses  # noqa: E402
 from megatron_pmlm.models.palm import (COPY_PROBABILITY_FLOOR, CopyMixture, PointerGenerator,  # noqa: E402
-                                       continuation_losses, copy_probability, final_distribution,
-                                       palm_config_from_preset)
+                                       continuation_losses, copy_probability, palm_config_from_preset,
+                                       scatter_copy)
 from megatron_pmlm.models.seq2seq import label_smoothing_for, seq2seq_losses  # noqa: E402
 from megatron_pmlm.parallel import layers as parallel_layers  # noqa: E402
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
@@ -96,13 +96,17 @@ def former_seq2seq_loss(model: PMLMForPreTraining, hidden: torch.Tensor, targets
 
 def former_palm_loss(mixture: CopyMixture, context_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """PALM stage 2's continuation loss before issue 33 item 5 (tensor parallel size 1): log P^v
-    from an fp32 log-softmax over [B, D, vocab], the argmax of the whole fp32 P."""
+    from an fp32 log-softmax over [B, D, vocab], the argmax of the whole fp32 P (five fp32
+    [B, D, vocab] tensors)."""
     log_vocab = torch.log_softmax(mixture.vocab_logits.float(), -1).gather(-1, labels[..., None])[..., 0]
     copy = copy_probability(mixture.copy_attention, context_ids, labels)
     log_p = torch.logaddexp(mixture.log_gate + log_vocab,
                             mixture.log_gate_complement + torch.log(copy.clamp_min(COPY_PROBABILITY_FLOOR)))
-    with torch.no_grad():
-        (final_distribution(mixture, context_ids).argmax(-1) == labels).sum()
+    with torch.no_grad():  # the former final_distribution: P^v, P^c, both products and their sum apart
+        vocab = torch.softmax(mixture.vocab_logits.float(), -1)
+        copy = scatter_copy(mixture.copy_attention, context_ids, mixture.vocab_logits.shape[-1])
+        distribution = mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
+        (distribution.argmax(-1) == labels).sum()
     return -log_p.sum() / labels.numel()
 
 
