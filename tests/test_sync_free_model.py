@@ -1,7 +1,8 @@
 """Issue 33 items 4 (model side) and 5: no host-device synchronisation in any model family's forward,
 backward, loss and metrics vector (counted on the CPU by training/host_syncs.py), and the one
 gather + one head + chunked biased cross entropy equal to the former head and loss, which is kept
-below as the reference, in fp32 and under bf16 autocast."""
+below as the reference, in fp32 and under bf16 autocast; likewise s2s fine-tuning's label-smoothed
+loss and PALM's continuation loss, chunked the same way, against their former fp32 log-softmax."""
 
 from __future__ import annotations
 
@@ -14,16 +15,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
-from megatron_pmlm.models.layout import (CONTEXT, IGNORE_INDEX, MASKED, PSEUDO, PMLMBatch, pmlm_predicted_index,
-                                         predicted_slots)
-from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.models.layout import (CONTEXT, IGNORE_INDEX, MASKED, PSEUDO, PMLMBatch, gather_slots, labelled_index,
+                                         pmlm_predicted_index, predicted_slots)
+from megatron_pmlm.models.model import PMLMForPreTraining, mask_vocabulary_padding
 from megatron_pmlm.models.objectives import get_objective
-from megatron_pmlm.models.palm import PalmBatch, PalmForPreTraining, palm_config_from_preset
+from megatron_pmlm.models.palm import (COPY_PROBABILITY_FLOOR, PalmBatch, PalmForPreTraining, copy_probability,
+                                      final_distribution, palm_config_from_preset, scatter_copy)
+from megatron_pmlm.models.palm import predicted_ids as palm_predicted_ids
 from megatron_pmlm.models.pipeline import (EmbeddingPipe, HeadTransformPipe, LayerPipe, LossPipe, WordEmbeddingPipe,
                                            canonical_parameter_name, tied_logits_forward)
 from megatron_pmlm.models.seq2seq import MODES, PMLMForSeq2Seq, Seq2SeqConfig, SpecialIds, build_seq2seq_batch
 from megatron_pmlm.models.unilm import TYPE_VOCAB_SIZE
-from megatron_pmlm.parallel.layers import chunked_biased_cross_entropy
+from megatron_pmlm.parallel import layers as parallel_layers
+from megatron_pmlm.parallel.layers import LabelSmoothing, chunked_biased_cross_entropy
 from megatron_pmlm.training.host_syncs import HostSyncCounter
 from pmlm_testing import unilm_mixture_batch
 
@@ -296,3 +300,229 @@ def test_bench_mlm_head_compares_the_former_and_todays_head_and_loss():
     assert former.split("|")[0].split()[-1] == now.split("|")[0].split()[-1]  # the same loss
     bad = run_module("tools.bench_mlm_head", "--chunk-rows", "-1")
     assert bad.returncode == 2 and "--chunk-rows must be >= 0" in bad.stderr
+
+
+@pytest.mark.parametrize("loss", ["s2s", "palm"])
+def test_bench_mlm_head_compares_the_former_and_todays_s2s_and_palm_losses(loss):
+    from pmlm_testing import run_module
+
+    result = run_module("tools.bench_mlm_head", "--loss", loss, "--preset", "tiny", "--seq-length", "6",
+                        "--micro-batch-size", "3", "--context-length", "10", "--iterations", "1", "--warmup", "0",
+                        "--chunk-rows", "4", "--bf16", timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    former, now = (line for line in result.stdout.splitlines() if "ms fwd+bwd" in line)
+    assert abs(float(former.split()[2]) - float(now.split()[2])) <= 1e-5 * float(former.split()[2])
+    # Only one chunk of fp32 [positions, vocabulary] now (4 x 30,592 x 4 bytes = 0.5 MiB), 18 rows before.
+    assert "largest fp32   0.5 MiB" in now and "largest fp32   0.5 MiB" not in former, (former, now)
+    bad = run_module("tools.bench_mlm_head", "--loss", loss, "--label-smoothing", "1")
+    assert bad.returncode == 2 and "--label-smoothing must be in [0, 1)" in bad.stderr
+
+
+# ---------------------------------------- s2s fine-tuning's and PALM's losses equal to the former ones
+
+def former_label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float,
+                               pad_id: int) -> torch.Tensor:
+    """models/seq2seq.py's label_smoothed_loss before issue 33 item 5, verbatim: an fp32
+    [tokens, vocab] log-softmax."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    label_log_probs = log_probs.gather(-1, labels[:, None]).squeeze(-1)
+    if smoothing == 0.0:
+        return -label_log_probs
+    vocab = logits.shape[-1]
+    spread = smoothing / (vocab - 2)
+    entropy_term = (1.0 - smoothing) * torch.log(torch.tensor(1.0 - smoothing)) if smoothing < 1.0 else 0.0
+    constant = entropy_term + (vocab - 2) * spread * torch.log(torch.tensor(spread))
+    others = log_probs.sum(-1) - label_log_probs - log_probs[:, pad_id]
+    return constant - (1.0 - smoothing) * label_log_probs - spread * others
+
+
+def reference_seq2seq_losses(model: PMLMForSeq2Seq, batch: PMLMBatch) -> torch.Tensor:
+    """PMLMForSeq2Seq.forward before issue 33 item 5: the biased logits (fp32 under autocast) cut
+    to the real vocabulary, then the former label-smoothed loss; [loss, correct, count]."""
+    hidden = model.bert(*batch.as_tuple()[:5])
+    index = labelled_index(batch.labels)
+    logits = model.mlm_logits(gather_slots(hidden, index))[:, :model.config.vocab_size]
+    targets = gather_slots(batch.labels, index)
+    token_losses = former_label_smoothed_loss(logits, targets, model.seq2seq.label_smoothing, model.pad_token_id)
+    count = torch.full((), targets.numel())
+    loss = token_losses.sum() / (count.float() + 1e-5)
+    return torch.stack([loss, (logits.argmax(-1) == targets).sum().float(), count.float()])
+
+
+def former_final_distribution(mixture, context_ids: torch.Tensor) -> torch.Tensor:
+    """models/palm.py's final_distribution before issue 33 item 5 (tensor parallel size 1)."""
+    vocab = torch.softmax(mixture.vocab_logits.float(), -1)
+    copy = scatter_copy(mixture.copy_attention, context_ids, mixture.vocab_logits.shape[-1])
+    return mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
+
+
+def reference_palm_losses(model: PalmForPreTraining, batch: PalmBatch) -> torch.Tensor:
+    """Stage 2's continuation_losses before issue 33 item 5 (tensor parallel size 1): log P^v from
+    an fp32 log-softmax over [B, D, vocab], the argmax of the whole fp32 P; PALM_METRICS' vector."""
+    mixture = model.mixture(model.encode(batch.encoder_ids, batch.encoder_roles), batch.encoder_roles,
+                            batch.decoder_ids)
+    valid = batch.labels != IGNORE_INDEX
+    targets = torch.where(valid, batch.labels, 0)
+    log_vocab = torch.log_softmax(mixture.vocab_logits.float(), -1).gather(-1, targets[..., None])[..., 0]
+    copy = copy_probability(mixture.copy_attention, batch.context_ids, targets)
+    log_p = torch.logaddexp(mixture.log_gate + log_vocab,
+                            mixture.log_gate_complement + torch.log(copy.clamp_min(COPY_PROBABILITY_FLOOR)))
+    count = valid.sum()
+    loss = -(log_p * valid).sum() / count.clamp(min=1)
+    predicted = former_final_distribution(mixture, batch.context_ids).argmax(-1)
+    correct = ((predicted == targets) & valid).sum()
+    return torch.stack([loss, correct.float(), count.float(), (mixture.log_gate.exp() * valid).sum().detach(),
+                        (copy * valid).sum().detach()])
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 4 rows, so that the test batches span several."""
+    monkeypatch.setattr(parallel_layers, "CROSS_ENTROPY_CHUNK_ROWS", 4)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("smoothing", [0.1, 0.0])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_seq2seq_chunked_loss_equals_the_former_loss(mode, smoothing, precision, small_chunks):
+    model = PMLMForSeq2Seq(tiny_config(), Seq2SeqConfig(mode=mode, max_source_length=16, max_target_length=8,
+                                                        label_smoothing=smoothing), pad_token_id=PAD_ID, init_seed=5)
+    with torch.no_grad():  # a non-zero output bias, so adding it in the wrong dtype or place shows
+        model.cls.predictions.bias.normal_(0.0, 1.0, generator=torch.Generator().manual_seed(3))
+    batch = seq2seq_batch(mode)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def ours():
+        with autocast:
+            losses = model(*batch.as_tuple())
+            return torch.stack([losses.loss, losses.correct.float(), losses.count.float()])
+
+    def reference():
+        with autocast:
+            return reference_seq2seq_losses(model, batch)
+
+    got, got_grads = losses_and_gradients(model, ours)
+    expected, expected_grads = losses_and_gradients(model, reference)
+    assert expected[2] > 4  # several chunks
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=0)
+    assert torch.equal(got[1:], expected[1:]), (got, expected)
+    assert got_grads.keys() == expected_grads.keys()
+    # bf16: the same bf16 logits; the logits' gradient is rounded to bf16 where it was fp32 before.
+    tolerance = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=1.6e-2, atol=2e-3)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_palm_chunked_continuation_loss_equals_the_former_loss(precision, small_chunks):
+    config = palm_config_from_preset("palm-tiny", vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
+                                     hidden_dropout=0.0, attention_dropout=0.0)
+    model = PalmForPreTraining(config, stage=2, init_seed=6)
+    batch = palm_batch(2)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+    def ours():
+        with autocast:
+            losses = model(*batch.as_tuple())
+            return torch.stack([losses.loss, losses.token_correct.float(), losses.token_count.float(),
+                                losses.gate_sum.float(), losses.copy_sum.float()])
+
+    def reference():
+        with autocast:
+            return reference_palm_losses(model, batch)
+
+    got, got_grads = losses_and_gradients(model, ours)
+    expected, expected_grads = losses_and_gradients(model, reference)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert torch.equal(got[1:3], expected[1:3]), (got, expected)
+    assert got_grads.keys() == expected_grads.keys() and len(got_grads) > 0
+    tolerance = dict(rtol=1e-5, atol=1e-7) if precision == "fp32" else dict(rtol=1.6e-2, atol=2e-3)
+    for name, grad in got_grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_palm_chunked_predicted_ids_equal_the_argmax_of_the_whole_distribution():
+    """Every decoder position's argmax of P, a chunk of positions at a time (chunks that cut across
+    sequences), equals the argmax of the former [B, D, vocab] P."""
+    config = palm_config_from_preset("palm-tiny", vocab_size=VOCAB, padded_vocab_size=PADDED_VOCAB,
+                                     hidden_dropout=0.0, attention_dropout=0.0)
+    model = PalmForPreTraining(config, stage=2, init_seed=7).eval()
+    batch = palm_batch(2)
+    with torch.no_grad():
+        mixture = model.mixture(model.encode(batch.encoder_ids, batch.encoder_roles), batch.encoder_roles,
+                                batch.decoder_ids)
+        former = former_final_distribution(mixture, batch.context_ids)
+        assert torch.equal(final_distribution(mixture, batch.context_ids), former)  # in place, the same values
+        expected = former.argmax(-1)
+        assert len(set(expected.flatten().tolist())) >= 3  # not one id everywhere: which context a row reads shows
+        for chunk_rows in (4, 5, 27, 100):
+            got = palm_predicted_ids(mixture, batch.context_ids, model.layers, chunk_rows=chunk_rows)
+            assert torch.equal(got, expected), chunk_rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_chunked_label_smoothing_equals_the_former_closed_form(dtype, with_bias):
+    """Over the real vocabulary only (the padding columns get no mass, no gradient), [PAD] left out,
+    a label that is [PAD] included (the former formula, whatever it means); the padding -inf in the
+    bias (the MLM head's) or in the logits themselves (PALM's, no bias)."""
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(11, 37, generator=generator) * 3).to(dtype).requires_grad_()
+    padding = torch.arange(37) >= 33
+    bias = torch.randn(37, generator=generator).masked_fill(padding, float("-inf")).requires_grad_()
+    labels = torch.randint(0, 33, (11,), generator=generator)
+    labels[3] = 2  # the pad id below
+    upstream = torch.rand(11, generator=generator)
+    smoothing = LabelSmoothing(0.1, 33, pad_id=2)
+
+    def inputs():
+        return (logits, bias) if with_bias else (mask_vocabulary_padding(logits, padding), None)
+
+    scores, score_bias = inputs()
+    losses, predicted = chunked_biased_cross_entropy(scores, labels, score_bias, chunk_rows=4,
+                                                     label_smoothing=smoothing)
+    (losses * upstream).sum().backward()
+    got = (losses.detach(), predicted, logits.grad, bias.grad)
+    logits.grad = bias.grad = None
+    scores, score_bias = inputs()
+    biased = (scores + score_bias).float() if with_bias else scores.float()
+    expected_losses = former_label_smoothed_loss(biased[:, :33], labels, 0.1, pad_id=2)
+    (expected_losses * upstream).sum().backward()
+    torch.testing.assert_close(got[0], expected_losses.detach(), rtol=1e-6, atol=0)
+    assert torch.equal(got[1], biased.argmax(-1))
+    grad_tolerance = dict(rtol=1e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(got[2], logits.grad, **grad_tolerance)
+    assert got[2].dtype == dtype and torch.equal(got[2][:, 33:], torch.zeros(11, 4, dtype=dtype))
+    if with_bias:
+        torch.testing.assert_close(got[3], bias.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[3][33:], torch.zeros(4))
+    else:
+        assert got[3] is None
+
+
+def test_the_smoothed_loss_holds_no_fp32_tokens_by_vocabulary_tensor_beyond_one_chunk():
+    logits = torch.randn(64, 300).to(torch.bfloat16).requires_grad_()
+    bias = torch.zeros(300).masked_fill(torch.arange(300) >= 290, float("-inf")).requires_grad_()
+    labels = torch.randint(1, 290, (64,))
+    with LargestFloat32Output() as chunked:
+        chunked_biased_cross_entropy(logits, labels, bias, chunk_rows=8,
+                                     label_smoothing=LabelSmoothing(0.1, 290, 0))[0].sum().backward()
+    assert chunked.largest == 8 * 300
+    with LargestFloat32Output() as plain:  # what the former loss did
+        former_label_smoothed_loss((logits + bias)[:, :290], labels, 0.1, 0).sum().backward()
+    assert plain.largest == 64 * 300  # the biased logits, then the log-softmax of 64 x 290
+
+
+@pytest.mark.parametrize("epsilon,vocab_size,pad_id", [(0.0, 30, 0), (1.0, 30, 0), (0.1, 2, 0), (0.1, 30, 30)])
+def test_label_smoothing_refuses_what_it_cannot_spread(epsilon, vocab_size, pad_id):
+    with pytest.raises(ValueError, match="label smoothing"):
+        LabelSmoothing(epsilon, vocab_size, pad_id)
+
+
+def test_tensor_parallel_layers_refuse_label_smoothing_rather_than_spread_it_differently():
+    from megatron_pmlm.parallel.layers import MegatronCoreLayers
+
+    layers = object.__new__(MegatronCoreLayers)  # the check comes before any process group is needed
+    with pytest.raises(NotImplementedError, match="tensor parallel size 1"):
+        layers.biased_cross_entropy(torch.zeros(2, 5), torch.zeros(2, dtype=torch.long), torch.zeros(5),
+                                    LabelSmoothing(0.1, 5, 0))

@@ -33,7 +33,8 @@ from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead,
                     LayerKeyValues, PMLMLosses, initialize_weights, mask_vocabulary_padding, pmlm_losses,
                     vocabulary_padding)
 from .objectives import get_objective
-from ..parallel.layers import LocalLayers, ParallelLayers
+from ..parallel import layers as parallel_layers
+from ..parallel.layers import LocalLayers, ParallelLayers, chunked_biased_cross_entropy
 
 PALM_STAGES = (1, 2)
 
@@ -317,10 +318,14 @@ def vocab_log_probability(logits: torch.Tensor, targets: torch.Tensor, layers: P
 
     The max is agreed on (no gradient), the partition function and the target's exp are summed
     over ranks by megatron's reduce_from_tensor_model_parallel_region (backward: identity), so each
-    rank's slice gets exactly its part of the gradient, as in vocab_parallel_cross_entropy."""
-    logits = logits.float()
+    rank's slice gets exactly its part of the gradient, as in vocab_parallel_cross_entropy.
+    Tensor parallel size 1: minus the chunked cross entropy, the logits in the compute dtype and no
+    fp32 [tokens, vocab] tensor kept for the backward."""
     if layers.tensor_parallel_size == 1:
-        return torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+        token_losses, _ = chunked_biased_cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                                       None)
+        return -token_losses.view(targets.shape)
+    logits = logits.float()
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -463,17 +468,38 @@ def vocab_probabilities(logits: torch.Tensor, layers: ParallelLayers) -> torch.T
 
 def final_distribution(mixture: CopyMixture, context_ids: torch.Tensor,
                        layers: ParallelLayers | None = None) -> torch.Tensor:
-    """P = λ P^v + (1 - λ) P^c over this rank's vocabulary slice, [B, D, V / tp] (fp32)."""
+    """P = λ P^v + (1 - λ) P^c over this rank's vocabulary slice, [B, D, V / tp] (fp32). Without
+    autograd (metrics, decoding) the products and the sum are made in place, in P^v's and P^c's
+    tensors: the same values, two fp32 [B, D, V] tensors instead of five."""
     layers = layers or LocalLayers()
     per_rank = mixture.vocab_logits.shape[-1]
     vocab = vocab_probabilities(mixture.vocab_logits, layers)
     copy = scatter_copy(mixture.copy_attention, context_ids, per_rank, layers.tensor_parallel_rank * per_rank)
-    return mixture.log_gate.exp()[..., None] * vocab + mixture.log_gate_complement.exp()[..., None] * copy
+    gate, complement = mixture.log_gate.exp()[..., None], mixture.log_gate_complement.exp()[..., None]
+    if torch.is_grad_enabled() and (vocab.requires_grad or copy.requires_grad or gate.requires_grad):
+        return gate * vocab + complement * copy
+    return vocab.mul_(gate).add_(copy.mul_(complement))
 
 
-def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: ParallelLayers) -> torch.Tensor:
-    """argmax_w P(w) over the whole (possibly split) vocabulary, [B, D]."""
-    return layers.predicted_ids(final_distribution(mixture, context_ids, layers))
+def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: ParallelLayers,
+                  chunk_rows: int | None = None) -> torch.Tensor:
+    """argmax_w P(w) over the whole (possibly split) vocabulary, [B, D]. Tensor parallel size 1:
+    `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) decoder positions at a time, so P's fp32
+    [positions, vocab] tensors are one chunk's, as in the loss."""
+    if layers.tensor_parallel_size != 1:
+        return layers.predicted_ids(final_distribution(mixture, context_ids, layers))
+    batch, steps = mixture.log_gate.shape
+    rows = batch * steps
+    chunk_rows = chunk_rows or parallel_layers.CROSS_ENTROPY_CHUNK_ROWS
+    flat = [field.reshape(rows, 1, *field.shape[2:]) for field in
+            (mixture.vocab_logits, mixture.copy_attention, mixture.log_gate, mixture.log_gate_complement)]
+    predicted = torch.empty(rows, dtype=torch.long, device=context_ids.device)
+    for start in range(0, rows, chunk_rows):  # each chunk: positions as a batch of one-step sequences
+        end = min(rows, start + chunk_rows)
+        sequence = torch.arange(start, end, device=context_ids.device) // steps
+        chunk = CopyMixture(*(field[start:end] for field in flat))
+        predicted[start:end] = layers.predicted_ids(final_distribution(chunk, context_ids[sequence], layers))[:, 0]
+    return predicted.view(batch, steps)
 
 
 def continuation_losses(mixture: CopyMixture, context_ids, labels, layers: ParallelLayers) -> PalmLosses:

@@ -21,10 +21,10 @@ from typing import Iterator, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..config import ConfigError
 from ..files import file_problem
+from ..parallel.layers import LabelSmoothing, ParallelLayers, chunked_biased_cross_entropy
 from .layout import CONTEXT, IGNORE_INDEX, ORIGINAL, PAD, PSEUDO, PMLMBatch, gather_slots, labelled_index
 from .model import PMLMForPreTraining
 from .metrics import MetricSpec
@@ -344,23 +344,23 @@ class Seq2SeqLosses:
         return torch.stack([self.loss.detach().float(), self.correct.float(), self.count.float()])
 
 
+def label_smoothing_for(smoothing: float, vocab_size: int, pad_id: int) -> LabelSmoothing | None:
+    """The chunked cross entropy's smoothing term for s2s-ft's LabelSmoothingLoss (SPEC §7.1 A.5);
+    None at 0, where that loss is the plain cross entropy."""
+    return LabelSmoothing(smoothing, vocab_size, pad_id) if smoothing else None
+
+
 def label_smoothed_loss(logits: torch.Tensor, labels: torch.Tensor, smoothing: float, pad_id: int) -> torch.Tensor:
-    """Per-token KL(q || p) of s2s-ft's LabelSmoothingLoss (SPEC §7.1 A.5), in closed form.
+    """Per-token KL(q || p) of s2s-ft's LabelSmoothingLoss (SPEC §7.1 A.5), in closed form, over
+    the logits' whole last dimension (the real vocabulary).
 
     q(label) = 1 - eps, q(pad) = 0, every other id eps / (V - 2); KL = sum_v q (log q - log p), so
     = const - (1 - eps) log p(label) - eps / (V - 2) * (sum_v log p(v) - log p(label) - log p(pad)).
-    With eps = 0 this is the plain cross-entropy. log p is computed in fp32.
+    With eps = 0 this is the plain cross-entropy. log p is computed in fp32, a chunk of rows at a
+    time (`chunked_biased_cross_entropy`).
     """
-    log_probs = F.log_softmax(logits.float(), dim=-1)
-    label_log_probs = log_probs.gather(-1, labels[:, None]).squeeze(-1)
-    if smoothing == 0.0:
-        return -label_log_probs
-    vocab = logits.shape[-1]
-    spread = smoothing / (vocab - 2)
-    entropy_term = (1.0 - smoothing) * torch.log(torch.tensor(1.0 - smoothing)) if smoothing < 1.0 else 0.0
-    constant = entropy_term + (vocab - 2) * spread * torch.log(torch.tensor(spread))
-    others = log_probs.sum(-1) - label_log_probs - log_probs[:, pad_id]
-    return constant - (1.0 - smoothing) * label_log_probs - spread * others
+    smoothing_term = label_smoothing_for(smoothing, logits.shape[-1], pad_id)
+    return chunked_biased_cross_entropy(logits, labels, None, label_smoothing=smoothing_term)[0]
 
 
 class PMLMForSeq2Seq(PMLMForPreTraining):
@@ -384,11 +384,18 @@ class PMLMForSeq2Seq(PMLMForPreTraining):
         """The label-smoothed loss from the encoder's output (one region under --compile)."""
         if predicted_index is None:
             predicted_index = labelled_index(labels)
-        # Only labelled slots go through the vocabulary projection; padding rows (if any) are cut.
-        logits = self.mlm_logits(gather_slots(hidden, predicted_index))[:, :self.config.vocab_size]
-        targets = gather_slots(labels, predicted_index)
-        token_losses = label_smoothed_loss(logits, targets, self.seq2seq.label_smoothing, self.pad_token_id)
-        count = torch.full((), targets.numel(), device=logits.device)  # a fill, not a host copy
-        loss = token_losses.sum() / (count.float() + 1e-5)  # s2s-ft's loss_mask_and_normalize
-        correct = (logits.argmax(-1) == targets).sum()
-        return Seq2SeqLosses(loss, correct, count)
+        # Only labelled slots go through the vocabulary projection.
+        logits, bias = self.mlm_logits_and_bias(gather_slots(hidden, predicted_index))
+        smoothing = label_smoothing_for(self.seq2seq.label_smoothing, self.config.vocab_size, self.pad_token_id)
+        return seq2seq_losses(logits, bias, gather_slots(labels, predicted_index), smoothing, self.layers)
+
+
+def seq2seq_losses(logits: torch.Tensor, bias: torch.Tensor, targets: torch.Tensor,
+                   smoothing: LabelSmoothing | None, layers: ParallelLayers) -> Seq2SeqLosses:
+    """s2s-ft's loss of the labelled slots' logits (compute dtype) and output bias (-inf at the
+    vocabulary padding, which q leaves out too): the label-smoothed loss summed over the slots
+    over their count, by the chunked cross entropy (no fp32 [tokens, vocab] tensor)."""
+    token_losses, predicted = layers.biased_cross_entropy(logits, targets, bias, smoothing)
+    count = torch.full((), targets.numel(), device=logits.device)  # a fill, not a host copy
+    loss = token_losses.sum() / (count.float() + 1e-5)  # s2s-ft's loss_mask_and_normalize
+    return Seq2SeqLosses(loss, (predicted == targets).sum(), count)

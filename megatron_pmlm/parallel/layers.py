@@ -10,6 +10,7 @@ without touching the model.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -39,11 +40,11 @@ class ParallelLayers(Protocol):
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """Argmax over the full (possibly split) vocabulary."""
 
-    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
-                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
+                             label_smoothing: "LabelSmoothing | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-row cross entropy in fp32, argmax ids) of `logits + bias`: the MLM losses, where the
         head hands over its logits in the compute dtype and its output bias apart (`bias`: this
-        rank's slice, -inf at vocabulary padding)."""
+        rank's slice, -inf at vocabulary padding); with `label_smoothing`, s2s fine-tuning's KL."""
 
 
 CROSS_ENTROPY_CHUNK_ROWS = 4096
@@ -51,28 +52,65 @@ CROSS_ENTROPY_CHUNK_ROWS = 4096
 vocabulary (30,592) a chunk is 0.5 GB of fp32, whatever the number of predicted slots."""
 
 
+@dataclass(frozen=True)
+class LabelSmoothing:
+    """The optional label-smoothing term of `chunked_biased_cross_entropy`: s2s-ft's
+    LabelSmoothingLoss (SPEC §7.1 A.5), the per-row KL(q || p) with q(label) = 1 - epsilon,
+    q(pad_id) = 0 and epsilon / (vocab_size - 2) on every other id below `vocab_size`; ids from
+    `vocab_size` up (the vocabulary padding) are outside both distributions."""
+
+    epsilon: float
+    """The smoothing mass (s2s-ft --label_smoothing, 0.1), in (0, 1)."""
+    vocab_size: int
+    """The real vocabulary: the columns q spreads over, the padding columns after them excluded."""
+    pad_id: int
+    """The id q gives nothing (s2s-ft's ignore_index, [PAD])."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.epsilon < 1.0:
+            raise ValueError(f"label smoothing must be in (0, 1), got {self.epsilon}")
+        if self.vocab_size < 3 or not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"label smoothing needs a vocabulary of >= 3 ids holding pad id {self.pad_id}, "
+                             f"got {self.vocab_size}")
+
+    @property
+    def spread(self) -> float:
+        """q of every id other than the label and pad."""
+        return self.epsilon / (self.vocab_size - 2)
+
+    def entropy(self) -> torch.Tensor:
+        """sum_v q log q, the KL's constant: a 0-dim fp32 CPU tensor computed as the former closed form
+        did (a CPU scalar in the loss's arithmetic, not a value the host waits for)."""
+        spread = self.spread
+        return ((1.0 - self.epsilon) * torch.log(torch.tensor(1.0 - self.epsilon))
+                + (self.vocab_size - 2) * spread * torch.log(torch.tensor(spread)))
+
+
 class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
     """Cross entropy of `logits + bias` over row chunks, without an fp32 [rows, vocab] tensor.
 
     Per chunk: the biased logits in fp32 (`(chunk + bias).float()`: the same values, dtype
     promotion included, as adding the bias first and calling F.cross_entropy on `.float()`), their
-    logsumexp, the target's logit and the argmax. Saved for the backward: the logits as they came
-    (compute dtype), the bias and the fp32 logsumexp per row; the backward recomputes each chunk's
-    softmax, so the only [rows, vocab] tensors are the logits and their gradient, both in the
-    compute dtype. F.cross_entropy on `.float()` logits instead keeps an fp32 [rows, vocab]
+    logsumexp, the target's logit and the argmax; with label smoothing the chunk's fused
+    log-softmax instead (the former loss's log-probabilities, bit for bit), its sums over the real
+    vocabulary and the logsumexp read off it. Saved for the backward: the logits as they
+    came (compute dtype), the bias and the fp32 logsumexp per row; the backward recomputes each
+    chunk's softmax and subtracts the target distribution (one-hot, or the smoothed q), so the only
+    [rows, vocab] tensors are the logits and their gradient, both in the compute dtype.
+    F.cross_entropy or log_softmax on `.float()` logits instead keeps an fp32 [rows, vocab]
     log-softmax alive from the forward to the backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, bias, chunk_rows):
+    def forward(ctx, logits, labels, bias, chunk_rows, smoothing):
         rows = logits.shape[0]
         losses = torch.empty(rows, dtype=torch.float32, device=logits.device)
         log_partition = torch.empty_like(losses)
         predicted = torch.empty(rows, dtype=torch.long, device=logits.device)
         with torch.autocast(logits.device.type, enabled=False):  # fp32 by construction, whatever the context
-            _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted)
+            _chunked_forward(logits, labels, bias, chunk_rows, smoothing, losses, log_partition, predicted)
         ctx.save_for_backward(logits, labels, bias, log_partition)
-        ctx.chunk_rows = chunk_rows
+        ctx.chunk_rows, ctx.smoothing = chunk_rows, smoothing
         ctx.mark_non_differentiable(predicted)
         return losses, predicted
 
@@ -80,7 +118,9 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses, _grad_predicted):
         logits, labels, bias, log_partition = ctx.saved_tensors
         with torch.autocast(logits.device.type, enabled=False):
-            return _chunked_backward(logits, labels, bias, log_partition, grad_losses, ctx.chunk_rows)
+            grad_logits, grad_bias = _chunked_backward(logits, labels, bias, log_partition, grad_losses,
+                                                       ctx.chunk_rows, ctx.smoothing)
+        return grad_logits, None, grad_bias, None, None
 
 
 def _row_chunks(rows, chunk_rows: int) -> list[slice]:
@@ -92,45 +132,76 @@ def _row_chunks(rows, chunk_rows: int) -> list[slice]:
     return [slice(start, min(rows, start + chunk_rows)) for start in range(0, rows, chunk_rows)]
 
 
-def _chunked_forward(logits, labels, bias, chunk_rows, losses, log_partition, predicted) -> None:
+def _biased_chunk(logits: torch.Tensor, bias: torch.Tensor | None, rows: slice,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `rows` of `logits + bias` in fp32 (a new tensor, or `out` when given)."""
+    if bias is None:
+        return logits[rows].float() if out is None else out.copy_(logits[rows])
+    return (logits[rows] + bias).float() if out is None else torch.add(logits[rows], bias, out=out)
+
+
+def _chunked_forward(logits, labels, bias, chunk_rows, smoothing, losses, log_partition, predicted) -> None:
+    entropy = None if smoothing is None else smoothing.entropy()
     for rows in _row_chunks(logits.shape[0], chunk_rows):
-        chunk = (logits[rows] + bias).float()
-        log_partition[rows] = torch.logsumexp(chunk, dim=-1)
-        losses[rows] = log_partition[rows] - chunk.gather(-1, labels[rows, None])[:, 0]
+        chunk = _biased_chunk(logits, bias, rows)
         predicted[rows] = chunk.argmax(dim=-1)
+        if smoothing is None:
+            log_partition[rows] = torch.logsumexp(chunk, dim=-1)
+            losses[rows] = log_partition[rows] - chunk.gather(-1, labels[rows, None])[:, 0]
+            continue
+        # KL(q || p) = sum q log q - (1 - eps) log p(label) - spread * (sum_{v < V} log p(v) - log p(label)
+        # - log p(pad)), from the fused log-softmax, as the former closed form took it. Its logsumexp
+        # for the backward is read off at the row's maximum, where log p = -(logsumexp - max) exactly.
+        log_probs = torch.log_softmax(chunk, dim=-1)
+        at_maximum = predicted[rows, None]
+        log_partition[rows] = (chunk.gather(-1, at_maximum) - log_probs.gather(-1, at_maximum))[:, 0]
+        label_log_probs = log_probs.gather(-1, labels[rows, None])[:, 0]
+        others = (log_probs[:, :smoothing.vocab_size].sum(-1) - label_log_probs
+                  - log_probs[:, smoothing.pad_id])
+        losses[rows] = (entropy - (1.0 - smoothing.epsilon) * label_log_probs
+                        - smoothing.spread * others)
 
 
-def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows):
-    """Each chunk's gradient is computed in place: in the fp32 gradient itself when the logits are
-    fp32, else in one fp32 chunk that is then rounded into the gradient."""
-    promoted = torch.promote_types(logits.dtype, bias.dtype)
+def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_rows, smoothing):
+    """Each chunk's gradient, softmax - q times the loss's gradient, is computed in place: in the
+    fp32 gradient itself when the logits are fp32, else in one fp32 chunk that is then rounded into
+    the gradient."""
+    promoted = logits.dtype if bias is None else torch.promote_types(logits.dtype, bias.dtype)
     grad_logits = torch.empty_like(logits)
     in_place = grad_logits.dtype == promoted == torch.float32
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    label_weight = -1.0 if smoothing is None else smoothing.spread - (1.0 - smoothing.epsilon)
     for rows in _row_chunks(logits.shape[0], chunk_rows):
-        # d loss / d logit = softmax - one_hot(label), scaled by the loss's gradient.
-        grad = (torch.add(logits[rows], bias, out=grad_logits[rows]) if in_place
-                else (logits[rows] + bias).float())
+        grad = _biased_chunk(logits, bias, rows, out=grad_logits[rows] if in_place else None)
         grad.sub_(log_partition[rows, None]).exp_()
-        grad.scatter_add_(-1, labels[rows, None], grad.new_full((grad.shape[0], 1), -1.0))
+        if smoothing is not None:  # q = spread below vocab_size, 0 at pad, 1 - eps at the label
+            grad[:, :smoothing.vocab_size] -= smoothing.spread
+            grad[:, smoothing.pad_id] += smoothing.spread
+        grad.scatter_add_(-1, labels[rows, None], grad.new_full((grad.shape[0], 1), label_weight))
         grad.mul_(grad_losses[rows, None].float())
         if not in_place:
             grad = grad.to(promoted)
             grad_logits[rows] = grad
-        grad_bias += grad.float().sum(0)
-    return grad_logits, None, grad_bias.to(bias.dtype), None
+        if grad_bias is not None:
+            grad_bias += grad.float().sum(0)
+    return grad_logits, None if bias is None else grad_bias.to(bias.dtype)
 
 
-def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
-                                 chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows),
-    equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and its argmax,
-    with at most `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) rows in fp32 at a time
-    (`_ChunkedBiasedCrossEntropy`)."""
+def chunked_biased_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                                 chunk_rows: int | None = None,
+                                 label_smoothing: LabelSmoothing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp32 cross entropy per row, argmax per row) of `logits + bias` (bias broadcast over rows;
+    None: no bias), equal to F.cross_entropy((logits + bias).float(), labels, reduction="none") and
+    its argmax, with at most `chunk_rows` (None: CROSS_ENTROPY_CHUNK_ROWS) rows in fp32 at a time
+    (`_ChunkedBiasedCrossEntropy`). With `label_smoothing`, the loss per row is its KL(q || p)
+    instead (s2s fine-tuning)."""
     chunk_rows = chunk_rows or CROSS_ENTROPY_CHUNK_ROWS
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
-    return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows)
+    if label_smoothing is not None and label_smoothing.vocab_size > logits.shape[-1]:
+        raise ValueError(f"label smoothing over {label_smoothing.vocab_size} ids, but the logits have "
+                         f"{logits.shape[-1]} columns")
+    return _ChunkedBiasedCrossEntropy.apply(logits, labels, bias, chunk_rows, label_smoothing)
 
 
 class LocalLayers:
@@ -157,9 +228,9 @@ class LocalLayers:
     def predicted_ids(self, logits: torch.Tensor) -> torch.Tensor:
         return logits.argmax(dim=-1)
 
-    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
-                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return chunked_biased_cross_entropy(logits, labels, bias)
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
+                             label_smoothing: LabelSmoothing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return chunked_biased_cross_entropy(logits, labels, bias, label_smoothing=label_smoothing)
 
 
 class MegatronCoreLayers:
@@ -226,9 +297,12 @@ class MegatronCoreLayers:
         winner = stacked[:, 0].argmax(dim=0)
         return stacked[:, 1].gather(0, winner[None])[0].long()
 
-    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor,
-                             bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """megatron-core's vocab_parallel_cross_entropy over the biased logits (it needs them whole)."""
+    def biased_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor,
+                             label_smoothing: LabelSmoothing | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's vocab_parallel_cross_entropy over the biased logits (it needs them whole).
+        Its own label smoothing spreads over every id, label included, unlike s2s-ft's: refused."""
+        if label_smoothing is not None:
+            raise NotImplementedError("s2s-ft's label smoothing runs at tensor parallel size 1 (LocalLayers)")
         biased = logits + bias
         return self.cross_entropy(biased, labels), self.predicted_ids(biased)
 
