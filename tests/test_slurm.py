@@ -26,6 +26,10 @@ TRAIN_ITERS = 40  # 3 interruptions of >= 3 iterations each, and a loss that fal
 HANG_TIMEOUT_SECONDS = 45
 """The in-job restart test's hang timeout: above the longest quiet start-up phase of a step (the imports,
 ~15 s at load 7 on 2 cores) so that a slow start is not taken for a hang, and no longer than that."""
+CRASH_TRAIN_ITERS = 24
+"""The in-job restart job's length: its third step is killed at iteration >= 11 (3 steps of >= 3
+iterations each after the first checkpoint), with room left so that it cannot finish first; the
+requeued start trains the rest."""
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM tests need Linux")
 
@@ -382,7 +386,7 @@ def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_a
     failures in a row, then stops with the error."""
     save_dir = tmp_path / "crash-checkpoints"
     env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
-                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS="40", LOG_INTERVAL="1", SAVE_INTERVAL="2",
+                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS=str(CRASH_TRAIN_ITERS), LOG_INTERVAL="1", SAVE_INTERVAL="2",
                       EVAL_ITERS="0", DATA_PATH=str(prepared[0]), SAVE_DIR=str(save_dir),
                       TB_DIR=str(tmp_path / "tensorboard"), PYTHON=sys.executable,
                       EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", OMP_NUM_THREADS="1",
@@ -435,7 +439,8 @@ def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_a
         crashed_at = int(re.search(r"checkpoint at iteration (\d+), \d+ at the start\)", before)[1])
         assert crashed_at >= 4 and f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in after, context
         assert [i for i, _, _ in _iterations(after)][:1] == [crashed_at + 1], context
-    assert [i for i, _, _ in _iterations(steps[-1])][-1] == 40 and "training complete" in steps[-1], context
+    assert [i for i, _, _ in _iterations(steps[-1])][-1] == CRASH_TRAIN_ITERS and "training complete" in steps[-1], \
+        context
     # The time lost (failure -> first iteration of the next step) is printed for both in-job restarts.
     lost = [(int(s), float(seconds)) for s, seconds in TIME_LOST.findall(log)]
     assert [s for s, _ in lost] == [1, 2] and all(0 < seconds < 120 for _, seconds in lost), (lost, context)
