@@ -11,6 +11,36 @@ from pmlm_testing import SHARED_DATA, run_module
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+LONGEST_FILES = [
+    "test_distributed.py", "test_finetune_s2s.py", "test_slurm.py", "test_relayout.py", "test_clean_exit.py",
+    "test_slurm_multinode.py", "test_files.py", "test_pretrain.py", "test_gpu_check.py", "test_checkpoint_readers.py",
+    "test_glue_squad.py", "test_compile.py", "test_data_identity.py", "test_convert_checkpoint.py",
+]
+"""The test files that take longest, longest first (paths under tests/; the sums of a whole-suite
+`--durations` run, docs/benchmarks.md). `make test` (pytest-xdist, --dist loadfile: a file's tests
+stay on one worker) starts them first, so that the run ends on short files instead of one long file
+running alone on one worker while the other has finished. Only the order changes; every file not
+named keeps its place after them. Refresh it when a file's time changes much."""
+
+
+def pytest_configure(config):
+    """xdist queues the files of --dist loadfile by their test count (--loadscope-reorder, its
+    default), which puts the few-but-long SLURM files last; keep the collection order instead."""
+    if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files of LONGEST_FILES first (in that order), each file's tests in their own order."""
+    rank = {name: position for position, name in enumerate(LONGEST_FILES)}
+    tests = Path(__file__).parent
+
+    def position(item) -> int:
+        name = item.path.relative_to(tests).as_posix() if item.path.is_relative_to(tests) else None
+        return rank.get(name, len(LONGEST_FILES))
+
+    items.sort(key=position)
+
 
 @pytest.fixture(scope="session")
 def shared_data() -> Path:

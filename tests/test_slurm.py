@@ -22,7 +22,14 @@ from slurm_cluster import SlurmCluster, SlurmUnavailable
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "slurm" / "pretrain_base.sh"
 GLOBAL_BATCH = 16
-TRAIN_ITERS = 80
+TRAIN_ITERS = 40  # 3 interruptions of >= 3 iterations each, and a loss that falls by far more than 1.0
+HANG_TIMEOUT_SECONDS = 45
+"""The in-job restart test's hang timeout: above the longest quiet start-up phase of a step (the imports,
+~15 s at load 7 on 2 cores) so that a slow start is not taken for a hang, and no longer than that."""
+CRASH_TRAIN_ITERS = 24
+"""The in-job restart job's length: its third step is killed at iteration >= 11 (3 steps of >= 3
+iterations each after the first checkpoint), with room left so that it cannot finish first; the
+requeued start trains the rest."""
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SLURM tests need Linux")
 
@@ -379,11 +386,11 @@ def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_a
     failures in a row, then stops with the error."""
     save_dir = tmp_path / "crash-checkpoints"
     env = cluster.env(PRESET="tiny", DEVICE="cpu", GPUS_PER_NODE="2", MICRO_BATCH="4",
-                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS="40", LOG_INTERVAL="1", SAVE_INTERVAL="2",
+                      GLOBAL_BATCH=str(GLOBAL_BATCH), TRAIN_ITERS=str(CRASH_TRAIN_ITERS), LOG_INTERVAL="1", SAVE_INTERVAL="2",
                       EVAL_ITERS="0", DATA_PATH=str(prepared[0]), SAVE_DIR=str(save_dir),
                       TB_DIR=str(tmp_path / "tensorboard"), PYTHON=sys.executable,
                       EXTRA_ARGS="--lr 2e-3 --lr-warmup-iters 2", OMP_NUM_THREADS="1",
-                      IN_JOB_RESTARTS="2", HANG_TIMEOUT_SECONDS="60", POLL_SECONDS="1")
+                      IN_JOB_RESTARTS="2", HANG_TIMEOUT_SECONDS=str(HANG_TIMEOUT_SECONDS), POLL_SECONDS="1")
     log_path = tmp_path / "crash.out"
     job = cluster.sbatch(["--nodes=1", "--gres=none", f"--output={log_path}", str(SCRIPT)], env=env, cwd=REPO)
     seen = _wait_for_step_iteration(cluster, job, log_path, 0, at_least=5, timeout=240)
@@ -414,11 +421,13 @@ def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_a
     assert "in-job restart 1 of 2 after a crash after progress" in first and "requeueing" not in first, context
     # Step 1: the hang, named rank by rank with its phase, ended with SIGKILL.
     second = steps[1]
-    assert "hang: no rank progressed for the timeout (HANG_TIMEOUT_SECONDS=60); stalled:" in second, context
+    assert f"hang: no rank progressed for the timeout (HANG_TIMEOUT_SECONDS={HANG_TIMEOUT_SECONDS}); stalled:" in second, \
+        context
     named = re.findall(r"  rank (\d) \(host \S+, pid \d+\) stalled in phase '([^']+)' for (\d+) s", second)
     assert sorted(rank for rank, _, _ in named) == ["0", "1"], context
     # Where each stopped: in a training step or a checkpoint save (SAVE_INTERVAL=2), for the timeout.
-    assert all(re.fullmatch(r"step \d+|saving iter_\d+.*", phase) and int(age) >= 60 for _, phase, age in named), \
+    assert all(re.fullmatch(r"step \d+|saving iter_\d+.*", phase) and int(age) >= HANG_TIMEOUT_SECONDS
+               for _, phase, age in named), \
         context
     assert re.search(rf"sending SIGKILL to step {job}\.1\n", second), context
     assert "in-job restart 2 of 2 after a crash after progress" in second and "a hang" in second, context
@@ -430,7 +439,8 @@ def test_pretrain_job_restarts_in_place_after_a_crash_and_a_hang_then_requeues_a
         crashed_at = int(re.search(r"checkpoint at iteration (\d+), \d+ at the start\)", before)[1])
         assert crashed_at >= 4 and f"resumed from {save_dir}/iter_{crashed_at:07d}: iteration {crashed_at}" in after, context
         assert [i for i, _, _ in _iterations(after)][:1] == [crashed_at + 1], context
-    assert [i for i, _, _ in _iterations(steps[-1])][-1] == 40 and "training complete" in steps[-1], context
+    assert [i for i, _, _ in _iterations(steps[-1])][-1] == CRASH_TRAIN_ITERS and "training complete" in steps[-1], \
+        context
     # The time lost (failure -> first iteration of the next step) is printed for both in-job restarts.
     lost = [(int(s), float(seconds)) for s, seconds in TIME_LOST.findall(log)]
     assert [s for s, _ in lost] == [1, 2] and all(0 < seconds < 120 for _, seconds in lost), (lost, context)
