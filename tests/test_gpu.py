@@ -1,5 +1,6 @@
 """What only a CUDA device can check (marker `gpu`; elsewhere every test here is skipped with the
-reason "needs a CUDA device"). `make gpu-check` runs them, then tools/bench_train.py.
+reason "needs a CUDA device"). `make gpu-check` runs them after its most important benchmarks
+(tools/gpu_check.py, "Order").
 
 - fp16 training steps with DeepSpeed's dynamic loss scaling, overflowing steps skipped; bf16 steps;
 - a one-GPU NCCL process group under torchrun with DeepSpeed ZeRO-2;
