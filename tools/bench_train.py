@@ -238,8 +238,8 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
     step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
     # Kernels first: after HostSyncCounter (it patches torch.Tensor methods) the compiled regions run
     # eagerly in this process (torch 2.13, CPU), so it and the other dispatch modes come last.
-    kernels = count_kernels(step, compiled=compiled)
-    sources = kernel_sources(step)
+    sources = kernel_sources(step)  # one profiled step; a compiled step's kernel count is their sum
+    kernels = sum(sources.values()) if compiled else count_kernels(step, compiled=False)
     with HostSyncCounter() as syncs:
         step()
     bias = bias_bytes_per_step(model, batch.to(device), autocast_dtype)

@@ -435,7 +435,15 @@ def main(argv: list[str] | None = None) -> int:
             return float("inf")
         return args.budget_seconds - REPORT_SECONDS - (time.time() - started)
 
+    def step_name(step: dict) -> str:
+        return "gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
+
+    def budget_spent(name: str) -> None:
+        report["not_run"].append(name)
+        report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+
     steps: list[dict] = []
+    stopped_by = None
     previous_handlers = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
         if not args.skip_bench:
@@ -448,20 +456,18 @@ def main(argv: list[str] | None = None) -> int:
             steps.append({"kind": "tests", "priority": TESTS_PRIORITY})
         steps.sort(key=lambda step: step["priority"])
         for step in steps:
-            name = "gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
-            left = seconds_left()
+            name, left = step_name(step), seconds_left()
             if left < (MIN_TESTS_SECONDS if step["kind"] == "tests" else MIN_STEP_SECONDS):
-                report["not_run"].append(name)
-                report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                budget_spent(name)
                 print(f"gpu-check: {name} not run: {left:.0f} s of the budget left", flush=True)
                 continue
             if step["kind"] == "tests":
                 print("gpu-check: pytest -m gpu tests/test_gpu.py ...", flush=True)
-                report["tests"] = run_tests(output_dir, timeout=min(600, left))
-                if report["tests"]["returncode"] == 124 and left < 600:
+                timeout = min(600, left)
+                report["tests"] = run_tests(output_dir, timeout)
+                if report["tests"]["returncode"] == 124 and timeout == left:
                     report["tests"]["budget_stopped"] = True
-                    report["not_run"].append("gpu tests (stopped when the budget ran out)")
-                    report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                    budget_spent(f"{name} (stopped when the budget ran out)")
                 print(f"gpu-check: tests {'passed' if report['tests']['passed'] else 'FAILED'}: "
                       f"{report['tests']['summary']}", flush=True)
             else:
@@ -470,8 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not row["ok"] and row["error"].startswith("exit code 124") and timeout == left:
                     row["error"] = f"stopped when the budget ran out ({left:.0f} s left when it started)"
                     row["budget_stopped"] = True
-                    report["not_run"].append(f"{name} (stopped when the budget ran out)")
-                    report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
+                    budget_spent(f"{name} (stopped when the budget ran out)")
                 report["bench"].append(row)
                 figures = row.get("figures", {})
                 print(f"gpu-check: {row['name']}: " + (
@@ -483,13 +488,13 @@ def main(argv: list[str] | None = None) -> int:
                     report["notes"].append(f"{row['name']}: pretrain's step skipped: {real['skipped']}")
             write_report(output_dir, report, started)
     except Stopped as stopped:
-        report["notes"].append(f"stopped by {stopped} after {time.time() - started:.0f} s")
+        stopped_by = str(stopped)
+        report["notes"].append(f"stopped by {stopped_by} after {time.time() - started:.0f} s")
         done = {row["name"] for row in report["bench"]} | ({"gpu tests"} if report["tests"] else set())
-        report["not_run"] += [name for name in ("gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
-                                                for step in steps) if name not in done
-                              and name not in report["not_run"]]
-        report["not_run_reason"] = report["not_run_reason"] or f"stopped by {stopped}"
-        print(f"gpu-check: stopped by {stopped}", file=sys.stderr, flush=True)
+        report["not_run"] += [name for name in map(step_name, steps)
+                              if name not in done and name not in report["not_run"]]
+        report["not_run_reason"] = report["not_run_reason"] or f"stopped by {stopped_by}"
+        print(f"gpu-check: stopped by {stopped_by}", file=sys.stderr, flush=True)
     finally:
         for signum, handler in previous_handlers.items():
             signal.signal(signum, handler)
@@ -500,9 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         write_archive(output_dir, Path(args.archive))
         print(f"gpu-check: results packed into {args.archive}")
     print(f"gpu-check: results in {json_path} and {md_path} ({report['seconds']:.0f} s)")
-    stopped = any(note.startswith("stopped by ") for note in report["notes"])
     tests = report["tests"]
-    failed = stopped or (tests is not None and not tests["passed"] and not tests.get("budget_stopped")) or any(
+    failed = stopped_by is not None or (tests is not None and not tests["passed"] and not tests.get("budget_stopped")) or any(
         not r["ok"] and not r.get("budget_stopped") for r in report["bench"])
     return 1 if failed else 0
 

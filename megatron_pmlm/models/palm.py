@@ -494,11 +494,11 @@ def predicted_ids(mixture: CopyMixture, context_ids: torch.Tensor, layers: Paral
     flat = [field.reshape(rows, 1, *field.shape[2:]) for field in
             (mixture.vocab_logits, mixture.copy_attention, mixture.log_gate, mixture.log_gate_complement)]
     predicted = torch.empty(rows, dtype=torch.long, device=context_ids.device)
-    for start in range(0, rows, chunk_rows):  # each chunk: positions as a batch of one-step sequences
-        end = min(rows, start + chunk_rows)
-        sequence = torch.arange(start, end, device=context_ids.device) // steps
-        chunk = CopyMixture(*(field[start:end] for field in flat))
-        predicted[start:end] = layers.predicted_ids(final_distribution(chunk, context_ids[sequence], layers))[:, 0]
+    positions = torch.arange(rows, device=context_ids.device)
+    for part in parallel_layers.row_chunks(rows, chunk_rows):  # positions as a batch of one-step sequences
+        chunk = CopyMixture(*(field[part] for field in flat))
+        predicted[part] = layers.predicted_ids(final_distribution(chunk, context_ids[positions[part] // steps],
+                                                                  layers))[:, 0]
     return predicted.view(batch, steps)
 
 

@@ -123,7 +123,7 @@ class _ChunkedBiasedCrossEntropy(torch.autograd.Function):
         return grad_logits, None, grad_bias, None, None
 
 
-def _row_chunks(rows, chunk_rows: int) -> list[slice]:
+def row_chunks(rows, chunk_rows: int) -> list[slice]:
     """The row slices of the chunks: one slice of every row when they fit in one chunk, so that a
     compiled region (--compile) keeps the number of rows symbolic (a loop over it would make each
     count a compilation of its own)."""
@@ -142,7 +142,7 @@ def _biased_chunk(logits: torch.Tensor, bias: torch.Tensor | None, rows: slice,
 
 def _chunked_forward(logits, labels, bias, chunk_rows, smoothing, losses, log_partition, predicted) -> None:
     entropy = None if smoothing is None else smoothing.entropy()
-    for rows in _row_chunks(logits.shape[0], chunk_rows):
+    for rows in row_chunks(logits.shape[0], chunk_rows):
         chunk = _biased_chunk(logits, bias, rows)
         predicted[rows] = chunk.argmax(dim=-1)
         if smoothing is None:
@@ -171,7 +171,7 @@ def _chunked_backward(logits, labels, bias, log_partition, grad_losses, chunk_ro
     in_place = grad_logits.dtype == promoted == torch.float32
     grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     label_weight = -1.0 if smoothing is None else smoothing.spread - (1.0 - smoothing.epsilon)
-    for rows in _row_chunks(logits.shape[0], chunk_rows):
+    for rows in row_chunks(logits.shape[0], chunk_rows):
         grad = _biased_chunk(logits, bias, rows, out=grad_logits[rows] if in_place else None)
         grad.sub_(log_partition[rows, None]).exp_()
         if smoothing is not None:  # q = spread below vocab_size, 0 at pad, 1 - eps at the label

@@ -80,13 +80,7 @@ def count_kernels(step_fn: Callable[[], object], compiled: bool) -> int:
         with _KernelCounter() as counter:
             step_fn()
         return counter.kernels
-    from torch.profiler import profile
-
-    with profile() as trace:
-        step_fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    return count_profiled_kernels(trace.events())
+    return sum(kernel_sources(step_fn).values())
 
 
 def kernel_sources(step_fn: Callable[[], object]) -> Counter:
@@ -111,14 +105,9 @@ def _aten_launches_kernel(name: str) -> bool:
     return not overloads or all(launches_kernel(op) for op in overloads)
 
 
-def count_profiled_kernels(events: Sequence) -> int:
-    """Generated kernels + extern calls of compiled graphs + outermost kernel-launching ATen ops
-    outside them, from `torch.profiler`'s CPU events of one step."""
-    return sum(1 for _ in _profiled_kernels(events))
-
-
 def profiled_kernel_sources(events: Sequence) -> Counter:
-    """`count_profiled_kernels`'s kernels by where they come from, "<phase>: <what>": the phase is
+    """The kernels of one profiled step (generated kernels + extern calls of compiled graphs +
+    outermost kernel-launching ATen ops outside them) by where they come from, "<phase>: <what>": the phase is
     optimizer (inside `Optimizer.step`/`zero_grad`), backward (inside an autograd node, named after
     it: which forward op's backward it is) or forward; what is the ATen op, or "generated" / "extern
     <op>" for a compiled graph's own kernels. Works for eager steps too (their outermost ATen ops)."""
@@ -139,7 +128,7 @@ def profiled_kernel_sources(events: Sequence) -> Counter:
 
 
 def _profiled_kernels(events: Sequence):
-    """(event, inside a compiled graph) for every event `count_profiled_kernels` counts."""
+    """(event, inside a compiled graph) for every kernel of `torch.profiler`'s CPU events of one step."""
     for event in events:
         if getattr(event, "device_type", torch.autograd.DeviceType.CPU) != torch.autograd.DeviceType.CPU:
             continue  # a CUDA kernel's own device event: its launch is counted on the host side
