@@ -128,6 +128,24 @@ def test_compiled_step_equals_eager_in_losses_and_every_gradient(compiled_step):
             assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled anew
 
 
+def test_compiled_regions_stay_compiled_after_the_host_sync_counter(compiled_step):
+    """HostSyncCounter patches Tensor methods; without its "force_eager" stance dynamo gave up on the
+    compiled regions for the rest of the process (a `--profile-trace` after bench_train's proxies
+    then traced the eager model). Under it the step runs eagerly; after it the same graphs run."""
+    from megatron_pmlm.training.host_syncs import HostSyncCounter
+    from megatron_pmlm.training.kernel_count import kernel_sources
+
+    _, model, loss = compiled_step
+    step = lambda: loss(model).backward()  # noqa: E731
+    step()
+    before = kernel_sources(step)
+    assert any(": extern " in source for source in before)  # the compiled graphs' GEMMs
+    with HostSyncCounter() as syncs:
+        step()
+    assert syncs.count("ours") == 0
+    assert kernel_sources(step) == before
+
+
 def test_count_kernels_counts_the_ops_that_compute():
     from megatron_pmlm.training.kernel_count import count_kernels
 

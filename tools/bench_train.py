@@ -236,8 +236,8 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
     from megatron_pmlm.training.kernel_count import count_kernels, kernel_sources
 
     step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
-    # Kernels first: after HostSyncCounter (it patches torch.Tensor methods) the compiled regions run
-    # eagerly in this process (torch 2.13, CPU), so it and the other dispatch modes come last.
+    # Kernels first, from the compiled step; the counters below run it eagerly (dispatch modes, and
+    # HostSyncCounter's "force_eager" stance), after which the compiled regions run compiled again.
     sources = kernel_sources(step)  # one profiled step; a compiled step's kernel count is their sum
     kernels = sum(sources.values()) if compiled else count_kernels(step, compiled=False)
     with HostSyncCounter() as syncs:

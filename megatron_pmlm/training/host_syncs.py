@@ -16,6 +16,7 @@ patched methods follow suit): a loader thread reading its own CPU batch stalls n
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import threading
 import traceback
@@ -77,6 +78,10 @@ class HostSyncCounter(TorchDispatchMode):
 
     Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, and calls of the Tensor
     methods `PATCHED_METHODS`. A method call that dispatches a counted op (`.item()`) counts once.
+
+    Compiled code (`--compile`) runs eagerly while the counter is active (the stance "force_eager"):
+    the counter sees the eager step's ops. Left to itself, dynamo would meet the patched methods,
+    give up on the compiled regions and run them eagerly for the rest of the process.
     """
 
     def __init__(self) -> None:
@@ -85,6 +90,7 @@ class HostSyncCounter(TorchDispatchMode):
         self._in_method = 0
         self._originals: dict[str, object] = {}
         self._thread = threading.get_ident()
+        self._eager: contextlib.AbstractContextManager | None = None
 
     supports_higher_order_operators = True
     """Higher-order operators (flex_attention) pass through and run unobserved inside: none syncs."""
@@ -102,6 +108,8 @@ class HostSyncCounter(TorchDispatchMode):
     # ---------------------------------------------------------------- methods
     def __enter__(self):
         self._thread = threading.get_ident()
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         for name in PATCHED_METHODS:
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
@@ -115,6 +123,9 @@ class HostSyncCounter(TorchDispatchMode):
             for name, original in self._originals.items():
                 setattr(torch.Tensor, name, original)
             self._originals.clear()
+            if self._eager is not None:
+                self._eager.__exit__(None, None, None)
+                self._eager = None
 
     def _counting(self, name: str, original):
         counter = self
