@@ -27,11 +27,13 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     eager = [spec for spec in plan if spec["kind"] == "eager"]
     assert len(eager) == 8 and len(plan) == 10  # 2 shapes x 2 precisions x 2 backends, + 2 compile rows
     real = [(s["seq_length"], s["precision"], s["backend"], s["flags"]) for s in plan if s["real"]]
+    # pretrain's own step, eager (with Hugging Face beside it) and compiled, at each shape.
     assert real == [(128, "bf16", "sdpa", ["--deepspeed", "--huggingface"]),
-                    (512, "bf16", "sdpa", ["--deepspeed", "--huggingface"])]
+                    (512, "bf16", "sdpa", ["--deepspeed", "--huggingface"]),
+                    (128, "bf16", "sdpa", ["--compile", "--deepspeed"]),
+                    (512, "bf16", "sdpa", ["--compile", "--deepspeed"])]
     assert [s["seq_length"] for s in plan if s["traced"]] == [128]
-    assert [(s["seq_length"], s["precision"], s["flags"]) for s in plan if s["kind"] == "compile"] == \
-        [(128, "bf16", ["--compile"]), (512, "bf16", ["--compile"])]
+    assert [(s["seq_length"], s["precision"]) for s in plan if s["kind"] == "compile"] == [(128, "bf16"), (512, "bf16")]
     # Most important first, so that a short lease measures what the goals are judged on: the real
     # path, the compiled rows, the other backend at the preferred precision, the other precision.
     assert [gpu_check.bench_name(spec, "base") for spec in plan] == [
@@ -96,6 +98,12 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     has_compile = gpu_check.bench_has_compile()
     assert ("tiny-seq64-fp32-sdpa-compile" in rows) == has_compile
     assert ("--compile rows not run" in markdown) != has_compile
+    if has_compile:  # pretrain --compile timed too, compiled (after the proxies' eager counters ran)
+        compiled = rows["tiny-seq64-fp32-sdpa-compile"]["figures"]["deepspeed"]
+        assert compiled["compile"] and not real["compile"]
+        assert compiled["compilations"] >= 1  # its own graphs (dropout 0.1: the bare model's do not serve)
+        assert compiled["host_syncs_per_step"] == 0 and compiled["kernels_per_step"] > 100
+        assert "| 64 | 4 | fp32 | compile | 30,592 |" in markdown and "| 64 | 4 | fp32 | eager | 30,592 |" in markdown
 
     # The report of a run whose pretrain step was skipped and whose other row failed.
     changed = copy.deepcopy(report)

@@ -352,7 +352,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
     from megatron_pmlm.parallel.distributed import end_distributed
     from megatron_pmlm.pretrain import build_parser as pretrain_parser
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import count_kernels
+    from megatron_pmlm.training.kernel_count import count_kernels, kernel_sources
     from megatron_pmlm.training.pmlm_recipe import pmlm_pretraining_run
     from megatron_pmlm.training.preflight import check_sizes
     from megatron_pmlm.training.recipe import start_pretraining
@@ -367,7 +367,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             ["--data-path", str(samples), "--preset", args.preset, "--seq-length", str(args.seq_length),
              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
              "--zero-stage", "1", "--attention-backend", args.attention_backend, "--train-iters", str(steps),
-             "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else []))
+             "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else [])
+            + (["--compile"] if args.compile else []))
         check_sizes(pretrain_args)
         plan = pmlm_pretraining_run(pretrain_args, UniLMMaskingConfig())
         held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # the bare model's
@@ -378,9 +379,14 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                 torch.cuda.reset_peak_memory_stats(device)
             # As Trainer.train feeds it: the next batch built and copied by a background thread.
             with DevicePrefetcher(loaders.train, trainer.device) as train_batches:
-                for _ in range(args.warmup):
+                graphs_before, first_step_seconds = compiled_graphs(), time.perf_counter()
+                for index in range(args.warmup):
                     trainer.train_step(train_batches)
+                    if index == 0:  # compilation included under --compile
+                        _synchronize(device)
+                        first_step_seconds = time.perf_counter() - first_step_seconds
                 _synchronize(device)
+                compilations = compiled_graphs() - graphs_before
                 start, tokens = time.perf_counter(), 0
                 for _ in range(args.iterations):
                     tokens += trainer.train_step(train_batches)[1]
@@ -395,13 +401,16 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                           "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
                 with HostSyncCounter() as syncs:  # this thread's: the step's, not the loader thread's
                     trainer.train_step(train_batches)
-                kernels = count_kernels(lambda: trainer.train_step(train_batches), compiled=False)
+                # A compiled step's kernels from the profiler, an eager one's by dispatch (as step_proxies).
+                kernels = (sum(kernel_sources(lambda: trainer.train_step(train_batches)).values()) if args.compile
+                           else count_kernels(lambda: trainer.train_step(train_batches), compiled=False))
         finally:
             end_distributed()
     tokens_per_step = tokens / args.iterations
     tflops = plan.flops_per_token * tokens_per_step / seconds / 1e12
     return {**engine, "data_path": str(args.data_path or f"built from {SHARED_DATA}"),
-            "hidden_dropout": plan.model_config.hidden_dropout,
+            "hidden_dropout": plan.model_config.hidden_dropout, "compile": bool(args.compile),
+            "first_step_seconds": first_step_seconds if args.warmup else None, "compilations": compilations,
             "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
             "tokens_per_step": tokens_per_step, "tokens_per_sec": tokens_per_step / seconds, "model_tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
@@ -516,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--deepspeed", action="store_true",
                         help="also time pretrain's own step (Trainer.train_step: DeepSpeed ZeRO-1, bf16 on a GPU with "
                              "bf16, else fp16; fp32 on a CPU; the real loader, the padded vocabulary, pretrain's "
-                             "dropout) on one process")
+                             "dropout) on one process; with --compile, pretrain's --compile")
     parser.add_argument("--data-path", help="with --deepspeed: a data_prep.build_samples folder at --seq-length "
                                             "(default: built in a temporary folder from ../shared/data)")
     parser.add_argument("--huggingface", action="store_true",
@@ -676,7 +685,9 @@ def benchmark(args: argparse.Namespace) -> int:
                   f"{real['model_tflops']:.3f} model TFLOP/s | "
                   + (f"MFU {real['mfu']:.1%}" if real["mfu"] is not None else "MFU ?")
                   + f" | host syncs/step {real['host_syncs_per_step']} ours ({real['host_syncs_all_owners']} all) | "
-                  f"kernels/step {real['kernels_per_step']}")
+                  f"kernels/step {real['kernels_per_step']}"
+                  + (f" | compiled: {real['compilations']} graphs, first step {real['first_step_seconds']:.1f} s"
+                     if real["compile"] else ""))
     if args.naive_cloze:
         naive = naive_cloze_batches(examples)
         naive_seconds = timed_steps(model, optimizer, naive, device, autocast_dtype, scaler, args.iterations,

@@ -10,8 +10,8 @@ for each shape: pretrain's own step (`bench_train.py --deepspeed`: DeepSpeed ZeR
 loader over samples built from ../shared/data, the padded vocabulary), Hugging Face
 BertForMaskedLM (sdpa) at the sequence length, at our layout width and with its head on the masked
 positions only (`--huggingface`), our step's ratio to each, the CPU proxies of every row (host
-syncs, kernels, attention-bias bytes per step), a `--compile` row where bench_train has that flag,
-and one step of seq 128 traced by torch.profiler (a Chrome trace file; its top-20 kernels in
+syncs, kernels, attention-bias bytes per step), a `--compile` row where bench_train has that flag
+(the bare model and pretrain's own step, both compiled), and one step of seq 128 traced by torch.profiler (a Chrome trace file; its top-20 kernels in
 gpu-check.md). The MFU peak comes from the exact device name (bench_train.PEAK_TFLOPS), its source
 printed.
 
@@ -164,7 +164,7 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     """Every bench_train process of a check, most important first (the module docstring's order):
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
     Face; the trace at seq 128, or at the first shape without one) per shape; then the --compile
-    row per shape where bench_train has the flag; then the other backends at the preferred
+    row per shape where bench_train has the flag (pretrain's step compiled too); then the other backends at the preferred
     precision; then the other precisions. `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
@@ -177,9 +177,10 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                              "flags": ["--deepspeed", "--huggingface"] if real else [],
                              "traced": real and seq_length == traced_length,
                              "priority": 0 if real else 2 if precision == preferred else 3})
-        if compile_rows:
+        if compile_rows:  # pretrain --compile too: where the goals are judged
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
-                         "kind": "compile", "real": False, "flags": ["--compile"], "traced": False, "priority": 1})
+                         "kind": "compile", "real": True, "flags": ["--compile", "--deepspeed"], "traced": False,
+                         "priority": 1})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
 
@@ -273,21 +274,26 @@ def markdown(report: dict) -> str:
                   "`Trainer.train_step` of a one-process `megatron_pmlm.pretrain` run: DeepSpeed ZeRO-1, the real "
                   "loader, the padded vocabulary, pretrain's dropout; the bare model (no DeepSpeed, no dropout, "
                   "random ids) beside it.", "",
-                  "| seq | micro batch | precision | vocabulary | tokens/s | samples/s | TFLOP/s | MFU | bare-model MFU "
-                  "| real / bare step time | host syncs | kernels | peak memory GB |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| seq | micro batch | precision | mode | vocabulary | tokens/s | samples/s | TFLOP/s | MFU "
+                  "| bare-model MFU | real / bare step time | host syncs | kernels | peak memory GB | first step s "
+                  "(compilations) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in real_rows:
             f, real = row["figures"], row["figures"].get("deepspeed", {})
             head = f"| {row['seq_length']} | {row['micro_batch_size']} |"
             if "seconds_per_step" not in real:
-                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} |||||||||||")
+                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} |||||||||||||")
                 continue
-            lines.append(f"{head} {real['precision']} | {real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
+            first = (f"{real['first_step_seconds']:.1f} ({real['compilations']})"
+                     if real.get("first_step_seconds") is not None else "?")
+            lines.append(f"{head} {real['precision']} | {'compile' if real.get('compile') else 'eager'} | "
+                         f"{real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
                          f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / f['seconds_per_step']:.2f} | "
                          f"{real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | "
                          f"{real['kernels_per_step']:,} | "
-                         + (f"{real['peak_memory_gb']:.1f} |" if real.get("peak_memory_gb") is not None else "? |"))
+                         + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
+                         + f" | {first} |")
         lines += ["", "## Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch)", "",
                   "Forward + backward + AdamW per step; ours = the bare-model step above; ratio = ours / theirs "
                   "(below 1: ours is faster).", "",
@@ -295,6 +301,8 @@ def markdown(report: dict) -> str:
                   "| HF, head on masked positions only, ms (ratio) |", "|---|---|---|---|---|---|---|"]
         for row in real_rows:
             f = row["figures"]
+            if not f.get("huggingface"):
+                continue  # the --compile row: Hugging Face is timed beside the eager one
             cells = {hf["name"]: f"{hf['seconds_per_step'] * 1e3:.1f} ({hf['ours_over_theirs']:.2f})"
                      + (f", T = {hf['length']}" if hf["name"] == "hf-width" else "")
                      for hf in f.get("huggingface", [])}

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..models.compiled import compiled_regions_run_eagerly
+
 aten = torch.ops.aten
 
 SYNCING_OPS = {
@@ -79,9 +81,8 @@ class HostSyncCounter(TorchDispatchMode):
     Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, and calls of the Tensor
     methods `PATCHED_METHODS`. A method call that dispatches a counted op (`.item()`) counts once.
 
-    Compiled code (`--compile`) runs eagerly while the counter is active (the stance "force_eager"):
-    the counter sees the eager step's ops. Left to itself, dynamo would meet the patched methods,
-    give up on the compiled regions and run them eagerly for the rest of the process.
+    Compiled code (`--compile`) runs eagerly while the counter is active, and compiled again after
+    (`models.compiled.compiled_regions_run_eagerly`): the counter sees the eager step's ops.
     """
 
     def __init__(self) -> None:
@@ -108,7 +109,7 @@ class HostSyncCounter(TorchDispatchMode):
     # ---------------------------------------------------------------- methods
     def __enter__(self):
         self._thread = threading.get_ident()
-        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager = compiled_regions_run_eagerly()
         self._eager.__enter__()
         for name in PATCHED_METHODS:
             original = getattr(torch.Tensor, name)

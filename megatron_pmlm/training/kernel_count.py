@@ -22,6 +22,8 @@ from typing import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..models.compiled import compiled_regions_run_eagerly
+
 aten = torch.ops.aten
 
 ALLOCATION_ONLY_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
@@ -77,7 +79,7 @@ def prepare_compiled_counting() -> None:
 def count_kernels(step_fn: Callable[[], object], compiled: bool) -> int:
     """Kernels one call of `step_fn` launches (see the module docstring for what counts)."""
     if not compiled:
-        with _KernelCounter() as counter:
+        with compiled_regions_run_eagerly(), _KernelCounter() as counter:
             step_fn()
         return counter.kernels
     return sum(kernel_sources(step_fn).values())
