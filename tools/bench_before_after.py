@@ -12,7 +12,8 @@ the end). Each tree runs in its own process, importing its own `megatron_pmlm` a
 the counters (`training/host_syncs.py`, `training/kernel_count.py`, `models/relative_bias.py`'s
 `bias_bytes_per_step`) are loaded from this checkout by file path, so both trees are counted the
 same way. A step: forward + backward + AdamW over one micro batch, fp32, dropout 0, eager (this
-checkout also with `--compile` where it has it). Times are the median of --iterations after
+checkout also with `--compile` where it has it: every region of the step compiled), torch's fused AdamW
+(one kernel, as on CUDA; before 2026-11-26 the default per-parameter one). Times are the median of --iterations after
 --warmup, the trees' steps interleaved round by round, one process running at a time, so a busy
 machine slows them alike.
 """
@@ -57,11 +58,12 @@ def measure_tree(root: str, preset: str, seq_length: int, micro_batch: int, seed
     torch.manual_seed(seed)
     config = model_config_from_preset(preset, hidden_dropout=0.0, attention_dropout=0.0)
     model = PMLMForPreTraining(config, "ae+par", init_seed=seed).train()
-    if compile_layers:
-        from megatron_pmlm.models.compiled import compile_transformer_layers
+    if compile_layers:  # as --compile does: every region of the step
+        from megatron_pmlm.models.compiled import compile_step_regions
 
-        compile_transformer_layers(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        _load_counter("kernel_count").prepare_compiled_counting()  # before compiling: kernels seen by the profiler
+        compile_step_regions(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # as bench_train: the step a GPU runs
     batch = bench_train.pmlm_batch(bench_train.make_examples(micro_batch, seq_length, config.vocab_size, seed))
 
     def step():
@@ -85,8 +87,6 @@ def measure_tree(root: str, preset: str, seq_length: int, micro_batch: int, seed
         step()
     figures = {"root": root, "layout_width": int(batch.input_ids.shape[1]), "seconds_per_step": statistics.median(times),
                "times": times, "host_syncs_per_step": syncs.count("ours"), "host_syncs": syncs.report("ours")}
-    if compile_layers:
-        kernel_count.prepare_compiled_counting()
     figures["kernels_per_step"] = kernel_count.count_kernels(step, compiled=compile_layers)
     from megatron_pmlm.models.flex_attention import default_layout_quantum  # the tree's own
     from megatron_pmlm.models.layout import padded_width

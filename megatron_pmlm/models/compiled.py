@@ -37,7 +37,6 @@ dropout the random streams differ from eager's (inductor draws its own), as on a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
@@ -168,17 +167,6 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
         model.losses = CompiledRegion("losses", model.losses, dynamic=True, on_new_shape=on_new_shape)
         counts["losses"] += 1
     return counts
-
-
-@contextlib.contextmanager
-def compiled_regions_run_eagerly():
-    """Compiled regions run their eager code inside (torch.compiler's "force_eager" stance) and
-    compiled again after. For the counters that watch a step op by op (host syncs, eager kernels,
-    attention-bias bytes): their dispatch modes and patched Tensor methods would otherwise make
-    dynamo give up on the regions' code and run it eagerly for the rest of the process (torch 2.13),
-    so that a compiled step timed or profiled after them was an eager one."""
-    with torch.compiler.set_stance("force_eager"):
-        yield
 
 
 class CompiledRegion:

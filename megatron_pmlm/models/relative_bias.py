@@ -279,12 +279,11 @@ def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dty
         quantum = model.bert.layout_quantum or default_layout_quantum(model.config.attention_backend,
                                                                       batch.input_ids.device)
         width = padded_width(batch.input_ids.shape[1], quantum)
-    from .compiled import compiled_regions_run_eagerly
-
     graphs = _SdpaGraphs()
     writes = _BiasShapedWrites(graphs, batch_size, heads, width)
     model.zero_grad(set_to_none=True)
-    with compiled_regions_run_eagerly():  # the modes see eager ops; compiled code stays compiled after
+    # Compiled regions run eagerly inside and compiled after (see host_syncs.HostSyncCounter).
+    with torch.compiler.set_stance("force_eager"):
         with torch.autocast(batch.input_ids.device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             with graphs, writes:
                 loss = model.forward_batch(batch).loss

@@ -26,8 +26,6 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..models.compiled import compiled_regions_run_eagerly
-
 aten = torch.ops.aten
 
 SYNCING_OPS = {
@@ -81,8 +79,12 @@ class HostSyncCounter(TorchDispatchMode):
     Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, and calls of the Tensor
     methods `PATCHED_METHODS`. A method call that dispatches a counted op (`.item()`) counts once.
 
-    Compiled code (`--compile`) runs eagerly while the counter is active, and compiled again after
-    (`models.compiled.compiled_regions_run_eagerly`): the counter sees the eager step's ops.
+    Compiled code (`--compile`) runs eagerly while the counter is active (torch.compiler's
+    "force_eager" stance) and compiled again after: the counter sees the eager step's ops. Without
+    the stance dynamo met the patched methods, gave up on the compiled regions' code and ran it
+    eagerly for the rest of the process (torch 2.13), so a step timed or profiled after was eager.
+    (Here and in the other counters, not imported from one place: tools/bench_before_after.py loads
+    each counter file on its own.)
     """
 
     def __init__(self) -> None:
@@ -91,7 +93,7 @@ class HostSyncCounter(TorchDispatchMode):
         self._in_method = 0
         self._originals: dict[str, object] = {}
         self._thread = threading.get_ident()
-        self._eager: contextlib.AbstractContextManager | None = None
+        self._eager = contextlib.ExitStack()
 
     supports_higher_order_operators = True
     """Higher-order operators (flex_attention) pass through and run unobserved inside: none syncs."""
@@ -109,8 +111,7 @@ class HostSyncCounter(TorchDispatchMode):
     # ---------------------------------------------------------------- methods
     def __enter__(self):
         self._thread = threading.get_ident()
-        self._eager = compiled_regions_run_eagerly()
-        self._eager.__enter__()
+        self._eager.enter_context(torch.compiler.set_stance("force_eager"))
         for name in PATCHED_METHODS:
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
@@ -124,9 +125,7 @@ class HostSyncCounter(TorchDispatchMode):
             for name, original in self._originals.items():
                 setattr(torch.Tensor, name, original)
             self._originals.clear()
-            if self._eager is not None:
-                self._eager.__exit__(None, None, None)
-                self._eager = None
+            self._eager.close()
 
     def _counting(self, name: str, original):
         counter = self

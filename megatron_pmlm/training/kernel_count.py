@@ -22,8 +22,6 @@ from typing import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..models.compiled import compiled_regions_run_eagerly
-
 aten = torch.ops.aten
 
 ALLOCATION_ONLY_OPS = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default})
@@ -79,7 +77,8 @@ def prepare_compiled_counting() -> None:
 def count_kernels(step_fn: Callable[[], object], compiled: bool) -> int:
     """Kernels one call of `step_fn` launches (see the module docstring for what counts)."""
     if not compiled:
-        with compiled_regions_run_eagerly(), _KernelCounter() as counter:
+        # Compiled regions run eagerly inside and compiled after (see host_syncs.HostSyncCounter).
+        with torch.compiler.set_stance("force_eager"), _KernelCounter() as counter:
             step_fn()
         return counter.kernels
     return sum(kernel_sources(step_fn).values())
