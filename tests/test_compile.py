@@ -155,13 +155,24 @@ def test_count_kernels_counts_the_ops_that_compute():
     assert count_kernels(lambda: (a @ b).t().unsqueeze(0).detach(), compiled=False) == 1  # views and aliases launch nothing
 
 
+TRACED_REGIONS = ("embed", "forward", "losses")
+"""The compiled regions' functions (BertModel.embed, BertLayer.forward, the model's losses) as
+dynamo's log names them when it has traced them (`TORCH_LOGS=dynamo`: "torchdynamo done tracing
+<name>"): the proof that a run compiled, which the regions' own announcements (made before dynamo
+runs) are not."""
+
+
+def traced_regions(log: str) -> set[str]:
+    return {name for name in TRACED_REGIONS if f"torchdynamo done tracing {name} " in log}
+
+
 def _pretrain(samples, tmp_path, name, *args, timeout=600):
     history = tmp_path / f"{name}.json"
     result = run_module(
         "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(samples), "--micro-batch-size", "8",
         "--global-batch-size", "16", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout,
-        env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM)})
+        env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM), "TORCH_LOGS": "dynamo"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [r for r in json.loads(history.read_text()) if "loss" in r], result
 
@@ -183,6 +194,7 @@ def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretrain
     records, result = _pretrain(pretraining_samples, tmp_path, "compiled", "--train-iters", "2", "--zero-stage",
                                 zero_stage, "--compile")
     assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)
+    assert traced_regions(result.stderr) == set(TRACED_REGIONS), result.stderr[-2000:]  # compiled, not eager
     announced = [line for line in result.stderr.splitlines() if line.startswith("compiled layers: compiling")]
     assert announced, result.stderr[-2000:]
     regions = [line for line in result.stderr.splitlines() if line.startswith("compiled regions: compiling")]

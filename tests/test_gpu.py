@@ -362,8 +362,11 @@ def test_pretrain_with_compiled_layers_trains_as_the_eager_model_does(gpu_corpus
     eager_dir.mkdir()
     compiled_dir.mkdir()
     _, eager = pretrain_on_one_gpu(samples, eager_dir, *common)
-    result, compiled = pretrain_on_one_gpu(samples, compiled_dir, *common, "--compile")
+    result, compiled = pretrain_on_one_gpu(samples, compiled_dir, *common, "--compile", env={"TORCH_LOGS": "dynamo"})
     assert "compiled layers: compiling" in result.stderr + result.stdout
+    from test_compile import TRACED_REGIONS, traced_regions
+
+    assert traced_regions(result.stderr) == set(TRACED_REGIONS), result.stderr[-2000:]  # dynamo traced every region
     assert [r["iteration"] for r in compiled] == [r["iteration"] for r in eager]
     for want, got in zip(eager, compiled):
         assert abs(got["loss"] - want["loss"]) <= 0.02 * abs(want["loss"]), (eager, compiled)
