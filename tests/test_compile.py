@@ -75,7 +75,7 @@ def compiled_step(request):
     eager, loss = STEP_CASES[request.param]()
     model, _ = STEP_CASES[request.param]()
     counts = compiled.compile_step_regions(model)
-    assert counts == {"layers": model.config.num_layers, "embed": 1, "losses": 1}
+    assert counts == {"layers": model.config.num_layers, "pad": 1, "embed": 1, "losses": 1}
     assert model.bert.layout_quantum == compiled.COMPILE_LAYOUT_QUANTUM
     eager.bert.layout_quantum = compiled.COMPILE_LAYOUT_QUANTUM  # the same padded width
     return eager, model, loss
@@ -84,7 +84,7 @@ def compiled_step(request):
 def test_every_compiled_region_is_one_graph_without_breaks(compiled_step):
     _, model, loss = compiled_step
     captured = {}
-    regions = {"embed": model.bert.embed, "losses": model.losses}
+    regions = {"pad": model.bert.pad_layout, "embed": model.bert.embed, "losses": model.losses}
     originals = {name: region.compiled for name, region in regions.items()}
 
     def capture(name):
@@ -103,7 +103,37 @@ def test_every_compiled_region_is_one_graph_without_breaks(compiled_step):
         explanation = torch._dynamo.explain(regions[name].eager)(*args, **kwargs)
         assert explanation.graph_break_count == 0, (name, explanation.break_reasons)
         assert explanation.graph_count == 1, name
-    assert sorted(captured) == ["embed", "losses"]
+    assert sorted(captured) == ["embed", "losses", "pad"]
+
+
+OUTSIDE_GRAPHS = {"forward: aten::ones_like", "backward CompiledFunctionBackward: aten::add_"}
+"""What a compiled step (forward + backward) may still run outside compiled graphs: the backward's
+seed (d loss / d loss = 1) and autograd's sums of a tensor's gradients from several graphs (the
+shared attention bias's over the layers, the tied word embedding's from the embeddings and the
+MLM head)."""
+
+
+def test_only_the_seed_and_autograd_sums_run_outside_the_compiled_graphs(compiled_step):
+    """No pad of the layout, no cut of the output nor its backward, no zero gradient of a logged loss."""
+    from megatron_pmlm.training.kernel_count import kernel_sources
+
+    _, model, loss = compiled_step
+    pad, widths = model.bert.pad_layout, []
+    compiled_pad = pad.compiled
+    pad.compiled = lambda *args: (widths.append(args[0].shape[1]), compiled_pad(*args))[1]
+
+    def step():
+        model.zero_grad(set_to_none=True)  # gradients assigned, not added to earlier ones
+        loss(model).backward()
+    try:
+        step()  # compiled (and warm) before profiling
+        sources = kernel_sources(step)
+    finally:
+        pad.compiled = compiled_pad
+    assert widths[-1] % compiled.COMPILE_LAYOUT_QUANTUM, widths  # the layout is padded
+    outside = {source for source in sources if not source.split(": ", 1)[1].startswith(("generated", "extern"))}
+    assert outside <= OUTSIDE_GRAPHS, sorted(sources.items())
+    assert any(": extern " in source for source in sources)  # the compiled graphs ran (their GEMMs)
 
 
 def test_compiled_step_equals_eager_in_losses_and_every_gradient(compiled_step):

@@ -4,13 +4,18 @@ fused ones while the model, its names, its checkpoints and its parallel layouts 
 The regions (docs/benchmarks.md, "Compiled step", has the kernel counts behind the choice):
 
 - the transformer layers (`compile_transformer_layers`, below);
+- `BertModel.pad_layout`: the layout's five [B, T] inputs widened to the quantum (below), one fused
+  kernel instead of five pads; `dynamic=True`, as the unpadded widths vary (one graph for them all).
+  The cut back to T is not made at all: the losses gather the real slots from the padded output
+  (`BertModel.padded_forward`, `layout.gather_slots` with the layout width);
 - `BertModel.embed`: the three embeddings + LayerNorm, and the attention bias every layer shares
   (the attention rule, the relative-distance buckets, `RelativeBiasGather` with its custom
   backward): static shapes at the padded width, like the layers;
 - the model's `losses`: gather of the predicted slots, the MLM head (transform + tied logits), the
   chunked cross entropy (`_ChunkedBiasedCrossEntropy`, traced with its own backward) and the loss
   arithmetic (NSP for UniLM, label smoothing for seq2seq): the number of predicted slots changes
-  every batch, so this region is compiled with `dynamic=True` (one graph for every count).
+  every batch, so this region is compiled with `dynamic=True` (one graph for every count). Only
+  `loss` leaves it differentiable (`_logged_parts_detached`: the logged parts are detached).
 The optimizer stays outside (DeepSpeed owns it on the real path; torch's fused AdamW is already
 one kernel on CUDA).
 
@@ -37,6 +42,7 @@ dropout the random streams differ from eager's (inductor draws its own), as on a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -98,6 +104,11 @@ def compile_layout_quantum() -> int:
     return COMPILE_LAYOUT_QUANTUM
 
 
+PROPAGATED_DYNAMIC_SIZES = "_dynamo_propagated_dynamic_indices"
+"""The attribute by which torch (2.13) marks a compiled graph's symbolic output sizes as dynamic for
+the graphs they feed, overriding `dynamic=False` there; `CompiledRegion` clears it on the outputs of
+its dynamic regions (the pad region's feed the static embed region)."""
+
 _signatures: set[tuple] = set()
 
 
@@ -158,15 +169,30 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
     `CompiledRegion`. Returns how many of each were compiled."""
     from .model import BertModel
 
-    counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}
+    counts = {"layers": compile_transformer_layers(model, on_new_shape), "pad": 0, "embed": 0, "losses": 0}
     for module in model.modules():
         if isinstance(module, BertModel):
+            module.pad_layout = CompiledRegion("pad", module.pad_layout, dynamic=True, on_new_shape=on_new_shape)
             module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
+            counts["pad"] += 1
             counts["embed"] += 1
     if callable(getattr(model, "losses", None)):
-        model.losses = CompiledRegion("losses", model.losses, dynamic=True, on_new_shape=on_new_shape)
+        model.losses = CompiledRegion("losses", functools.partial(_logged_parts_detached, model.losses),
+                                      dynamic=True, on_new_shape=on_new_shape)
         counts["losses"] += 1
     return counts
+
+
+def _logged_parts_detached(losses_method: Callable, *args, **kwargs):
+    """`losses_method`'s result with every differentiable tensor but `loss` detached (PMLM's loss_ae and
+    loss_par, UniLM's loss_mlm and loss_nsp; values unchanged): they are logged, never
+    backpropagated, and a compiled region's differentiable output that gets no gradient costs a
+    zero-filled gradient per step (AOT autograd materialises it before the region's backward)."""
+    losses = losses_method(*args, **kwargs)
+    parts = {field.name: getattr(losses, field.name) for field in dataclasses.fields(losses)}
+    parts = {name: value.detach() if name != "loss" and isinstance(value, torch.Tensor) else value
+             for name, value in parts.items()}
+    return type(losses)(**parts)
 
 
 class CompiledRegion:
@@ -196,7 +222,15 @@ class CompiledRegion:
                       + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
                       + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
                       f"at most {COMPILE_LIMIT})")
-        return self.compiled(*args, **kwargs)
+        outputs = self.compiled(*args, **kwargs)
+        if self.dynamic and isinstance(outputs, tuple):
+            for output in outputs:
+                if isinstance(output, torch.Tensor):
+                    # AOT autograd marks the symbolic sizes of a dynamic graph's outputs for the next
+                    # graph (`_dynamo_propagated_dynamic_indices`, torch 2.13); the pad region's outputs
+                    # feed the static embed region, which would then trace them symbolically.
+                    output.__dict__.pop(PROPAGATED_DYNAMIC_SIZES, None)
+        return outputs
 
 
 def _announce(line: str) -> None:
