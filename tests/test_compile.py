@@ -68,6 +68,21 @@ def _fp32_close(got: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_losses_read_the_padded_output_as_the_cut_one(case):
+    """Eager, padded to the compile quantum (the encoder's output is not cut: the losses widen their
+    gather index) against unpadded: the same loss and every gradient."""
+    unpadded, loss = STEP_CASES[case]()
+    padded, _ = STEP_CASES[case]()
+    padded.bert.layout_quantum = 64  # every tiny layout gets padding slots
+    expected, got = loss(unpadded), loss(padded)
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for (name, p), (_, q) in zip(padded.named_parameters(), unpadded.named_parameters()):
+        _fp32_close(p.grad, q.grad, name)
+
+
 @pytest.fixture(scope="module", params=sorted(STEP_CASES))
 def compiled_step(request):
     """(eager model, the same model with every region compiled, loss function): one compiled model
