@@ -89,8 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     precision.add_argument("--bf16", action="store_true")
     train.add_argument("--checkpoint-activations", action="store_true")
     train.add_argument("--compile", action="store_true",
-                       help="torch.compile the step region by region (layers, embeddings + attention bias, heads + "
-                            "loss), as pretrain --compile (ZeRO 0-2)")
+                       help="torch.compile the step region by region (layers, layout padding, embeddings + attention "
+                            "bias, heads + loss), as pretrain --compile (ZeRO 0-2)")
     train.add_argument("--zero-stage", type=int, default=0)
     train.add_argument("--deepspeed-config", help="a DeepSpeed JSON file; arguments override it")
     train.add_argument("--local-rank", "--local_rank", type=int, default=None, help=argparse.SUPPRESS)
