@@ -251,10 +251,13 @@ def test_table_gradient_equals_the_embedding_backward_across_chunks(grad_dtype, 
     grad = buffer[..., :21]  # an aligned view, as SDPA may hand the gradient back
     table = torch.zeros(5, 32, requires_grad=True)
     expected, = torch.autograd.grad(F.embedding(buckets.long(), table.t()).permute(0, 3, 1, 2), table, grad.float())
-    for chunk_bytes in (relative_bias.ONE_HOT_CHUNK_BYTES, 5 * 21 * 32 * 4):  # one chunk; 5 rows a chunk
+    sequence_bytes = 13 * 21 * 32 * 4
+    # One chunk; 2 whole sequences a chunk (batched GEMMs over 2 + 1, contiguous gradients only); 5 rows a chunk.
+    for chunk_bytes in (relative_bias.ONE_HOT_CHUNK_BYTES, 2 * sequence_bytes, 5 * 21 * 32 * 4):
         monkeypatch.setattr(relative_bias, "ONE_HOT_CHUNK_BYTES", chunk_bytes)
-        ours = table_gradient(grad, buckets, 32, torch.float32)
-        assert relative_difference(ours, expected) <= FP32_RELATIVE
+        for layout, gradient in (("aligned view", grad), ("contiguous", grad.contiguous())):
+            ours = table_gradient(gradient, buckets, 32, torch.float32)
+            assert relative_difference(ours, expected) <= FP32_RELATIVE, (chunk_bytes, layout)
     exact = table_gradient(grad.double(), buckets, 32, torch.float64)
     assert relative_difference(table_gradient(grad, buckets, 32, grad_dtype), exact) <= 2 ** -8  # one rounding
 

@@ -68,6 +68,21 @@ def _fp32_close(got: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * scale, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("case", sorted(STEP_CASES))
+def test_losses_read_the_padded_output_as_the_cut_one(case):
+    """Eager, padded to the compile quantum (the encoder's output is not cut: the losses widen their
+    gather index) against unpadded: the same loss and every gradient."""
+    unpadded, loss = STEP_CASES[case]()
+    padded, _ = STEP_CASES[case]()
+    padded.bert.layout_quantum = 64  # every tiny layout gets padding slots
+    expected, got = loss(unpadded), loss(padded)
+    expected.backward()
+    got.backward()
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    for (name, p), (_, q) in zip(padded.named_parameters(), unpadded.named_parameters()):
+        _fp32_close(p.grad, q.grad, name)
+
+
 @pytest.fixture(scope="module", params=sorted(STEP_CASES))
 def compiled_step(request):
     """(eager model, the same model with every region compiled, loss function): one compiled model
@@ -104,6 +119,35 @@ def test_every_compiled_region_is_one_graph_without_breaks(compiled_step):
         assert explanation.graph_break_count == 0, (name, explanation.break_reasons)
         assert explanation.graph_count == 1, name
     assert sorted(captured) == ["embed", "losses"]
+
+
+OUTSIDE_GRAPHS = {"forward: aten::ones_like", "backward CompiledFunctionBackward: aten::add_", "forward: aten::pad"}
+"""What a compiled step (forward + backward) may still run outside compiled graphs: the backward's
+seed (d loss / d loss = 1), autograd's sums of a tensor's gradients from several graphs (the
+shared attention bias's over the layers, the tied word embedding's from the embeddings and the
+MLM head), and the layout's padding to the quantum (five small [B, T] pads)."""
+
+
+def test_only_the_seed_autograd_sums_and_the_padding_run_outside_the_compiled_graphs(compiled_step):
+    """No cut of the output nor its backward, no zero gradient of a logged loss."""
+    from megatron_pmlm.training.kernel_count import kernel_sources
+
+    _, model, loss = compiled_step
+    pad, widths = model.bert.pad_layout, []
+    model.bert.pad_layout = lambda *args: (widths.append(args[0].shape[1]), pad(*args))[1]
+
+    def step():
+        model.zero_grad(set_to_none=True)  # gradients assigned, not added to earlier ones
+        loss(model).backward()
+    try:
+        step()  # compiled (and warm) before profiling
+        sources = kernel_sources(step)
+    finally:
+        del model.bert.pad_layout  # the method again
+    assert widths[-1] % compiled.COMPILE_LAYOUT_QUANTUM, widths  # the layout is padded
+    outside = {source for source in sources if not source.split(": ", 1)[1].startswith(("generated", "extern"))}
+    assert outside <= OUTSIDE_GRAPHS, sorted(sources.items())
+    assert any(": extern " in source for source in sources)  # the compiled graphs ran (their GEMMs)
 
 
 def test_compiled_step_equals_eager_in_losses_and_every_gradient(compiled_step):

@@ -511,8 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pad the layout width to a multiple of this (1: no padding; 0: the model's default, "
                              f"{flex_attention.LAYOUT_QUANTUM} for flex on CUDA, else 1)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the step's regions: each transformer layer, the embeddings + attention bias, "
-                             "the heads + loss (models/compiled.py; the layout width is then padded to the compile "
+                        help="torch.compile the step's regions: each transformer layer, the embeddings + "
+                             "attention bias, the heads + loss (models/compiled.py; the layout width is then padded to the compile "
                              "quantum unless --layout-quantum says otherwise)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")

@@ -10,7 +10,13 @@ The regions (docs/benchmarks.md, "Compiled step", has the kernel counts behind t
 - the model's `losses`: gather of the predicted slots, the MLM head (transform + tied logits), the
   chunked cross entropy (`_ChunkedBiasedCrossEntropy`, traced with its own backward) and the loss
   arithmetic (NSP for UniLM, label smoothing for seq2seq): the number of predicted slots changes
-  every batch, so this region is compiled with `dynamic=True` (one graph for every count).
+  every batch, so this region is compiled with `dynamic=True` (one graph for every count). Only
+  `loss` leaves it differentiable (`_logged_parts_detached`: the logged parts are detached). It
+  reads the encoder's output at the padded width: the cut back to T is never made (the real slots
+  are gathered through a widened index, `BertModel.padded_forward`, `layout.gather_slots`).
+The layout's padding itself (five small [B, T] pads) stays eager: as a `dynamic=True` region its
+outputs carry torch's mark of symbolic sizes into the static embed region, which then traces
+symbolically (torch 2.13); clearing that private mark was not worth five tiny kernels.
 The optimizer stays outside (DeepSpeed owns it on the real path; torch's fused AdamW is already
 one kernel on CUDA).
 
@@ -37,6 +43,7 @@ dropout the random streams differ from eager's (inductor draws its own), as on a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sys
@@ -164,9 +171,22 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
             module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
             counts["embed"] += 1
     if callable(getattr(model, "losses", None)):
-        model.losses = CompiledRegion("losses", model.losses, dynamic=True, on_new_shape=on_new_shape)
+        model.losses = CompiledRegion("losses", functools.partial(_logged_parts_detached, model.losses),
+                                      dynamic=True, on_new_shape=on_new_shape)
         counts["losses"] += 1
     return counts
+
+
+def _logged_parts_detached(losses_method: Callable, *args, **kwargs):
+    """`losses_method`'s result with every differentiable tensor but `loss` detached (PMLM's loss_ae and
+    loss_par, UniLM's loss_mlm and loss_nsp; values unchanged): they are logged, never
+    backpropagated, and a compiled region's differentiable output that gets no gradient costs a
+    zero-filled gradient per step (AOT autograd materialises it before the region's backward)."""
+    losses = losses_method(*args, **kwargs)
+    parts = {field.name: getattr(losses, field.name) for field in dataclasses.fields(losses)}
+    parts = {name: value.detach() if name != "loss" and isinstance(value, torch.Tensor) else value
+             for name, value in parts.items()}
+    return type(losses)(**parts)
 
 
 class CompiledRegion:

@@ -96,16 +96,22 @@ def labelled_index(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).flatten().nonzero()[:, 0]
 
 
-def gather_slots(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_slots(tensor: torch.Tensor, index: torch.Tensor, width: int | None = None) -> torch.Tensor:
     """Rows `index` of a [B, T, ...] tensor flattened to [B * T, ...]: a gather whose output size the
-    host knows (the index's length), unlike boolean indexing, which waits for the device."""
+    host knows (the index's length), unlike boolean indexing, which waits for the device.
+
+    `width`: the layout width `index` counts in, where `tensor` is wider (the encoder's output at the
+    padded width, `BertModel.padded_forward`): the index is widened instead of the tensor cut, so
+    neither a copy of the cut tensor nor its backward is needed."""
+    if width is not None:
+        index = widen_flat_index(index, width, tensor.shape[1])
     return tensor.flatten(0, 1).index_select(0, index)
 
 
 def widen_flat_index(index: torch.Tensor, width: int, new_width: int) -> torch.Tensor:
     """Flat [B * width] slot indices as indices into the same slots of the [B * new_width] layout
-    (right-padded rows); on the device, no host sync."""
-    return index if new_width == width else index // width * new_width + index % width
+    (right-padded rows): index + row x (new_width - width); on the device, no host sync."""
+    return index if new_width == width else torch.add(index, index // width, alpha=new_width - width)
 
 
 @dataclass

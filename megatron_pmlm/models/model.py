@@ -228,11 +228,19 @@ class BertModel(nn.Module):
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
                                         position_ids, roles, steps, query_dtype(hidden))
 
+    def pad_layout(self, input_ids, position_ids, token_type_ids, roles, steps) -> tuple[torch.Tensor, ...]:
+        """The [B, T] inputs widened to a multiple of the layout quantum (`layout.pad_layout_inputs`)."""
+        quantum = self.layout_quantum or default_layout_quantum(self.config.attention_backend, input_ids.device)
+        return pad_layout_inputs(quantum, input_ids, position_ids, token_type_ids, roles, steps)
+
+    def padded_forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
+        """The final hidden states at the padded width (`pad_layout`): the models' losses read the
+        real slots from it (`layout.gather_slots` with the layout width), so no cut is made."""
+        return self.encoder(*self.embed(*self.pad_layout(input_ids, position_ids, token_type_ids, roles, steps)))
+
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         width = input_ids.shape[1]
-        quantum = self.layout_quantum or default_layout_quantum(self.config.attention_backend, input_ids.device)
-        inputs = pad_layout_inputs(quantum, input_ids, position_ids, token_type_ids, roles, steps)
-        hidden = self.encoder(*self.embed(*inputs))
+        hidden = self.padded_forward(input_ids, position_ids, token_type_ids, roles, steps)
         return hidden if hidden.shape[1] == width else hidden[:, :width]
 
     def forward_incremental(self, input_ids, position_ids, token_type_ids, roles, steps,
@@ -477,13 +485,14 @@ class PMLMForPreTraining(nn.Module):
                 predicted_index: torch.Tensor | None = None) -> "PMLMLosses | UniLMLosses":
         """The objective's losses. `predicted_index`: `PMLMBatch.predicted_index` (flat indices of the
         slots the loss is taken at, made with the batch); None: derived here, a host-device sync."""
-        hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        hidden = self.bert.padded_forward(input_ids, position_ids, token_type_ids, roles, steps)
         return self.losses(hidden, token_type_ids, roles, labels, predicted_index)
 
     def losses(self, hidden: torch.Tensor, token_type_ids: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
                predicted_index: torch.Tensor | None = None) -> "PMLMLosses | UniLMLosses":
-        """The objective's losses from the encoder's output: the heads on the predicted slots and the
-        cross entropy (one region under --compile, models/compiled.py)."""
+        """The objective's losses from the encoder's output (at the layout's width or padded wider,
+        `BertModel.padded_forward`): the heads on the predicted slots and the cross entropy (one
+        region under --compile, models/compiled.py)."""
         if self.objective.is_unilm:
             from .unilm import unilm_losses
 
@@ -503,13 +512,14 @@ def pmlm_losses(hidden: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
 
     Only the predicted slots go through the head (the vocabulary projection is the largest matmul
     of the model and most positions carry no label), the [M] and [P] slots together: one gather,
-    one head, one cross entropy. `mlm_head(hidden) -> (logits, bias)`. `predicted_index`:
+    one head, one cross entropy. `hidden` may be padded wider than `roles` (`BertModel.padded_forward`).
+    `mlm_head(hidden) -> (logits, bias)`. `predicted_index`:
     `layout.pmlm_predicted_index` of the batch (made on the CPU with it); None: computed here, which
     waits for the device. Which loss a slot belongs to is read from its role on the device, so
     nothing in here makes the host wait."""
     if predicted_index is None:
         predicted_index = pmlm_predicted_index(roles, labels, objective.autoencoding, objective.pseudo_masked)
-    logits, bias = mlm_head(gather_slots(hidden, predicted_index))
+    logits, bias = mlm_head(gather_slots(hidden, predicted_index, roles.shape[1]))
     slot_roles = gather_slots(roles, predicted_index)
     return pmlm_losses_from_logits(logits, bias, gather_slots(labels, predicted_index),
                                    (slot_roles == MASKED) & objective.autoencoding,

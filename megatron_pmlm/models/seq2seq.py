@@ -376,16 +376,17 @@ class PMLMForSeq2Seq(PMLMForPreTraining):
                 predicted_index: torch.Tensor | None = None) -> Seq2SeqLosses:
         """`predicted_index`: the labelled slots' flat indices (`layout.labelled_index`, made with
         the batch on the CPU); None: computed here, a host-device sync."""
-        hidden = self.bert(input_ids, position_ids, token_type_ids, roles, steps)
+        hidden = self.bert.padded_forward(input_ids, position_ids, token_type_ids, roles, steps)
         return self.losses(hidden, token_type_ids, roles, labels, predicted_index)
 
     def losses(self, hidden: torch.Tensor, token_type_ids: torch.Tensor, roles: torch.Tensor, labels: torch.Tensor,
                predicted_index: torch.Tensor | None = None) -> Seq2SeqLosses:
-        """The label-smoothed loss from the encoder's output (one region under --compile)."""
+        """The label-smoothed loss from the encoder's output (at the layout's width or padded wider,
+        `BertModel.padded_forward`; one region under --compile)."""
         if predicted_index is None:
             predicted_index = labelled_index(labels)
         # Only labelled slots go through the vocabulary projection.
-        logits, bias = self.mlm_logits_and_bias(gather_slots(hidden, predicted_index))
+        logits, bias = self.mlm_logits_and_bias(gather_slots(hidden, predicted_index, labels.shape[1]))
         smoothing = label_smoothing_for(self.seq2seq.label_smoothing, self.config.vocab_size, self.pad_token_id)
         return seq2seq_losses(logits, bias, gather_slots(labels, predicted_index), smoothing, self.layers)
 

@@ -111,9 +111,10 @@ def unilm_slots(token_type_ids: torch.Tensor, labels: torch.Tensor,
 def unilm_losses(hidden: torch.Tensor, token_type_ids: torch.Tensor, labels: torch.Tensor, mlm_head,
                  layers, nsp_logits=None, predicted_index: torch.Tensor | None = None) -> UniLMLosses:
     """The plain/tensor-parallel model's losses: the heads on `hidden`, then `unilm_losses_from_logits`.
-    `mlm_head(hidden) -> (logits, bias)`; `predicted_index`: see `unilm_slots`."""
+    `hidden` may be padded wider than `labels` (`BertModel.padded_forward`); `mlm_head(hidden) -> (logits,
+    bias)`; `predicted_index`: see `unilm_slots`."""
     predicted_index, slot_lm, nsp_targets = unilm_slots(token_type_ids, labels, predicted_index)
-    logits, bias = mlm_head(gather_slots(hidden, predicted_index))
+    logits, bias = mlm_head(gather_slots(hidden, predicted_index, labels.shape[1]))
     return unilm_losses_from_logits(logits, gather_slots(labels, predicted_index), slot_lm, layers,
                                     None if nsp_logits is None else nsp_logits(hidden), nsp_targets, bias)
 
