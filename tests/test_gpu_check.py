@@ -47,6 +47,20 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     assert [(s["precision"], s["real"], s["traced"]) for s in v100] == [("fp16", True, True), ("fp16", True, False)]
 
 
+def test_a_step_starts_only_with_its_own_minimum_left():
+    """A row that cannot finish in what is left is skipped, so that the cheaper rows after it run."""
+    plan = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa", "flex"), "bf16", compile_rows=True)
+    minimum = {gpu_check.bench_name(spec, "base"): gpu_check.minimum_seconds(spec) for spec in plan}
+    assert minimum == {"base-seq128-bf16-sdpa": gpu_check.MIN_REAL_STEP_SECONDS,
+                       "base-seq512-bf16-sdpa": gpu_check.MIN_REAL_STEP_SECONDS,
+                       "base-seq128-bf16-sdpa-compile": gpu_check.MIN_COMPILE_STEP_SECONDS,
+                       "base-seq512-bf16-sdpa-compile": gpu_check.MIN_COMPILE_STEP_SECONDS,
+                       "base-seq128-bf16-flex": gpu_check.MIN_STEP_SECONDS,
+                       "base-seq512-bf16-flex": gpu_check.MIN_STEP_SECONDS}
+    assert gpu_check.MIN_STEP_SECONDS < gpu_check.MIN_REAL_STEP_SECONDS < gpu_check.MIN_COMPILE_STEP_SECONDS
+    assert gpu_check.minimum_seconds({"kind": "tests"}) == gpu_check.MIN_TESTS_SECONDS
+
+
 def test_peaks_come_from_the_exact_device_name():
     peaks = gpu_check.device_peaks("NVIDIA H100 PCIe", ("fp16", "bf16"))
     assert [peaks[p]["tflops"] for p in ("fp16", "bf16")] == [756.0, 756.0]
@@ -126,7 +140,7 @@ def test_a_spent_budget_runs_nothing_and_says_so(tmp_path):
     """A budget smaller than one step: every step listed as not run, the report and the archive still
     written, exit 0 (nothing failed)."""
     archive = tmp_path / "results.tar.gz"
-    budget = gpu_check.REPORT_SECONDS + gpu_check.MIN_STEP_SECONDS - 1
+    budget = gpu_check.REPORT_SECONDS + gpu_check.MIN_REAL_STEP_SECONDS - 1  # the dry run's first row is real
     result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path / "out"),
                         "--budget-seconds", str(budget), "--archive", str(archive), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

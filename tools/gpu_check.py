@@ -18,8 +18,9 @@ printed.
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), the `--compile` rows, the other attention
 backend at the preferred precision, the `gpu` tests, then the other precision. `--budget-seconds S`
-bounds the whole check: a step starts only with at least `MIN_STEP_SECONDS` left (tests:
-`MIN_TESTS_SECONDS`), runs with a timeout of what is left, and what did not fit is listed as not run.
+bounds the whole check: a step starts only with at least its minimum left (`minimum_seconds`:
+45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a `--compile` row or
+the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
 The report (`gpu-check.json`, `gpu-check.md`) is rewritten after every step, and `--archive
 FILE.tar.gz` packs the whole results folder into one file at the end, also when SIGTERM/SIGINT
 (a scheduler's or `timeout`'s) stops the check: one file to copy off a lent machine.
@@ -56,8 +57,15 @@ DRY_RUN_SHAPES = ((64, 4),)
 TRACED_SEQ_LENGTH = 128
 """The shape whose step is traced (the first shape in a dry run)."""
 MIN_STEP_SECONDS = 45
-"""--budget-seconds: a benchmark starts only with this much left (start-up, one compilation, the
-timed steps: ~30 s per eager row and ~60-90 s per compiled or real-path row on the first H100)."""
+"""--budget-seconds: an eager benchmark row starts only with this much left (start-up, the timed
+steps: ~30 s per eager row on the first H100)."""
+MIN_REAL_STEP_SECONDS = 75
+"""--budget-seconds: the same for a row that also times pretrain's step and Hugging Face's (an eager
+row + three Hugging Face models + a DeepSpeed engine over samples built at start: estimated)."""
+MIN_COMPILE_STEP_SECONDS = 120
+"""--budget-seconds: the same for a `--compile` row (three compilations: the bare model's step, its
+one-token host proxy, pretrain's own step; estimated from the CPU's and the flex rows' 20-24 s per
+compilation on the first H100). A row that cannot finish is better left to the rows after it."""
 MIN_TESTS_SECONDS = 120
 """--budget-seconds: the gpu tests start only with this much left (they took 200 s on the first H100)."""
 REPORT_SECONDS = 15
@@ -182,6 +190,15 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                          "kind": "compile", "real": True, "flags": ["--compile", "--deepspeed"], "traced": False,
                          "priority": 1})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
+
+
+def minimum_seconds(step: dict) -> float:
+    """What must be left of --budget-seconds for `step` to start (a `bench_plan` row or the tests)."""
+    if step["kind"] == "tests":
+        return MIN_TESTS_SECONDS
+    if step["kind"] == "compile":
+        return MIN_COMPILE_STEP_SECONDS
+    return MIN_REAL_STEP_SECONDS if step["real"] else MIN_STEP_SECONDS
 
 
 TESTS_PRIORITY = 2.5
@@ -465,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         steps.sort(key=lambda step: step["priority"])
         for step in steps:
             name, left = step_name(step), seconds_left()
-            if left < (MIN_TESTS_SECONDS if step["kind"] == "tests" else MIN_STEP_SECONDS):
+            if left < minimum_seconds(step):
                 budget_spent(name)
                 print(f"gpu-check: {name} not run: {left:.0f} s of the budget left", flush=True)
                 continue

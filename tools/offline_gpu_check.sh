@@ -2,7 +2,7 @@
 # `make gpu-check` on a GPU machine without network, from the repository's root there:
 #
 #   tools/offline_gpu_check.sh WHEELHOUSE ARCHIVE [tools/gpu_check.py flags...]
-#   tools/offline_gpu_check.sh .whl /tmp/gpu-check.tar.gz --budget-seconds 420
+#   tools/offline_gpu_check.sh .whl /tmp/gpu-check.tar.gz --budget-seconds 480
 #
 # Installs WHEELHOUSE/*.whl (tools/wheelhouse.sh) into a private folder (never into the machine's
 # Python), puts it and this checkout on PYTHONPATH, and runs tools/gpu_check.py with
