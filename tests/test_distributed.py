@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -281,13 +282,17 @@ def test_refused_combinations_say_why(pretraining_samples, tmp_path):
 
 
 def test_universal_checkpoint_resumes_on_another_data_parallel_size(pretraining_samples, tmp_path):
-    """Losing a node: a 2-process ZeRO-2 run stopped at 10 resumes on 1 process (same global
-    batch) with iteration, optimizer, schedule and sample order intact."""
+    """Losing a node: a 2-process ZeRO-2 run's checkpoint at 10 resumes on 1 process (same global
+    batch) with iteration, optimizer, schedule and sample order intact. The 2-process run goes on
+    to 20 uninterrupted (the reference), its checkpoint at 10 copied to a folder of its own as the
+    one the lost node left (test_resume_equals_the_uninterrupted_run covers --exit-interval)."""
     common = ["--zero-stage", "2", *NO_DROPOUT]
-    full, _ = pretrain(pretraining_samples, tmp_path / "full", *common, nproc=2, iters=20)
-    ckpt = tmp_path / "ckpt"
-    first, first_run = pretrain(pretraining_samples, tmp_path / "first", *common, "--save", str(ckpt),
-                                "--exit-interval", "10", nproc=2, iters=20)
+    full_ckpt, ckpt = tmp_path / "full_ckpt", tmp_path / "ckpt"
+    full, first_run = pretrain(pretraining_samples, tmp_path / "full", *common, "--save", str(full_ckpt),
+                               "--save-interval", "10", nproc=2, iters=20)
+    shutil.copytree(full_ckpt / "iter_0000010", ckpt / "iter_0000010")
+    (ckpt / "latest").write_text("iter_0000010")
+    first = full[:10]
     # Start-up warnings come from rank 0 only, not once per process.
     for line in set(first_run.stderr.splitlines()):
         if "Warning:" in line:

@@ -259,9 +259,11 @@ def test_first_logged_loss_is_s2s_ft_loss_on_that_batch(mode, smoothing, tiny_hf
 
 @pytest.mark.parametrize("mode", ["pseudo-masked", "masked", "causal"])
 def test_loss_falls_on_real_pairs(mode, tiny_hf_model, qg_pairs, tmp_path):
+    """30 iterations: the mean loss of the last 10 is 2.1-2.3 below that of the first 10 in every
+    mode (3.1-3.3 at 40, the old count), against the 1.0 asserted."""
     records, result = _finetune(tiny_hf_model, *qg_pairs, tmp_path, "--mode", mode, "--max-source-length", "48",
                                 "--max-target-length", "16", "--micro-batch-size", "16", "--global-batch-size", "16",
-                                "--train-iters", "40", "--lr", "2e-3", "--lr-warmup-iters", "4",
+                                "--train-iters", "30", "--lr", "2e-3", "--lr-warmup-iters", "4",
                                 "--log-interval", "10", "--save", str(tmp_path / "ckpt"),
                                 env={"DS_ACCELERATOR": None})  # DeepSpeed detects the CPU itself
     assert records[-1]["loss"] < records[0]["loss"] - 1.0, records
@@ -270,7 +272,7 @@ def test_loss_falls_on_real_pairs(mode, tiny_hf_model, qg_pairs, tmp_path):
         result.stderr[-3000:]
     assert f"mode {mode}" in result.stdout
     config = json.loads((tmp_path / "ckpt" / "hf" / "config.json").read_text())
-    assert config["s2s_mode"] == mode and config["checkpoint_tag"] == "iter_0000040"
+    assert config["s2s_mode"] == mode and config["checkpoint_tag"] == "iter_0000030"
     if mode == "causal":
         panels = plotted_panels([tmp_path / "run.json"], tmp_path / "curves.png")
         assert panels == {"loss": ["train"], "acc": ["train"]}, panels
@@ -369,7 +371,9 @@ def test_two_data_parallel_processes_with_zero2_reproduce_one(tiny_hf_model, qg_
 
 def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_model, shared_data, tmp_path):
     """Training and decoding agree on the layout: what the [P] slots learned, the cached decoder
-    generates (greedy and beam), for every pair (targets as the tokenizer splits and cuts them)."""
+    generates (greedy and beam), for every pair (targets as the tokenizer splits and cuts them).
+    175 iterations: with these settings 120 decode 16 of the 32 pairs exactly, 150 and 175 all 32
+    (the loss of the last 10 iterations 0.16 and 0.06; 250, the old count, 0.02)."""
     from megatron_pmlm.generation.search import detokenize
     from megatron_pmlm.tokenizer import WordPieceTokenizer
 
@@ -385,7 +389,7 @@ def test_model_fine_tuned_to_memorise_32_pairs_decodes_them_exactly(tiny_hf_mode
     (tmp_path / "m.tgt").write_text("\n".join(p[1] for p in pairs) + "\n")
     _finetune(tiny_hf_model, tmp_path / "m.src", tmp_path / "m.tgt", tmp_path, "--max-source-length", "24",
               "--max-target-length", "16", "--micro-batch-size", "32", "--global-batch-size", "32",
-              "--train-iters", "250", "--lr", "5e-3", "--lr-warmup-iters", "10", "--log-interval", "50",
+              "--train-iters", "175", "--lr", "5e-3", "--lr-warmup-iters", "10", "--log-interval", "50",
               "--hidden-dropout", "0", "--attention-dropout", "0", "--label-smoothing", "0",
               "--target-mask-prob", "0.1", "--save", str(tmp_path / "ft"))
     tokenizer = WordPieceTokenizer(tiny_hf_model / "vocab.txt")
