@@ -201,9 +201,9 @@ def test_count_kernels_counts_the_ops_that_compute():
 
 TRACED_REGIONS = ("embed", "forward", "losses")
 """The compiled regions' functions (BertModel.embed, BertLayer.forward, the model's losses) as
-dynamo's log names them when it has traced them (`TORCH_LOGS=dynamo`: "torchdynamo done tracing
-<name>"): the proof that a run compiled, which the regions' own announcements (made before dynamo
-runs) are not."""
+dynamo's log names them when it has traced them
+(`TORCH_LOGS=dynamo`: "torchdynamo done tracing <name>"): the proof that a run compiled, which the
+regions' own announcements (made before dynamo runs) are not."""
 
 
 def traced_regions(log: str) -> set[str]:

@@ -171,22 +171,27 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
             module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
             counts["embed"] += 1
     if callable(getattr(model, "losses", None)):
-        model.losses = CompiledRegion("losses", functools.partial(_logged_parts_detached, model.losses),
-                                      dynamic=True, on_new_shape=on_new_shape)
+        model.losses = CompiledRegion("losses", _logged_parts_detached(model.losses), dynamic=True,
+                                      on_new_shape=on_new_shape)
         counts["losses"] += 1
     return counts
 
 
-def _logged_parts_detached(losses_method: Callable, *args, **kwargs):
-    """`losses_method`'s result with every differentiable tensor but `loss` detached (PMLM's loss_ae and
+def _logged_parts_detached(losses_method: Callable) -> Callable:
+    """`losses_method` returning every differentiable tensor but `loss` detached (PMLM's loss_ae and
     loss_par, UniLM's loss_mlm and loss_nsp; values unchanged): they are logged, never
     backpropagated, and a compiled region's differentiable output that gets no gradient costs a
-    zero-filled gradient per step (AOT autograd materialises it before the region's backward)."""
-    losses = losses_method(*args, **kwargs)
-    parts = {field.name: getattr(losses, field.name) for field in dataclasses.fields(losses)}
-    parts = {name: value.detach() if name != "loss" and isinstance(value, torch.Tensor) else value
-             for name, value in parts.items()}
-    return type(losses)(**parts)
+    zero-filled gradient per step (AOT autograd materialises it before the region's backward).
+    The wrapper is named `losses`, as dynamo's log names what it traced."""
+
+    @functools.wraps(losses_method)
+    def losses(*args, **kwargs):
+        result = losses_method(*args, **kwargs)
+        parts = {field.name: getattr(result, field.name) for field in dataclasses.fields(result)}
+        return type(result)(**{name: value.detach() if name != "loss" and isinstance(value, torch.Tensor) else value
+                               for name, value in parts.items()})
+
+    return losses
 
 
 class CompiledRegion:
