@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    from .parallel.distributed import MegatronMPU
+    from .parallel.distributed import model_parallel_unit
     from .training.recipe import flops_per_token, start_processes
     from .training.trainer import Trainer, seed_everything
 
@@ -253,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                 "s2s_max_source_length": s2s.max_source_length, "s2s_max_target_length": s2s.max_target_length,
                 "source_type_id": s2s.source_type_id, "target_type_id": s2s.target_type_id}
     heartbeat.beat("start-up: building the engine")
-    trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=MegatronMPU(),
+    trainer = Trainer(model, training, data_parallel_size, ds_config_base, mpu=model_parallel_unit(),
                       flops_per_token=flops_per_token(config, s2s.max_length, mask_prob=0.5 if s2s.pseudo_masked else 0),
                       tensorboard_dir=args.tensorboard_dir, log=print, run_args=run_args, metrics=SEQ2SEQ_METRICS,
                       history_path=args.history_json, tracking=tracking)

@@ -21,10 +21,10 @@ TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "1
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def pretrain(samples: Path, out: Path, *args: str, nproc: int = 1, iters: int = 4):
+def pretrain(samples: Path, out: Path, *args: str, nproc: int = 1, iters: int = 4, env: dict | None = None):
     history = out / "history.json"
     result = run_module("megatron_pmlm.pretrain", "--data-path", str(samples), *TINY, "--train-iters", str(iters),
-                        "--history-json", str(history), *args, nproc=nproc)
+                        "--history-json", str(history), *args, nproc=nproc, env=env)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     records = [r for r in json.loads(history.read_text()) if "loss" in r]
     return records, result
@@ -43,6 +43,7 @@ def baseline(pretraining_samples, tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [
+    ["--zero-stage", "0"],
     ["--tensor-model-parallel-size", "2"],
     ["--pipeline-model-parallel-size", "2"],
     ["--zero-stage", "1"],
@@ -50,10 +51,17 @@ def baseline(pretraining_samples, tmp_path_factory):
     ["--zero-stage", "3"],
     ["--zero-stage", "2", "--checkpoint-activations"],
     ["--pipeline-model-parallel-size", "2", "--attention-backend", "flex", "--checkpoint-activations"],
-], ids=["tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing",
+], ids=["zero0-dp2", "tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing",
         "pp2-flex-activation-checkpointing"])
 def test_every_layout_reproduces_the_single_process_losses(layout, baseline, pretraining_samples, tmp_path):
-    records, result = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, nproc=2)
+    """Data parallel only (tensor and pipeline size 1) runs without megatron-core (its groups made by
+    parallel.distributed.DataParallelMPU; zero0-dp2: our AdamW sums the gradient norm over its
+    one-rank model-parallel group, not over the replicas); the model-parallel layouts with it."""
+    records, result = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, nproc=2,
+                               env={"PYTHONPROFILEIMPORTTIME": "1"})
+    imports_megatron = "| megatron.core\n" in result.stderr
+    model_parallel = "--tensor-model-parallel-size" in layout or "--pipeline-model-parallel-size" in layout
+    assert imports_megatron == model_parallel, layout
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     # Third-party notices that ask nothing of a CPU run are filtered (files.quiet_libraries): torch's
     # deprecation of the collectives ZeRO calls, megatron-core's CUDA_DEVICE_MAX_CONNECTIONS request.

@@ -48,7 +48,7 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
     from megatron_pmlm.data import build_pretraining_loaders, read_metadata
     from megatron_pmlm.models.model import PMLMForPreTraining
     from megatron_pmlm.models.objectives import get_objective, objective_metrics
-    from megatron_pmlm.parallel.distributed import MegatronMPU
+    from megatron_pmlm.parallel.distributed import model_parallel_unit
     from megatron_pmlm.training import trainer as trainer_module
     from megatron_pmlm.training.host_syncs import CudaSyncWarnings, HostSyncCounter
     from megatron_pmlm.training.recipe import padded_vocab_size, start_processes
@@ -84,7 +84,7 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
     if cuda_optimizer:
         trainer_module.adamw_options = lambda _device_type: adamw_options("cuda")
     try:
-        trainer = CountingTrainer(model, training, processes.layout.data_parallel_size, mpu=MegatronMPU(),
+        trainer = CountingTrainer(model, training, processes.layout.data_parallel_size, mpu=model_parallel_unit(),
                                   log=lambda message: None, metrics=objective_metrics(objective))
     finally:
         trainer_module.adamw_options = default_options

@@ -1,6 +1,11 @@
 """Process groups: ranks from torchrun / deepspeed / srun / MPI, megatron-core's parallel state,
 and the `mpu` view of it that DeepSpeed consumes (kept in agreement, and checked).
 
+With tensor and pipeline size 1 (every rank a whole model: data parallel only) megatron-core is not
+imported at all: its import costs ~3 s per process start (more than torch and DeepSpeed together),
+paid at every restart of a job, for groups that are then the world and one group of one rank per
+rank; `DataParallelMPU` answers DeepSpeed's questions from torch.distributed instead.
+
 Rank layout (megatron-core's default order tp-dp-pp, identical to DeepSpeed's
 PipeModelDataParallelTopology axes pipe-data-model):
     rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank)
@@ -145,6 +150,7 @@ def end_distributed() -> None:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
+    DataParallelMPU.destroy_groups()
     dist.destroy_process_group()
 
 
@@ -173,13 +179,18 @@ def ends_process_groups(main: Main) -> Main:
 
 def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                               timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> ParallelLayout:
-    """Initialise torch.distributed and megatron-core's groups (all with `timeout_minutes`)."""
-    from megatron.core import parallel_state
-
+    """Initialise torch.distributed and the model-parallel groups (all with `timeout_minutes`):
+    megatron-core's, or with tensor and pipeline size 1 `DataParallelMPU`'s (see the module
+    docstring). `model_parallel_unit()` then gives DeepSpeed's `mpu` view of them."""
     if timeout_minutes <= 0:
         raise ConfigError(f"--distributed-timeout-minutes must be positive, got {timeout_minutes}")
     init_distributed(timeout_minutes=timeout_minutes)
     layout = ParallelLayout(dist.get_world_size(), tensor_parallel_size, pipeline_parallel_size)
+    if tensor_parallel_size == pipeline_parallel_size == 1 and not _megatron_initialized():
+        DataParallelMPU.create_groups(timeout_minutes)
+        return layout
+    from megatron.core import parallel_state
+
     if parallel_state.model_parallel_is_initialized():
         if (parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size
                 or parallel_state.get_pipeline_model_parallel_world_size() != pipeline_parallel_size):
@@ -191,6 +202,78 @@ def initialize_model_parallel(tensor_parallel_size: int = 1, pipeline_parallel_s
         distributed_timeout_minutes=max(1, round(timeout_minutes)))
     check_layout_agrees(layout)
     return layout
+
+
+def _megatron_initialized() -> bool:
+    """Whether megatron-core's groups exist in this process (never imports it)."""
+    if "megatron.core" not in sys.modules:
+        return False
+    from megatron.core import parallel_state
+
+    return parallel_state.model_parallel_is_initialized()
+
+
+def model_parallel_unit():
+    """DeepSpeed's `mpu` for the groups `initialize_model_parallel` made: `MegatronMPU` where
+    megatron-core's groups exist, else `DataParallelMPU`."""
+    return MegatronMPU() if _megatron_initialized() else DataParallelMPU()
+
+
+class DataParallelMPU:
+    """The `mpu` interface DeepSpeed queries, for tensor and pipeline size 1: the model-parallel
+    group of a rank is a group of that rank alone (as megatron-core's tensor-parallel groups are at
+    size 1: gradient norms are not summed over replicas), the data-parallel group is the world."""
+
+    _model_parallel_group = None
+    """This rank's one-rank group (`create_groups`, once per process)."""
+
+    @classmethod
+    def create_groups(cls, timeout_minutes: float) -> None:
+        """Every rank's one-rank group; each rank takes part in making each (torch.distributed's rule)."""
+        if cls._model_parallel_group is not None:
+            return
+        rank, timeout = dist.get_rank(), timedelta(minutes=timeout_minutes)
+        for member in range(dist.get_world_size()):
+            group = dist.new_group([member], timeout=timeout)
+            if member == rank:
+                cls._model_parallel_group = group
+
+    @classmethod
+    def destroy_groups(cls) -> None:
+        cls._model_parallel_group = None
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    def get_model_parallel_group(self):
+        if DataParallelMPU._model_parallel_group is None:
+            raise RuntimeError("initialize_model_parallel() has not made the groups of this process")
+        return DataParallelMPU._model_parallel_group
+
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank()
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size()
+
+    def get_data_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return 1
 
 
 def check_layout_agrees(layout: ParallelLayout) -> None:

@@ -170,7 +170,7 @@ def run_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> int:
 
 def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[Any, Any]:
     """Everything of `run_pretraining` before the iterations: (Trainer, data.PretrainingLoaders)."""
-    from ..parallel.distributed import MegatronMPU
+    from ..parallel.distributed import model_parallel_unit
     from . import heartbeat
     from .trainer import Trainer, seed_everything
     from .tracking import TrackingConfig
@@ -189,7 +189,7 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
     log(plan.describe_model)
     log(parallelism_line(training, layout, plan.show_pipeline))
     heartbeat.beat("start-up: building the engine")
-    trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=MegatronMPU(),
+    trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=model_parallel_unit(),
                       pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
                       tensorboard_dir=args.tensorboard_dir, log=print, metrics=plan.metrics,
                       universal_checkpoint=universal, history_path=args.history_json,
