@@ -12,10 +12,10 @@ the end). Each tree runs in its own process, importing its own `megatron_pmlm` a
 the counters (`training/host_syncs.py`, `training/kernel_count.py`, `models/relative_bias.py`'s
 `bias_bytes_per_step`) are loaded from this checkout by file path, so both trees are counted the
 same way. A step: forward + backward + AdamW over one micro batch, fp32, dropout 0, eager (this
-checkout also with `--compile` where it has it: every region of the step compiled), torch's fused AdamW
-(one kernel, as on CUDA; before 2026-11-26 the default per-parameter one). Times are the median of --iterations after
---warmup, the trees' steps interleaved round by round, one process running at a time, so a busy
-machine slows them alike.
+checkout also with `--compile` where it has it: every region of the step compiled), torch's fused
+AdamW (one kernel, as on CUDA; before 2026-11-26 the default per-parameter one). Times are the
+median of --iterations after --warmup, the trees' steps interleaved round by round, one process
+running at a time, so a busy machine slows them alike.
 """
 
 from __future__ import annotations

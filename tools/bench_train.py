@@ -352,7 +352,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
     from megatron_pmlm.parallel.distributed import end_distributed
     from megatron_pmlm.pretrain import build_parser as pretrain_parser
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import count_kernels, kernel_sources
+    from megatron_pmlm.training.kernel_count import count_kernels
     from megatron_pmlm.training.pmlm_recipe import pmlm_pretraining_run
     from megatron_pmlm.training.preflight import check_sizes
     from megatron_pmlm.training.recipe import start_pretraining
@@ -401,9 +401,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                           "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
                 with HostSyncCounter() as syncs:  # this thread's: the step's, not the loader thread's
                     trainer.train_step(train_batches)
-                # A compiled step's kernels from the profiler, an eager one's by dispatch (as step_proxies).
-                kernels = (sum(kernel_sources(lambda: trainer.train_step(train_batches)).values()) if args.compile
-                           else count_kernels(lambda: trainer.train_step(train_batches), compiled=False))
+                kernels = count_kernels(lambda: trainer.train_step(train_batches), compiled=args.compile)
         finally:
             end_distributed()
     tokens_per_step = tokens / args.iterations
@@ -511,8 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="pad the layout width to a multiple of this (1: no padding; 0: the model's default, "
                              f"{flex_attention.LAYOUT_QUANTUM} for flex on CUDA, else 1)")
     parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the step's regions: each transformer layer, the embeddings + "
-                             "attention bias, the heads + loss (models/compiled.py; the layout width is then padded to the compile "
+                        help="torch.compile the step's regions: each transformer layer, the embeddings + attention bias, "
+                             "the heads + loss (models/compiled.py; the layout width is then padded to the compile "
                              "quantum unless --layout-quantum says otherwise)")
     parser.add_argument("--iterations", type=int, default=5, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")

@@ -11,9 +11,9 @@ loader over samples built from ../shared/data, the padded vocabulary), Hugging F
 BertForMaskedLM (sdpa) at the sequence length, at our layout width and with its head on the masked
 positions only (`--huggingface`), our step's ratio to each, the CPU proxies of every row (host
 syncs, kernels, attention-bias bytes per step), a `--compile` row where bench_train has that flag
-(the bare model and pretrain's own step, both compiled), and one step of seq 128 traced by torch.profiler (a Chrome trace file; its top-20 kernels in
-gpu-check.md). The MFU peak comes from the exact device name (bench_train.PEAK_TFLOPS), its source
-printed.
+(the bare model and pretrain's own step, both compiled), and one step of seq 128 traced by
+torch.profiler (a Chrome trace file; its top-20 kernels in gpu-check.md). The MFU peak comes from
+the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), the `--compile` rows, the other attention
