@@ -30,6 +30,7 @@ from .training.exit_signal import ExitSignal
 from .training import heartbeat
 from .training.heartbeat import add_heartbeat_argument
 from .training.checkpoint_files import CheckpointError
+from .training.nonfinite import NonFiniteGradients
 from .training.training_config import TrainingConfig, check_precision_supported
 
 TRAINING_DEFAULTS = dict(
@@ -145,6 +146,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteGradients as error:  # the run diverged: said in one line, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         release_save_dirs()  # --save's lock (held from check_run_paths on)
 

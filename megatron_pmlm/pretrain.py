@@ -19,6 +19,7 @@ from .files import quiet_libraries
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
 from .parallel.distributed import DEFAULT_TIMEOUT_MINUTES, ends_process_groups, quiet_other_ranks
 from .training.checkpoint_files import CheckpointError
+from .training.nonfinite import NonFiniteGradients
 from .training.preflight import check_run_paths, check_sizes
 from .training.save_lock import add_no_lock_argument, release_save_dirs
 from .training.exit_signal import ExitSignal
@@ -151,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteGradients as error:  # the run diverged: said in one line, not a traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     finally:
         release_save_dirs()  # --save's lock (held from check_run_paths on)
 

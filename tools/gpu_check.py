@@ -301,7 +301,9 @@ def markdown(report: dict) -> str:
             if "seconds_per_step" not in real:
                 lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} |||||||||||||")
                 continue
-            first = (f"{real['first_step_seconds']:.1f} ({real['compilations']})"
+            while_timed = real.get("compilations_while_timed") or 0
+            first = (f"{real['first_step_seconds']:.1f} ({real['compilations']}"
+                     + (f"; {while_timed} more while timed" if while_timed else "") + ")"
                      if real.get("first_step_seconds") is not None else "?")
             lines.append(f"{head} {real['precision']} | {'compile' if real.get('compile') else 'eager'} | "
                          f"{real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "

@@ -43,6 +43,7 @@ from .preflight import check_resumed_settings
 from .run_identity import IDENTITY_KEY, identity_lines, run_identity
 from .tracking import Tracking, TrackingConfig, read_run_ids
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
+from .nonfinite import GradientNormWatch
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
                               lr_lambda, parameter_groups)
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
@@ -139,6 +140,10 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if pipeline else mpu)
         self._base_optimizer = optimizer
+        # bf16 under ZeRO-1/2 without DeepSpeed's per-step scan: its gradient norm watched instead.
+        self.gradient_norm_watch = GradientNormWatch(self.device) if (
+            config.precision == "bf16" and config.zero_stage in (1, 2)
+            and not self.ds_config["bf16"].get("check_grad_overflow", True)) else None
         if tracks_norm:
             # Squared gradients are summed over this model replica's ranks: its tensor-parallel
             # group, and under pipelining every stage of it.
@@ -205,6 +210,8 @@ class Trainer:
                 self.engine.step()
                 sums.add_tensor(out.metrics())
         self.iteration += 1
+        if self.gradient_norm_watch is not None:
+            self.gradient_norm_watch.record(self.engine.get_global_grad_norm(), self.iteration)
         self.consumed_samples += self.config.global_batch_size
         return sums, batches.tokens - tokens_before
 
@@ -301,6 +308,8 @@ class Trainer:
 
     def _log_interval(self, interval: MetricSums, tokens: int, elapsed: float, iterations: int) -> None:
         config = self.config
+        if self.gradient_norm_watch is not None:
+            self.gradient_norm_watch.check(self.iteration, "the log line")
         averages = self._data_parallel_average(interval).averages()
         token_tensor = torch.tensor([float(tokens)])
         if self.world_size > 1:
@@ -395,6 +404,8 @@ class Trainer:
         """DeepSpeed checkpoint + every rank's RNG state, then (rank 0, once every rank is done) the
         run state with a manifest of every file, its size and checksum, then `latest`: a checkpoint
         is complete exactly when its manifest matches the files (see `checkpoint_problem`)."""
+        if self.gradient_norm_watch is not None:
+            self.gradient_norm_watch.check(self.iteration, "saving a checkpoint")
         save_dir = Path(save_dir)
         tag = f"iter_{self.iteration:07d}"
         heartbeat.beat(f"saving {tag}", self.iteration)
