@@ -82,3 +82,14 @@ def test_data_path_needs_deepspeed_and_an_existing_folder(tmp_path):
     assert alone.returncode == 2 and "--data-path is for --deepspeed" in alone.stderr
     missing = run_module("tools.bench_train", "--preset", "tiny", "--deepspeed", "--data-path", str(tmp_path / "no"))
     assert missing.returncode == 2 and "no such samples folder" in missing.stderr
+
+
+def test_the_real_step_s_samples_are_built_from_whole_wikitext_articles():
+    """wikitext ends every paragraph with a blank line, which ends a document for preprocess: read
+    as it is, no sample reached seq 512 (235 tokens per sample on the H200). One document per
+    article: blank lines only before a title line, never before a section heading."""
+    text = ("\n = Lobster = \n\n A first paragraph .\n\n = = Biology = = \n\n Claws .\n\n"
+            " = Frank = \n\n Born in 1914 .\n\n = = = Early life = = = \n\n A school .\n")
+    assert bench_train.article_documents(text) == (
+        " = Lobster = \n A first paragraph .\n = = Biology = = \n Claws .\n\n"
+        " = Frank = \n Born in 1914 .\n = = = Early life = = = \n A school .\n")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import resource
 import sys
 import time
@@ -320,16 +321,37 @@ SHARED_CORPUS = SHARED_DATA / "corpus" / "wikitext-2-valid.txt"
 SHARED_VOCAB = SHARED_DATA / "vocab" / "bert-base-uncased-vocab.txt"
 
 
+ARTICLE_HEADING = re.compile(r" = [^=].* = ")
+"""A wikitext article's title line (" = Title = "; sections are " = = Section = = ")."""
+
+
+def article_documents(text: str) -> str:
+    """wikitext with one document per article: blank lines (which end a document for
+    data_prep.preprocess) kept only before an article's title. wikitext puts a blank line after
+    every paragraph, so read as it is its documents are paragraphs (~90 tokens) and no sample
+    reaches seq 512 (the H200 run's seq 512 steps carried 235 tokens per sample); pre-training
+    corpora (Wikipedia, books) have documents of thousands of tokens, as these articles do."""
+    out: list[str] = []
+    for line in filter(str.strip, text.splitlines()):
+        if ARTICLE_HEADING.fullmatch(line) and out:
+            out.append("")
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
 def build_shared_samples(directory: Path, seq_length: int) -> Path | str:
-    """A samples folder at `seq_length` built from ../shared/data with data_prep.preprocess and
-    data_prep.build_samples (as a user would); or why it cannot be built (one line)."""
+    """A samples folder at `seq_length` built from ../shared/data (wikitext-2, one document per
+    article: `article_documents`) with data_prep.preprocess and data_prep.build_samples (as a user
+    would); or why it cannot be built (one line)."""
     from data_prep import build_samples, preprocess
 
     missing = [str(p) for p in (SHARED_CORPUS, SHARED_VOCAB) if not p.is_file()]
     if missing:
         return f"{', '.join(missing)} absent: pass --data-path SAMPLES_DIR (a data_prep.build_samples folder)"
+    corpus = directory / "articles.txt"
+    corpus.write_text(article_documents(SHARED_CORPUS.read_text(encoding="utf-8")), encoding="utf-8")
     with contextlib.redirect_stdout(sys.stderr):
-        if preprocess.main(["--input", str(SHARED_CORPUS), "--output-prefix", str(directory / "corpus"),
+        if preprocess.main(["--input", str(corpus), "--output-prefix", str(directory / "corpus"),
                             "--vocab-file", str(SHARED_VOCAB), "--no-progress"]):
             return "data_prep.preprocess failed on ../shared/data (see above)"
         if build_samples.main(["--data-path", str(directory / "corpus"), "--output", str(directory / "samples"),

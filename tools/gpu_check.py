@@ -147,9 +147,10 @@ def _end_group(process: subprocess.Popen, only_leftovers: bool = False) -> None:
 
 
 def run_tests(output_dir: Path, timeout: float) -> dict:
-    """pytest -m gpu tests/test_gpu.py, its output kept in tests.log."""
+    """pytest -m gpu tests/test_gpu.py, its output kept in tests.log (verbose: a run the budget stops
+    still names each test that ran and the one it stopped in; every test's time at the end)."""
     started = time.time()
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py",
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-v", "-rs", "--durations=0", "tests/test_gpu.py",
                f"--junitxml={output_dir / 'tests.xml'}"]
     output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": "cuda"})
     (output_dir / "tests.log").write_text(output)
