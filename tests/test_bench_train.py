@@ -93,3 +93,16 @@ def test_the_real_step_s_samples_are_built_from_whole_wikitext_articles():
     assert bench_train.article_documents(text) == (
         " = Lobster = \n A first paragraph .\n = = Biology = = \n Claws .\n\n"
         " = Frank = \n Born in 1914 .\n = = = Early life = = = \n A school .\n")
+
+
+def test_the_device_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idle(tmp_path):
+    """Two streams overlapping (0-10 and 5-12 us), a gap, a copy (20-25 us); host events ignored."""
+    events = [{"ph": "X", "cat": "kernel", "ts": 0, "dur": 10}, {"ph": "X", "cat": "kernel", "ts": 5, "dur": 7},
+              {"ph": "X", "cat": "gpu_memcpy", "ts": 20, "dur": 5}, {"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 99}]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    assert bench_train.device_timeline(str(trace)) == {"span_ms": 0.025, "busy_ms": 0.017, "idle_ms": 0.008,
+                                                        "kernels": 3}
+    trace.write_text(json.dumps({"traceEvents": events[3:]}))
+    assert bench_train.device_timeline(str(trace)) is None
+    assert bench_train.companion_trace_path("/o/base.trace.json", "pretrain") == "/o/base.pretrain.trace.json"

@@ -101,6 +101,11 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert any(event.get("name") == "aten::mm" for event in trace["traceEvents"])
     times = [kernel["self_us"] for kernel in figures["top_kernels"]]
     assert len(times) == 20 and times == sorted(times, reverse=True)
+    # pretrain's step traced beside it (the optimizer step DeepSpeed runs among its ops); no GPU timeline here.
+    assert real["profile_trace"] == str(run / "tiny-seq64-fp32-sdpa.pretrain.trace.json")
+    real_names = {event.get("name") for event in json.loads(Path(real["profile_trace"]).read_text())["traceEvents"]}
+    assert {"aten::mm", "Optimizer.step#AdamW.step"} <= real_names
+    assert len(real["top_kernels"]) == 20 and figures["device_timeline"] is None and real["device_timeline"] is None
 
     markdown = (run / "gpu-check.md").read_text()
     assert markdown == gpu_check.markdown(report)
@@ -109,6 +114,9 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
         in markdown
     assert f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {figures['host_ms_per_step']:,.1f} |" in markdown
     assert f"| `{figures['top_kernels'][0]['name']}` | {figures['top_kernels'][0]['calls']} |" in markdown
+    assert "kernels of the bare model's step" in markdown and "kernels of pretrain's step" in markdown
+    assert f"| `{real['top_kernels'][0]['name'][:120]}` | {real['top_kernels'][0]['calls']} |" in markdown
+    assert markdown.count("GPU timeline: none (no GPU events in this trace).") == 2
     has_compile = gpu_check.bench_has_compile()
     assert ("tiny-seq64-fp32-sdpa-compile" in rows) == has_compile
     assert ("--compile rows not run" in markdown) != has_compile

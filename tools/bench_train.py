@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import re
 import resource
@@ -395,7 +396,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
         samples = Path(args.data_path) if args.data_path else build_shared_samples(Path(scratch), args.seq_length)
         if isinstance(samples, str):
             return {"skipped": samples}
-        steps = args.warmup + args.iterations + 2 + (COMPILE_WARMUP_LIMIT if args.compile else 0)
+        # + the syncs' step, the kernel count's, the trace's
+        steps = args.warmup + args.iterations + 3 + (COMPILE_WARMUP_LIMIT if args.compile else 0)
         pretrain_args = pretrain_parser().parse_args(
             ["--data-path", str(samples), "--preset", args.preset, "--seq-length", str(args.seq_length),
              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
@@ -442,6 +444,13 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                 with HostSyncCounter() as syncs:  # this thread's: the step's, not the loader thread's
                     trainer.train_step(train_batches)
                 kernels = count_kernels(lambda: trainer.train_step(train_batches), compiled=args.compile)
+                traced = {}
+                if args.profile_trace:  # pretrain's step traced too: where its time goes beside the bare model's
+                    trace_path = companion_trace_path(args.profile_trace, "pretrain")
+                    traced = {"profile_trace": trace_path,
+                              "top_kernels": profile_step(lambda: trainer.train_step(train_batches), device,
+                                                          trace_path),
+                              "device_timeline": device_timeline(trace_path)}
         finally:
             end_distributed()
     tokens_per_step = tokens / args.iterations
@@ -455,7 +464,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
             "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
             "host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
-            "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels}
+            "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels,
+            **traced}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -533,6 +543,41 @@ def profile_step(step, device: torch.device, trace_path: str, top: int = 20) -> 
     return [{"name": e.key, "calls": e.count,
              "self_us": e.self_device_time_total if on_device else e.self_cpu_time_total}
             for e in averages[:top]]
+
+
+DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+"""Chrome-trace categories of work on the GPU (torch.profiler's export)."""
+
+
+def device_timeline(trace_path: str) -> dict | None:
+    """From a traced step's Chrome trace: the span from its first GPU kernel to its last, the time
+    the GPU was busy in it (the union of kernel intervals, streams overlapping) and the rest, idle,
+    where it waited for the host to launch the next kernel. None without GPU events (a CPU trace).
+    A step mostly idle is bound by the host's launches; one mostly busy, by its kernels."""
+    events = json.loads(Path(trace_path).read_text())
+    events = events.get("traceEvents", []) if isinstance(events, dict) else events
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                       if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
+    if not intervals:
+        return None
+    busy, (current_start, current_end) = 0.0, intervals[0]
+    for start, end in intervals[1:]:
+        if start > current_end:
+            busy += current_end - current_start
+            current_start, current_end = start, end
+        else:
+            current_end = max(current_end, end)
+    busy += current_end - current_start
+    span = max(end for _, end in intervals) - intervals[0][0]
+    return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "kernels": len(intervals)}
+
+
+def companion_trace_path(trace_path: str, what: str) -> str:
+    """`x.trace.json` -> `x.<what>.trace.json` (another step's trace beside the bare model's)."""
+    path = Path(trace_path)
+    stem = path.name[:-len(".trace.json")] if path.name.endswith(".trace.json") else path.stem
+    return str(path.with_name(f"{stem}.{what}.trace.json"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -697,6 +742,7 @@ def benchmark(args: argparse.Namespace) -> int:
         figures["profile_trace"] = args.profile_trace
         figures["top_kernels"] = profile_step(training_iteration(model, optimizer, [batch], device, autocast_dtype,
                                                                  scaler), device, args.profile_trace)
+        figures["device_timeline"] = device_timeline(args.profile_trace)
         print(f"  profile: one step traced to {args.profile_trace}; top kernel "
               f"{figures['top_kernels'][0]['name']} ({figures['top_kernels'][0]['self_us'] / 1e3:.1f} ms)")
     if args.huggingface:

@@ -11,8 +11,9 @@ loader over samples built from ../shared/data, the padded vocabulary), Hugging F
 BertForMaskedLM (sdpa) at the sequence length, at our layout width and with its head on the masked
 positions only (`--huggingface`), our step's ratio to each, the CPU proxies of every row (host
 syncs, kernels, attention-bias bytes per step), a `--compile` row where bench_train has that flag
-(the bare model and pretrain's own step, both compiled), and one step of seq 128 traced by
-torch.profiler (a Chrome trace file; its top-20 kernels in gpu-check.md). The MFU peak comes from
+(the bare model and pretrain's own step, both compiled), and one step of each at seq 128 traced
+by torch.profiler (Chrome trace files; their top-20 kernels in gpu-check.md, with the time the GPU
+was busy and idle in the step: idle is waiting for the host's launches). The MFU peak comes from
 the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
@@ -329,21 +330,31 @@ def markdown(report: dict) -> str:
             lines.append(f"| {row['seq_length']} | {row['micro_batch_size']} | {row['precision']} | "
                          f"{f['seconds_per_step'] * 1e3:.1f} | {cells.get('hf-seq', '?')} | {cells.get('hf-width', '?')} "
                          f"| {cells.get('hf-seq-masked-head', '?')} |")
+        unit = "self CUDA time" if device["cuda"] else "self CPU time"
         for row in real_rows:
-            f = row["figures"]
-            if not f.get("top_kernels"):
-                continue
-            unit = "self CUDA time" if device["cuda"] else "self CPU time"
-            lines += ["", f"## Top {len(f['top_kernels'])} kernels of one step (seq {row['seq_length']}, micro batch "
-                      f"{row['micro_batch_size']}, {row['precision']}, by {unit}; trace: {f['profile_trace']})", "",
-                      "| kernel | calls | ms |", "|---|---|---|"]
-            lines += [f"| `{kernel['name'][:120].replace('|', '/')}` | {kernel['calls']} | {kernel['self_us'] / 1e3:.2f} |"
-                      for kernel in f["top_kernels"]]
+            traced = [(what, figures) for what, figures in (("the bare model's step", row["figures"]),
+                                                              ("pretrain's step", row["figures"].get("deepspeed", {})))
+                      if figures.get("top_kernels")]
+            for what, f in traced:
+                lines += ["", f"## Top {len(f['top_kernels'])} kernels of {what} (seq {row['seq_length']}, micro batch "
+                          f"{row['micro_batch_size']}, {row['precision']}, by {unit}; trace: {f['profile_trace']})", "",
+                          _timeline(f.get("device_timeline")), "", "| kernel | calls | ms |", "|---|---|---|"]
+                lines += [f"| `{kernel['name'][:120].replace('|', '/')}` | {kernel['calls']} | "
+                          f"{kernel['self_us'] / 1e3:.2f} |" for kernel in f["top_kernels"]]
     if report.get("not_run"):
         lines += ["", f"Not run ({report['not_run_reason']}): " + ", ".join(report["not_run"]) + "."]
     for note in report["notes"]:
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _timeline(timeline: dict | None) -> str:
+    """One line: how much of the traced step the GPU was busy (bench_train.device_timeline)."""
+    if not timeline:
+        return "GPU timeline: none (no GPU events in this trace)."
+    return (f"GPU timeline: {timeline['kernels']:,} kernels over {timeline['span_ms']:.1f} ms, busy "
+            f"{timeline['busy_ms']:.1f} ms, idle {timeline['idle_ms']:.1f} ms "
+            f"({timeline['idle_ms'] / max(timeline['span_ms'], 1e-9):.0%}: waiting for the host's launches).")
 
 
 def device_peaks(name: str, precisions: Sequence[str]) -> dict:
