@@ -31,7 +31,7 @@ from .training import heartbeat
 from .training.heartbeat import add_heartbeat_argument
 from .training.checkpoint_files import CheckpointError
 from .training.nonfinite import NonFiniteGradients
-from .training.training_config import TrainingConfig, check_precision_supported
+from .training.training_config import TrainingConfig, check_precision_supported, zero0_mixed_precision_note
 
 TRAINING_DEFAULTS = dict(
     # s2s-ft: code defaults (run_seq2seq.py) and the paper's Appendix A where the code has none.
@@ -250,6 +250,8 @@ def run(args: argparse.Namespace) -> int:
         f"{s2s.target_mask_prob}; {training.train_iters} iterations of {training.global_batch_size} "
         f"(~{training.train_iters * training.global_batch_size / len(train_examples):.2f} epochs), data parallel "
         f"{data_parallel_size}, ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}")
+    for note in filter(None, [zero0_mixed_precision_note(training)]):
+        log(note)
     vocab_file = recorded_vocab_file(loaded.vocabulary, args.save, rank)
     run_args = {**vars(args), "model_config": asdict(config), "tensor_model_parallel_size": 1,
                 "pipeline_model_parallel_size": 1, "vocab_file": vocab_file,

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..config import ConfigError, ModelConfig
-from .training_config import PRESET_TRAINING_DEFAULTS, TrainingConfig
+from .training_config import PRESET_TRAINING_DEFAULTS, TrainingConfig, zero0_mixed_precision_note
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int) -> int:
@@ -188,6 +188,8 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
                                            plan.tensor_parallel_size, plan.pipeline_parallel_size)
     log(plan.describe_model)
     log(parallelism_line(training, layout, plan.show_pipeline))
+    for note in filter(None, [zero0_mixed_precision_note(training)]):
+        log(note)
     heartbeat.beat("start-up: building the engine")
     trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=model_parallel_unit(),
                       pipeline=plan.pipeline_parallel_size > 1, flops_per_token=plan.flops_per_token,
