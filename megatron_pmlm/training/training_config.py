@@ -246,7 +246,7 @@ def zero0_mixed_precision_note(config: TrainingConfig) -> str | None:
         return None
     return (f"note: --{config.precision} at ZeRO-0 runs DeepSpeed's per-parameter (unfused) optimizer, ~3.6x the "
             "kernel launches of ZeRO-1 per step at base (docs/gpu.md); --zero-stage 1 (or --deepspeed-config "
-            f"ds_configs/{'bf16' if config.precision == 'bf16' else 'pretrain_base_v100'}.json) is faster at "
+            f"ds_configs/{'bf16' if config.precision == 'bf16' else 'pretrain_base_v100'}.json) avoids it at "
             "any data-parallel size")
 
 
