@@ -250,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
         f"{s2s.target_mask_prob}; {training.train_iters} iterations of {training.global_batch_size} "
         f"(~{training.train_iters * training.global_batch_size / len(train_examples):.2f} epochs), data parallel "
         f"{data_parallel_size}, ZeRO-{training.zero_stage}, {training.precision}, micro batch {training.micro_batch_size}")
-    for note in filter(None, [zero0_mixed_precision_note(training)]):
+    if note := zero0_mixed_precision_note(training):
         log(note)
     vocab_file = recorded_vocab_file(loaded.vocabulary, args.save, rank)
     run_args = {**vars(args), "model_config": asdict(config), "tensor_model_parallel_size": 1,

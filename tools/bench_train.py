@@ -568,7 +568,7 @@ def device_timeline(trace_path: str) -> dict | None:
         else:
             current_end = max(current_end, end)
     busy += current_end - current_start
-    span = max(end for _, end in intervals) - intervals[0][0]
+    span = current_end - intervals[0][0]  # the last merged run ends last
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
             "kernels": len(intervals)}
 

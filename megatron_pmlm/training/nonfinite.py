@@ -14,8 +14,6 @@ last one saved is the place to resume from. Megatron-LM stops the same way
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -29,29 +27,23 @@ class GradientNormWatch:
     def __init__(self, device: torch.device) -> None:
         self.steps = torch.zeros((), dtype=torch.long, device=device)
         self.first_iteration = torch.zeros((), dtype=torch.long, device=device)
-        self._host_steps, self._host_first = 0, 0
 
     def record(self, grad_norm, iteration: int) -> None:
-        """After the optimizer step of `iteration` (1-based): no host sync."""
+        """After the optimizer step of `iteration` (1-based): no host sync (DeepSpeed's ZeRO-1/2 norm
+        is a device tensor; a number, if one comes, is copied over)."""
         if grad_norm is None:
             return
-        if not torch.is_tensor(grad_norm):  # already on the host
-            if not math.isfinite(grad_norm) and not self._host_steps:
-                self._host_first = iteration
-            self._host_steps += not math.isfinite(grad_norm)
-            return
-        bad = ~torch.isfinite(grad_norm.detach().to(self.steps.device))
+        grad_norm = torch.as_tensor(grad_norm, device=self.steps.device).detach()
+        bad = ~torch.isfinite(grad_norm)
         self.first_iteration = torch.where(bad & (self.steps == 0), iteration, self.first_iteration)
         self.steps = self.steps + bad
 
     def check(self, iteration: int, when: str) -> None:
         """Raise NonFiniteGradients if a step up to `iteration` had a non-finite norm (reads the
         device: call it where the loop reads it anyway)."""
-        device_steps, device_first = (int(value) for value in torch.stack([self.steps, self.first_iteration]).tolist())
-        steps = device_steps + self._host_steps
+        steps, first = torch.stack([self.steps, self.first_iteration]).tolist()
         if not steps:
             return
-        first = min(f for f, n in ((device_first, device_steps), (self._host_first, self._host_steps)) if n)
         raise NonFiniteGradients(
             f"the global gradient norm was not finite (NaN or inf) at iteration {first} ({steps} iteration(s) "
             f"in all up to {iteration}): the weights are damaged since iteration {first}, so {when} stops "

@@ -188,7 +188,7 @@ def start_pretraining(args: argparse.Namespace, plan: PretrainingRun) -> tuple[A
                                            plan.tensor_parallel_size, plan.pipeline_parallel_size)
     log(plan.describe_model)
     log(parallelism_line(training, layout, plan.show_pipeline))
-    for note in filter(None, [zero0_mixed_precision_note(training)]):
+    if note := zero0_mixed_precision_note(training):
         log(note)
     heartbeat.beat("start-up: building the engine")
     trainer = Trainer(model, training, layout.data_parallel_size, plan.ds_config, mpu=model_parallel_unit(),

@@ -45,7 +45,7 @@ from .tracking import Tracking, TrackingConfig, read_run_ids
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .nonfinite import GradientNormWatch
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
-                              lr_lambda, parameter_groups)
+                              gradient_scan_off, lr_lambda, parameter_groups)
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
 
 
@@ -141,9 +141,7 @@ class Trainer:
             mpu=None if pipeline else mpu)
         self._base_optimizer = optimizer
         # bf16 under ZeRO-1/2 without DeepSpeed's per-step scan: its gradient norm watched instead.
-        self.gradient_norm_watch = GradientNormWatch(self.device) if (
-            config.precision == "bf16" and config.zero_stage in (1, 2)
-            and not self.ds_config["bf16"].get("check_grad_overflow", True)) else None
+        self.gradient_norm_watch = GradientNormWatch(self.device) if gradient_scan_off(config, self.ds_config) else None
         if tracks_norm:
             # Squared gradients are summed over this model replica's ranks: its tensor-parallel
             # group, and under pipelining every stage of it.

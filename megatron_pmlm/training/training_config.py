@@ -199,6 +199,18 @@ def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
     return read_json(path, ConfigError)
 
 
+GRADIENT_SCAN_ZERO_STAGES = (1, 2)
+"""The ZeRO stages whose DeepSpeed optimizer scans every gradient for NaN/inf before each step when
+`"bf16": {"check_grad_overflow": true}` (its default): off for bf16 here (`build_deepspeed_config`)."""
+
+
+def gradient_scan_off(config: TrainingConfig, ds_config: dict[str, Any]) -> bool:
+    """Whether this run is bf16 at ZeRO-1/2 with DeepSpeed's gradient scan off, so that the Trainer
+    watches the gradient norm instead (training/nonfinite.py)."""
+    return (config.precision == "bf16" and config.zero_stage in GRADIENT_SCAN_ZERO_STAGES
+            and not ds_config.get("bf16", {}).get("check_grad_overflow", True))
+
+
 def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
                            base: dict[str, Any] | None = None) -> dict[str, Any]:
     """A user's DeepSpeed file (if any) with the command-line values written over it."""
@@ -220,7 +232,7 @@ def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
     bf16 = ds_config.setdefault("bf16", {})
     fp16["enabled"] = config.precision == "fp16"
     bf16["enabled"] = config.precision == "bf16"
-    if bf16["enabled"] and config.zero_stage in (1, 2):
+    if bf16["enabled"] and config.zero_stage in GRADIENT_SCAN_ZERO_STAGES:
         # DeepSpeed's ZeRO-1/2 scan for a non-finite gradient before each step launches 13 kernels
         # per gradient tensor and waits for the device twice (2,600 launches a step at base: on one
         # H200, pretrain's step took 3.3x the bare model's). bf16 needs no loss scaling, so the scan
