@@ -4,8 +4,9 @@ Under bf16 with ZeRO-1/2, DeepSpeed's own check (skip a step whose gradients hol
 every gradient tensor before every step: 13 kernel launches per tensor and two waits for the device
 (`training_config.build_deepspeed_config` turns it off; a user's DeepSpeed file can turn it back on).
 bf16 has float32's range, so no loss scale overflows: a non-finite gradient means the run diverged
-or met a bad batch. `GradientNormWatch` reads the global gradient norm DeepSpeed computes anyway
-(a device tensor, inf when any gradient is not finite), counts such steps on the device, and
+or met a bad batch. `GradientNormWatch` reads the global gradient norm the step measures anyway
+(`Trainer.global_grad_norm`: DeepSpeed's, or training/gradient_norm.py's on the flat partitions; a
+device tensor, inf when any gradient is not finite), counts such steps on the device, and
 `check` (at each log line and before each checkpoint, where the loop reads the device anyway)
 stops the run naming the first one: no checkpoint is ever written from damaged weights, and the
 last one saved is the place to resume from. Megatron-LM stops the same way
@@ -29,8 +30,8 @@ class GradientNormWatch:
         self.first_iteration = torch.zeros((), dtype=torch.long, device=device)
 
     def record(self, grad_norm, iteration: int) -> None:
-        """After the optimizer step of `iteration` (1-based): no host sync (DeepSpeed's ZeRO-1/2 norm
-        is a device tensor; a number, if one comes, is copied over)."""
+        """After the optimizer step of `iteration` (1-based): no host sync (the ZeRO-1/2 norms are
+        device tensors; a number, if one comes, is copied over)."""
         if grad_norm is None:
             return
         grad_norm = torch.as_tensor(grad_norm, device=self.steps.device).detach()

@@ -44,8 +44,9 @@ from .run_identity import IDENTITY_KEY, identity_lines, run_identity
 from .tracking import Tracking, TrackingConfig, read_run_ids
 from .relayout import RESHARDED_ZERO_STAGES, layout_name, relayout_tag, relayout_to_universal, saved_layout
 from .nonfinite import GradientNormWatch
+from .gradient_norm import PartitionGradientNorm
 from .training_config import (TrainingConfig, AdamW, adamw_options, build_deepspeed_config, check_zero_with_pipeline,
-                              gradient_scan_off, lr_lambda, parameter_groups)
+                              gradient_scan_off, lr_lambda, parameter_groups, partition_norm_measured_here)
 from .universal_checkpoint import convert_to_universal, universal_checkpoint_info
 
 
@@ -104,7 +105,9 @@ class Trainer:
         self.pipeline_parallel_size = mpu.get_pipeline_model_parallel_world_size() if mpu else 1
         self.universal_checkpoint = universal_checkpoint
         check_zero_with_pipeline(config.zero_stage, pipeline)
-        self.ds_config = build_deepspeed_config(config, data_parallel_size, ds_config_base)
+        self.ds_config = build_deepspeed_config(
+            config, data_parallel_size, ds_config_base,
+            model_parallel=self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or pipeline)
         if universal_checkpoint:
             if config.zero_stage == 0:
                 raise ConfigError("--universal-checkpoint restores into ZeRO's partitioned optimizer: use "
@@ -140,6 +143,9 @@ class Trainer:
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config,
             mpu=None if pipeline else mpu)
         self._base_optimizer = optimizer
+        # ZeRO-1/2 without DeepSpeed's per-tensor norm: measured on the flat partitions AdamW steps.
+        self.partition_norm = (PartitionGradientNorm(optimizer, mpu.get_data_parallel_group() if mpu else None)
+                               if partition_norm_measured_here(config, self.ds_config) else None)
         # bf16 under ZeRO-1/2 without DeepSpeed's per-step scan: its gradient norm watched instead.
         self.gradient_norm_watch = GradientNormWatch(self.device) if gradient_scan_off(config, self.ds_config) else None
         if tracks_norm:
@@ -209,9 +215,20 @@ class Trainer:
                 sums.add_tensor(out.metrics())
         self.iteration += 1
         if self.gradient_norm_watch is not None:
-            self.gradient_norm_watch.record(self.engine.get_global_grad_norm(), self.iteration)
+            self.gradient_norm_watch.record(self.global_grad_norm(), self.iteration)
         self.consumed_samples += self.config.global_batch_size
         return sums, batches.tokens - tokens_before
+
+    def global_grad_norm(self) -> torch.Tensor | float | None:
+        """The last step's global gradient norm, from whoever measured it: DeepSpeed's ZeRO, fp16 and
+        bf16 optimizers, else `partition_norm` (ZeRO-1/2 with DeepSpeed's off), else our AdamW (fp32
+        at ZeRO-0). A device tensor or a number; None before the first step."""
+        norm = self.engine.get_global_grad_norm()
+        if norm is None and self.partition_norm is not None:
+            norm = self.partition_norm.norm
+        if norm is None:
+            norm = getattr(self._base_optimizer, "last_grad_norm_tensor", None)
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches: Iterator[PMLMBatch], num_batches: int) -> dict[str, float]:
@@ -319,9 +336,7 @@ class Trainer:
         tokens_total = float(token_tensor.item()) / replicas
         self.consumed_tokens += int(tokens_total)
         elapsed = max(elapsed, 1e-9)
-        grad_norm = self.engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = getattr(self._base_optimizer, "last_grad_norm", None)
+        grad_norm = self.global_grad_norm()
         loss_scale = float(getattr(self.optimizer, "cur_scale", getattr(self.optimizer, "loss_scale", 1.0)) or 1.0)
         losses = averages  # the spec's losses, then its ratios (accuracies, per-kind losses)
         record = {

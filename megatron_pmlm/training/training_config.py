@@ -199,21 +199,45 @@ def read_deepspeed_config(path: str | None) -> dict[str, Any] | None:
     return read_json(path, ConfigError)
 
 
-GRADIENT_SCAN_ZERO_STAGES = (1, 2)
-"""The ZeRO stages whose DeepSpeed optimizer scans every gradient for NaN/inf before each step when
-`"bf16": {"check_grad_overflow": true}` (its default): off for bf16 here (`build_deepspeed_config`)."""
+FLAT_PARTITION_ZERO_STAGES = (1, 2)
+"""The ZeRO stages whose DeepSpeed optimizer (stage_1_and_2.py) steps AdamW over flat fp32
+partitions, and loops over every gradient tensor before each step twice: a scan for NaN/inf when
+`"bf16": {"check_grad_overflow": true}` (its default) and the global norm (`"zero_optimization":
+{"compute_grad_norm": true}`). `build_deepspeed_config` turns both off where it can."""
 
 
 def gradient_scan_off(config: TrainingConfig, ds_config: dict[str, Any]) -> bool:
     """Whether this run is bf16 at ZeRO-1/2 with DeepSpeed's gradient scan off, so that the Trainer
     watches the gradient norm instead (training/nonfinite.py)."""
-    return (config.precision == "bf16" and config.zero_stage in GRADIENT_SCAN_ZERO_STAGES
+    return (config.precision == "bf16" and config.zero_stage in FLAT_PARTITION_ZERO_STAGES
             and not ds_config.get("bf16", {}).get("check_grad_overflow", True))
 
 
+def partition_norm_measured_here(config: TrainingConfig, ds_config: dict[str, Any]) -> bool:
+    """Whether DeepSpeed's ZeRO-1/2 optimizer leaves the gradient norm to us
+    (`"zero_optimization": {"compute_grad_norm": false}`): the Trainer then measures it on the flat
+    fp32 gradient partitions its AdamW steps (training/gradient_norm.py)."""
+    return (config.zero_stage in FLAT_PARTITION_ZERO_STAGES
+            and ds_config.get("zero_optimization", {}).get("compute_grad_norm", True) is False)
+
+
+def _deepspeed_reads_its_norm(config: TrainingConfig, ds_config: dict[str, Any], model_parallel: bool) -> bool:
+    """Whether DeepSpeed's ZeRO-1/2 optimizer needs its own per-tensor gradient norm: to clip (before
+    the step), for an overflow check (fp16's, or bf16's turned back on: a skipped step is reported
+    through it), under model parallelism (a flat partition cannot tell a replicated parameter from
+    a split one), or in bf16 at ZeRO-1 accumulating in float32 (DeepSpeed's BF16_Optimizer runs
+    then, and refuses to go without it)."""
+    bf16 = ds_config["bf16"]
+    return (config.clip_grad > 0 or ds_config["fp16"]["enabled"] or model_parallel
+            or (bf16["enabled"] and bf16.get("check_grad_overflow", True))
+            or (bf16["enabled"] and config.zero_stage == 1
+                and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"))
+
+
 def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
-                           base: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A user's DeepSpeed file (if any) with the command-line values written over it."""
+                           base: dict[str, Any] | None = None, model_parallel: bool = False) -> dict[str, Any]:
+    """A user's DeepSpeed file (if any) with the command-line values written over it.
+    `model_parallel`: tensor or pipeline parallelism (some parameters are then replicated)."""
     ds_config = json.loads(json.dumps(base or {}))
     for key in ("optimizer", "scheduler"):
         if key in ds_config:
@@ -227,19 +251,32 @@ def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     })
-    ds_config.setdefault("zero_optimization", {})["stage"] = config.zero_stage
+    zero = ds_config.setdefault("zero_optimization", {})
+    zero["stage"] = config.zero_stage
     fp16 = ds_config.setdefault("fp16", {})
     bf16 = ds_config.setdefault("bf16", {})
     fp16["enabled"] = config.precision == "fp16"
     bf16["enabled"] = config.precision == "bf16"
-    if bf16["enabled"] and config.zero_stage in GRADIENT_SCAN_ZERO_STAGES:
+    if bf16["enabled"] and config.zero_stage in FLAT_PARTITION_ZERO_STAGES:
         # DeepSpeed's ZeRO-1/2 scan for a non-finite gradient before each step launches 13 kernels
         # per gradient tensor and waits for the device twice (2,600 launches a step at base: on one
         # H200, pretrain's step took 3.3x the bare model's). bf16 needs no loss scaling, so the scan
-        # only guards against NaN/inf; the Trainer watches the global gradient norm DeepSpeed
-        # computes anyway, on the device, instead (training/nonfinite.py). A user's file may turn
-        # it back on.
+        # only guards against NaN/inf; the Trainer watches the global gradient norm on the device
+        # instead (training/nonfinite.py). A user's file may turn it back on.
         bf16.setdefault("check_grad_overflow", False)
+    if config.zero_stage in FLAT_PARTITION_ZERO_STAGES and not _deepspeed_reads_its_norm(config, ds_config,
+                                                                                      model_parallel):
+        # DeepSpeed's ZeRO-1/2 norm is a cast and a norm per gradient tensor (406 launches a step at
+        # base) and a Python loop over them; on the flat fp32 partitions AdamW steps it is one sum
+        # of squares per parameter group (training/gradient_norm.py).
+        zero.setdefault("compute_grad_norm", False)
+    if zero.get("compute_grad_norm", True) is False and config.zero_stage in FLAT_PARTITION_ZERO_STAGES:
+        if config.clip_grad > 0:
+            raise ConfigError(f"the DeepSpeed config sets \"zero_optimization\": {{\"compute_grad_norm\": false}}, "
+                              f"but --clip-grad {config.clip_grad} needs DeepSpeed's norm: remove one of them")
+        if model_parallel:
+            raise ConfigError("the DeepSpeed config sets \"zero_optimization\": {\"compute_grad_norm\": false}, "
+                              "which leaves no gradient norm under tensor or pipeline parallelism: remove it")
     if fp16["enabled"]:
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic
         fp16.setdefault("initial_scale_power", 16)
