@@ -42,6 +42,15 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
         "base-seq128-fp16-sdpa", "base-seq128-fp16-flex", "base-seq512-fp16-sdpa", "base-seq512-fp16-flex"]
     assert [spec["priority"] for spec in plan] == sorted(spec["priority"] for spec in plan)
     assert 2 < gpu_check.TESTS_PRIORITY < 3  # the gpu tests before the other precision's rows
+    # pretrain's step at larger micro batches, after the compiled rows.
+    large = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("fp16", "bf16"), ("sdpa", "flex"), "bf16", compile_rows=True,
+                                 large_batches=gpu_check.LARGE_BATCH_SHAPES)
+    assert [gpu_check.bench_name(spec, "base") for spec in large][2:6] == [
+        "base-seq128-bf16-sdpa-compile", "base-seq512-bf16-sdpa-compile", "base-seq128-bf16-sdpa-mb256",
+        "base-seq512-bf16-sdpa-mb64"]
+    assert [(s["micro_batch"], s["flags"], gpu_check.minimum_seconds(s)) for s in large[4:6]] == [
+        (256, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS), (64, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS)]
+    assert len(large) == 12 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
     # A V100: fp16 only, sdpa only, bench_train without --compile.
     v100 = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("fp16",), ("sdpa",), "fp16", compile_rows=False)
     assert [(s["precision"], s["real"], s["traced"]) for s in v100] == [("fp16", True, True), ("fp16", True, False)]
