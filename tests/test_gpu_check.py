@@ -122,6 +122,10 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert f"| {real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | {real['kernels_per_step']:,} |" \
         in markdown
     assert f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {figures['host_ms_per_step']:,.1f} |" in markdown
+    # The host's Python between ops, pretrain's step beside the bare model's.
+    assert real["host_ms_outside_ops"] > 0 and figures["host_ms_outside_ops"] > 0
+    assert (f"| {real['kernels_per_step']:,} | {real['host_ms_outside_ops']:,.1f} "
+            f"({figures['host_ms_outside_ops']:,.1f}) |") in markdown
     assert f"| `{figures['top_kernels'][0]['name']}` | {figures['top_kernels'][0]['calls']} |" in markdown
     assert "kernels of the bare model's step" in markdown and "kernels of pretrain's step" in markdown
     assert f"| `{real['top_kernels'][0]['name'][:120]}` | {real['top_kernels'][0]['calls']} |" in markdown

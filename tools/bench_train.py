@@ -225,7 +225,8 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
                  compiled: bool) -> dict:
     """The CPU proxies of one step (issue 33, item 9), measured after the timed steps.
 
-    host_syncs_per_step: training.host_syncs over forward+backward+AdamW, our code's syncs only
+    host_ms_outside_ops: training.kernel_count.host_ms_outside_ops, the step's host time outside
+    ATen ops (Python, hooks); host_syncs_per_step: training.host_syncs over forward+backward+AdamW, our code's syncs only
     (the list of every owner's in host_syncs); kernels_per_step: training.kernel_count over the same
     step (kernels_by_source: the profiler's count of one step by phase and op, the backward named after
     its autograd node, `kernel_count.profiled_kernel_sources`); bias_bytes_per_step: models.relative_bias.bias_bytes_per_step, the bytes ops write into
@@ -235,9 +236,10 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
     dispatch modes, which run a compiled model eagerly: they describe the eager step."""
     from megatron_pmlm.models.relative_bias import bias_bytes_per_step
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import count_kernels, kernel_sources
+    from megatron_pmlm.training.kernel_count import count_kernels, host_ms_outside_ops, kernel_sources
 
     step = training_iteration(model, optimizer, [batch], device, autocast_dtype, scaler)
+    outside_ops = host_ms_outside_ops(step)
     # Kernels first, from the compiled step; the counters below run it eagerly (dispatch modes, and
     # HostSyncCounter's "force_eager" stance), after which the compiled regions run compiled again.
     sources = kernel_sources(step)  # one profiled step; a compiled step's kernel count is their sum
@@ -248,6 +250,7 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
     return {"host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [],
             "kernels_per_step": kernels, "kernels_counted": "compiled (profiler)" if compiled else "eager (dispatch)",
+            "host_ms_outside_ops": outside_ops,
             "kernels_by_source": dict(sources.most_common()),
             "bias_bytes_per_step": bias["bias_bytes"], "bias_ops": bias["ops"],
             "sdpa_pad_bytes_per_step": bias["sdpa_pad_bytes"]}
@@ -294,7 +297,8 @@ def host_step_proxy(model, optimizer, config, device, autocast_dtype, scaler, se
 
 def proxies_line(figures: dict) -> str:
     return (f"  proxies: host syncs/step {figures['host_syncs_per_step']} ours ({figures['host_syncs_all_owners']} "
-            f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | attention-bias "
+            f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | host ms outside "
+            f"ops/step {figures['host_ms_outside_ops']:.1f} | attention-bias "
             f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB (+ {figures['sdpa_pad_bytes_per_step'] / 2**20:,.1f} "
             f"MiB a GPU's SDPA would pad)"
             + (f" | host ms/step {figures['host_ms_per_step']:.1f} (fwd+bwd {figures['host_ms_forward_backward']:.1f}; "
@@ -386,7 +390,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
     from megatron_pmlm.parallel.distributed import end_distributed
     from megatron_pmlm.pretrain import build_parser as pretrain_parser
     from megatron_pmlm.training.host_syncs import HostSyncCounter
-    from megatron_pmlm.training.kernel_count import count_kernels
+    from megatron_pmlm.training.kernel_count import OUTSIDE_OPS_CALLS, count_kernels, host_ms_outside_ops
     from megatron_pmlm.training.pmlm_recipe import pmlm_pretraining_run
     from megatron_pmlm.training.preflight import check_sizes
     from megatron_pmlm.training.recipe import start_pretraining
@@ -396,13 +400,15 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
         samples = Path(args.data_path) if args.data_path else build_shared_samples(Path(scratch), args.seq_length)
         if isinstance(samples, str):
             return {"skipped": samples}
-        # + the syncs' step, the kernel count's, the trace's
-        steps = args.warmup + args.iterations + 3 + (COMPILE_WARMUP_LIMIT if args.compile else 0)
+        # + the syncs' step, the kernel count's, the trace's, host_ms_outside_ops's
+        steps = args.warmup + args.iterations + 3 + OUTSIDE_OPS_CALLS + (COMPILE_WARMUP_LIMIT if args.compile else 0)
         pretrain_args = pretrain_parser().parse_args(
             ["--data-path", str(samples), "--preset", args.preset, "--seq-length", str(args.seq_length),
              "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
              "--zero-stage", "1", "--attention-backend", args.attention_backend, "--train-iters", str(steps),
              "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else [])
+            + (["--hidden-size", str(args.hidden_size), "--ffn-hidden-size", str(4 * args.hidden_size)]
+               if args.hidden_size else [])
             + (["--compile"] if args.compile else []))
         check_sizes(pretrain_args)
         plan = pmlm_pretraining_run(pretrain_args, UniLMMaskingConfig())
@@ -444,6 +450,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                 with HostSyncCounter() as syncs:  # this thread's: the step's, not the loader thread's
                     trainer.train_step(train_batches)
                 kernels = count_kernels(lambda: trainer.train_step(train_batches), compiled=args.compile)
+                outside_ops = host_ms_outside_ops(lambda: trainer.train_step(train_batches))
                 traced = {}
                 if args.profile_trace:  # pretrain's step traced too: where its time goes beside the bare model's
                     trace_path = companion_trace_path(args.profile_trace, "pretrain")
@@ -465,7 +472,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
             "host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels,
-            **traced}
+            "host_ms_outside_ops": outside_ops, **traced}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -583,6 +590,10 @@ def companion_trace_path(trace_path: str, what: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     parser.add_argument("--preset", default="base", help="tiny, base or large")
+    parser.add_argument("--hidden-size", type=int, default=None,
+                        help="override the preset's hidden size (FFN 4x it; layers, heads and parameter tensors "
+                             "kept): the preset's structure with little arithmetic, for the host-side proxies "
+                             "(host ms outside ops, kernels) on a CPU")
     parser.add_argument("--seq-length", type=int, default=512, help="tokens per sample before the appended ones")
     parser.add_argument("--micro-batch-size", type=int, default=20, help="samples per step")
     precision = parser.add_mutually_exclusive_group()
@@ -666,6 +677,11 @@ def benchmark(args: argparse.Namespace) -> int:
         config = model_config_from_preset(args.preset, hidden_dropout=0.0, attention_dropout=0.0,
                                           max_position_embeddings=max(args.seq_length, 128),
                                           attention_backend=args.attention_backend)
+        if args.hidden_size:
+            if args.hidden_size % config.num_attention_heads:
+                raise ValueError(f"--hidden-size {args.hidden_size} is not a multiple of the preset's "
+                                 f"{config.num_attention_heads} attention heads")
+            config = replace(config, hidden_size=args.hidden_size, ffn_hidden_size=4 * args.hidden_size)
         # The vocabulary padded as pre-training pads it (--make-vocab-size-divisible-by 128, TP 1).
         config = replace(config, padded_vocab_size=padded_vocab_size(config.vocab_size, 128, 1))
         check_attention_backend(config, device.type)  # flex: refused below compute capability 8.0
@@ -770,7 +786,7 @@ def benchmark(args: argparse.Namespace) -> int:
                   f"{real['model_tflops']:.3f} model TFLOP/s | "
                   + (f"MFU {real['mfu']:.1%}" if real["mfu"] is not None else "MFU ?")
                   + f" | host syncs/step {real['host_syncs_per_step']} ours ({real['host_syncs_all_owners']} all) | "
-                  f"kernels/step {real['kernels_per_step']}"
+                  f"kernels/step {real['kernels_per_step']} | host ms outside ops/step {real['host_ms_outside_ops']:.1f}"
                   + (f" | compiled: {real['compilations']} graphs in {real['warmup_steps']} warm-up steps "
                      f"(first step {real['first_step_seconds']:.1f} s), {real['compilations_while_timed']} while "
                      "timed" if real["compile"] else ""))

@@ -264,6 +264,11 @@ def _proxies(figures: dict) -> str:
             f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {host}")
 
 
+def _outside_ops(figures: dict) -> str:
+    """A step's host ms outside ATen ops (absent from figures of an older bench_train: '?')."""
+    return f"{figures['host_ms_outside_ops']:,.1f}" if "host_ms_outside_ops" in figures else "?"
+
+
 def markdown(report: dict) -> str:
     device = report["device"]
     budget = f" (budget {report['budget_seconds']:.0f} s)" if report.get("budget_seconds") else ""
@@ -305,14 +310,14 @@ def markdown(report: dict) -> str:
                   "loader, the padded vocabulary, pretrain's dropout; the bare model (no DeepSpeed, no dropout, "
                   "random ids) beside it.", "",
                   "| seq | micro batch | precision | mode | vocabulary | tokens/s | samples/s | TFLOP/s | MFU "
-                  "| bare-model MFU | real / bare step time | host syncs | kernels | peak memory GB | first step s "
-                  "(compilations) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| bare-model MFU | real / bare step time | host syncs | kernels | host ms outside ops (bare) "
+                  "| peak memory GB | first step s (compilations) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in real_rows:
             f, real = row["figures"], row["figures"].get("deepspeed", {})
             head = f"| {row['seq_length']} | {row['micro_batch_size']} |"
             if "seconds_per_step" not in real:
-                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} |||||||||||||")
+                lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} ||||||||||||||")
                 continue
             while_timed = real.get("compilations_while_timed") or 0
             first = (f"{real['first_step_seconds']:.1f} ({real['compilations']}"
@@ -323,7 +328,7 @@ def markdown(report: dict) -> str:
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
                          f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / f['seconds_per_step']:.2f} | "
                          f"{real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | "
-                         f"{real['kernels_per_step']:,} | "
+                         f"{real['kernels_per_step']:,} | {_outside_ops(real)} ({_outside_ops(f)}) | "
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
                          + f" | {first} |")
         lines += ["", "## Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch)", "",
