@@ -30,9 +30,10 @@ def test_deepspeed_s_norm_is_off_only_where_nothing_of_deepspeed_s_reads_it():
                                 clip_grad=kwargs.get("clip_grad", 0.0))
         return partition_norm_measured_here(config, ds_config)
 
-    assert ours(zero_stage=1) and ours(zero_stage=2) and ours(precision="fp32")
+    assert ours(zero_stage=1) and ours(zero_stage=2)
     assert not ours(zero_stage=0) and not ours(zero_stage=3)
-    assert not ours(precision="fp16")  # its overflow check reads the norm
+    # fp16 and fp32: DeepSpeed skips a step whose norm is not finite (bf16: the Trainer's watch stops the run).
+    assert not ours(precision="fp16") and not ours(precision="fp32")
     assert not ours(clip_grad=1.0)  # DeepSpeed clips with its norm
     assert not ours(model_parallel=True)  # replicated and split parameters share a flat partition
     # DeepSpeed's scan turned back on: its skipped steps are reported through its own norm.

@@ -223,13 +223,14 @@ def partition_norm_measured_here(config: TrainingConfig, ds_config: dict[str, An
 
 def _deepspeed_reads_its_norm(config: TrainingConfig, ds_config: dict[str, Any], model_parallel: bool) -> bool:
     """Whether DeepSpeed's ZeRO-1/2 optimizer needs its own per-tensor gradient norm: to clip (before
-    the step), for an overflow check (fp16's, or bf16's turned back on: a skipped step is reported
-    through it), under model parallelism (a flat partition cannot tell a replicated parameter from
-    a split one), or in bf16 at ZeRO-1 accumulating in float32 (DeepSpeed's BF16_Optimizer runs
-    then, and refuses to go without it)."""
+    the step); to skip a step whose gradients are not finite (fp32 and fp16 always do, from the
+    norm; bf16 where its scan is turned back on, reporting the skip through it), where bf16 with the
+    scan off has the Trainer's watch instead (training/nonfinite.py); under model parallelism (a flat
+    partition cannot tell a replicated parameter from a split one); or in bf16 at ZeRO-1
+    accumulating in float32 (DeepSpeed's BF16_Optimizer runs then, and refuses to go without it)."""
     bf16 = ds_config["bf16"]
-    return (config.clip_grad > 0 or ds_config["fp16"]["enabled"] or model_parallel
-            or (bf16["enabled"] and bf16.get("check_grad_overflow", True))
+    return (config.clip_grad > 0 or not bf16["enabled"] or model_parallel
+            or bf16.get("check_grad_overflow", True)
             or (bf16["enabled"] and config.zero_stage == 1
                 and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"))
 
