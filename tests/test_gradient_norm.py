@@ -5,7 +5,6 @@ DeepSpeed's number (real DeepSpeed on its CPU accelerator, two data-parallel pro
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
