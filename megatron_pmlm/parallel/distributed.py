@@ -14,10 +14,12 @@ PipeModelDataParallelTopology axes pipe-data-model):
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import socket
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -138,20 +140,33 @@ def init_distributed(backend: str | None = None, timeout_minutes: float = DEFAUL
     deepspeed.init_distributed(dist_backend=backend, verbose=False, timeout=timedelta(minutes=timeout_minutes))
 
 
+COLLECTIVE_WORKERS_DRAIN_SECONDS = 0.1
+"""How long `end_distributed` lets gloo's worker threads run, the GIL free, before the groups go."""
+
+
 def end_distributed() -> None:
     """End megatron-core's groups and every torch.distributed process group, if any are open.
 
     Left to interpreter teardown, a process group's C++ threads can outlive their owner: a run that
     finished can then abort at exit ("terminate called without an active exception", SIGABRT),
-    which fails the launcher and, on a cluster, requeues a finished job."""
+    which fails the launcher and, on a cluster, requeues a finished job. A core dump of one (a
+    2-process gloo run on a loaded machine, ~1 exit in 30) showed how: a gloo worker thread
+    (`ProcessGroupGloo::runLoop`) drops a finished collective only after the thread that waited for
+    it has moved on; the last barrier's work holds an earlier all-reduce whose tensors are Python
+    objects, and dropping them needs the GIL. Reached during interpreter teardown (the main thread
+    in its final garbage collection, where DeepSpeed's reference cycles let go of the groups),
+    taking the GIL ends the thread by a forced unwind through a noexcept destructor: std::terminate.
+    So the workers get the GIL for a moment first, and the groups are freed here, not at teardown."""
     if not (dist.is_available() and dist.is_initialized()):
         return
+    time.sleep(COLLECTIVE_WORKERS_DRAIN_SECONDS)  # releases the GIL: the workers drop what they hold
     if "megatron.core" in sys.modules:
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
     DataParallelMPU.destroy_groups()
     dist.destroy_process_group()
+    gc.collect()  # what still holds a group through a reference cycle lets go now, workers idle
 
 
 Main = TypeVar("Main", bound=Callable[..., int])
