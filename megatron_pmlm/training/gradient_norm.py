@@ -1,9 +1,9 @@
 """The global gradient norm where DeepSpeed's ZeRO-1/2 optimizer is told not to compute it.
 
-Before each step DeepSpeed's ZeRO-1/2 optimizer casts every gradient tensor to float32 and takes its
+Before each step DeepSpeed's ZeRO-1/2 optimizer casts every gradient tensor to float64 and takes its
 norm: two kernel launches per tensor (406 a step at base) and a Python loop over them, for a number
-that only the log line and the non-finite watch (training/nonfinite.py) read when there is no
-clipping. `training_config.build_deepspeed_config` turns it off there (`"zero_optimization":
+that, in bf16 with DeepSpeed's scan off and no clipping, only the log line and the non-finite watch
+(training/nonfinite.py) read. `training_config.build_deepspeed_config` turns it off there (`"zero_optimization":
 {"compute_grad_norm": false}`), and `PartitionGradientNorm` measures the same norm from what
 DeepSpeed then hands the AdamW it wraps: one parameter group per `step()` call, each group's
 gradients as this rank's flat float32 partition of the averaged gradients (the loss scale already
