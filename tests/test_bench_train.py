@@ -65,6 +65,25 @@ def test_bench_train_runs_on_cpu_and_reports_its_figures(tmp_path):
     assert bad.returncode == 2 and "--micro-batch-size must be >= 1" in bad.stderr
 
 
+def test_hidden_size_keeps_the_preset_s_structure_with_less_arithmetic(tmp_path):
+    """--hidden-size: the same layers, heads and parameter tensors (so the same kernels per step), a
+    narrower model (fewer FLOPs per token); a width the heads do not divide is refused."""
+    figures = {}
+    for name, extra in (("preset", []), ("narrow", ["--hidden-size", "32"])):
+        out = tmp_path / f"{name}.json"
+        result = run_module("tools.bench_train", "--preset", "tiny", "--seq-length", "32", "--micro-batch-size", "2",
+                            "--iterations", "1", "--warmup", "0", "--json", str(out), *extra, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        figures[name] = json.loads(out.read_text())
+    assert figures["narrow"]["kernels_per_step"] == figures["preset"]["kernels_per_step"]
+    assert (figures["narrow"]["hidden_size"], figures["preset"]["hidden_size"]) == (32, 64)
+    flops_per_token = {name: f["model_tflops"] / f["tokens_per_sec"] for name, f in figures.items()}
+    assert flops_per_token["narrow"] < flops_per_token["preset"] / 2
+    assert figures["narrow"]["host_ms_outside_ops"] > 0
+    bad = run_module("tools.bench_train", "--preset", "tiny", "--hidden-size", "30")
+    assert bad.returncode == 2 and "--hidden-size 30 is not a multiple of the preset's 4 attention heads" in bad.stderr
+
+
 def test_peak_from_device_name_tells_the_h100_forms_apart_and_names_its_source():
     peak = bench_train.peak_from_device_name
     assert peak("NVIDIA H100 80GB HBM3", "bf16")[0] == 989.0 and "H100 SXM" in peak("NVIDIA H100 80GB HBM3", "bf16")[1]

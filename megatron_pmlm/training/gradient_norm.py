@@ -50,9 +50,15 @@ class PartitionGradientNorm:
             self._groups_seen, self._squares = 0, []
 
     def _global_norm(self, squares: list[torch.Tensor]) -> torch.Tensor:
-        squares = torch.stack(squares).sum()
-        if self.group is not None and dist.get_world_size(self.group) > 1:
-            squares = squares.to(collective_device())
-            dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
+        norm = norm_from_squares(torch.stack(squares).sum(), self.group)
         return torch.where(torch.isfinite(norm), norm, torch.full_like(norm, float("inf")))
+
+
+def norm_from_squares(squares: torch.Tensor, group=None) -> torch.Tensor:
+    """The norm of gradients whose squares summed on this rank are `squares`, summed over the ranks of
+    `group` first (None, or a group of one: this rank's alone); on the device the collective runs on
+    when there is one, without a host read."""
+    if group is not None and dist.get_world_size(group) > 1:
+        squares = squares.to(collective_device())
+        dist.all_reduce(squares, group=group)
+    return squares.sqrt()

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..config import ConfigError
 from ..files import file_problem, read_json
 from ..parallel.distributed import collective_device
+from .gradient_norm import norm_from_squares
 
 
 LR_DECAY_STYLES = ("linear", "cosine", "constant")
@@ -163,10 +163,7 @@ class AdamW(torch.optim.AdamW):
             squares = torch.zeros((), dtype=torch.float32, device=device)
             for grad in grads:  # summed in parameter order, as before (same float32 result)
                 squares = squares + grad.detach().float().pow(2).sum()
-            if dist.get_world_size(self.norm_group) > 1:
-                squares = squares.to(collective_device())
-                dist.all_reduce(squares, group=self.norm_group)
-            self.last_grad_norm_tensor = squares.sqrt()
+            self.last_grad_norm_tensor = norm_from_squares(squares, self.norm_group)
             if self.max_grad_norm > 0:
                 # torch.nn.utils.clip_grad_norm_'s rule, on the norm measured above, without a host
                 # read: the coefficient is computed in float64 as the Python number was, and a
@@ -231,8 +228,7 @@ def _deepspeed_reads_its_norm(config: TrainingConfig, ds_config: dict[str, Any],
     bf16 = ds_config["bf16"]
     return (config.clip_grad > 0 or not bf16["enabled"] or model_parallel
             or bf16.get("check_grad_overflow", True)
-            or (bf16["enabled"] and config.zero_stage == 1
-                and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"))
+            or (config.zero_stage == 1 and ds_config.get("data_types", {}).get("grad_accum_dtype") == "fp32"))
 
 
 def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
