@@ -136,33 +136,34 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     """[heads, bins] gradient of the table: grad[b, h, i, j] summed over the pairs of each bucket.
 
     A one-hot contraction: grad[b, :, rows] [heads, rows x keys] @ one_hot(buckets[b, rows])
-    [rows x keys, bins], over chunks of query rows whose one-hot stays <= ONE_HOT_CHUNK_BYTES,
-    accumulated in fp32 (bf16 bias gradients included). GEMMs instead of F.embedding's backward: no
-    sort of the B x T x T indices on a GPU, no atomics, deterministic, and the bias gradient is read
-    in the layout it arrives in (an aligned view is batched over rows instead of copied). When whole
-    sequences fit the budget, one batched GEMM covers as many of them as fit (then a sum over them):
-    two kernels for the batch instead of one GEMM per sequence (gradients already in the accumulation
-    dtype: a bf16 one is cast to fp32 chunk by chunk, as before).
+    [rows x keys, bins], accumulated in fp32 (bf16 bias gradients included). GEMMs instead of
+    F.embedding's backward: no sort of the B x T x T indices on a GPU, no atomics, deterministic.
+    When whole sequences' one-hots fit ONE_HOT_CHUNK_BYTES, one batched GEMM covers as many
+    sequences as fit (then a sum over them): a handful of kernels for the micro batch, whatever the
+    gradient's dtype and layout (a bf16 or aligned-view gradient is copied to a contiguous fp32
+    chunk, at most heads / bins of the one-hot's bytes). Otherwise chunks of query rows, one
+    sequence at a time (an aligned view is then batched over rows instead of copied).
     """
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    flat_rows = grad.stride(2) == keys  # rows follow each other: [heads, rows x keys] is a view
     one_hot_row_bytes = keys * bins * torch.finfo(accumulate).bits // 8
     rows_per_chunk = max(1, ONE_HOT_CHUNK_BYTES // one_hot_row_bytes)
     bin_ids = torch.arange(bins, dtype=buckets.dtype, device=buckets.device)
     sequences_per_chunk = rows_per_chunk // queries
-    if grad.dtype == accumulate and flat_rows and grad.stride(1) == queries * keys and sequences_per_chunk >= 1:
+    if sequences_per_chunk >= 1:
         total = None
         for start in range(0, batch, sequences_per_chunk):
             sequences = slice(start, start + sequences_per_chunk)
             one_hot = (buckets[sequences, :, :, None] == bin_ids).to(accumulate)  # [sequences, queries, keys, bins]
-            chunk = grad[sequences].to(accumulate)  # [sequences, heads, queries, keys]
+            # [sequences, heads, queries, keys], contiguous: a no-op for a contiguous gradient in `accumulate`
+            chunk = grad[sequences].to(accumulate).contiguous()
             count = chunk.shape[0]
-            partial = torch.bmm(chunk.reshape(count, heads, queries * keys),
+            partial = torch.bmm(chunk.view(count, heads, queries * keys),
                                 one_hot.view(count, queries * keys, bins)).sum(0)
             total = partial if total is None else total + partial
         return total.to(dtype)
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    flat_rows = grad.stride(2) == keys  # rows follow each other: [heads, rows x keys] is a view
     total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
     for b in range(batch):
         for start in range(0, queries, rows_per_chunk):
