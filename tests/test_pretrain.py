@@ -161,6 +161,13 @@ def test_deepspeed_config_files_and_overrides():
     assert ds["gradient_accumulation_steps"] == 6 and ds["zero_optimization"]["stage"] == 2
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert ds["zero_optimization"]["overlap_comm"]  # the file's other settings survive
+    assert ds["zero_optimization"]["contiguous_gradients"]  # the file's, and ZeRO-2 keeps DeepSpeed's default
+    # ZeRO-1: no copy of each gradient into a bucket buffer and back (DeepSpeed's default), unless a file asks
+    stage_one = TrainingConfig(micro_batch_size=20, global_batch_size=7680, zero_stage=1, precision="bf16")
+    assert build_deepspeed_config(stage_one, 64)["zero_optimization"]["contiguous_gradients"] is False
+    assert build_deepspeed_config(stage_one, 64, base)["zero_optimization"]["contiguous_gradients"] is True
+    stage_two = TrainingConfig(micro_batch_size=20, global_batch_size=7680, zero_stage=2, precision="bf16")
+    assert "contiguous_gradients" not in build_deepspeed_config(stage_two, 64)["zero_optimization"]
 
 
 def _precision_supported(precision: str) -> bool:

@@ -274,6 +274,14 @@ def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
         if model_parallel:
             raise ConfigError("the DeepSpeed config sets \"zero_optimization\": {\"compute_grad_norm\": false}, "
                               "which leaves no gradient norm under tensor or pipeline parallelism: remove it")
+    if config.zero_stage == 1:
+        # ZeRO-1 reduces every gradient after the backward anyway; "contiguous_gradients" first copies
+        # each one into a bucket buffer of reduce_bucket_size elements (1 GB in bf16 by default) and,
+        # after the all-reduce, back into the partition: one more copy and Python pass per gradient
+        # tensor (203 launches a step at base). Without it the bucket is flattened once. On one
+        # H100, DeepSpeed's work after the backward was a third of pretrain's step (docs/gpu.md).
+        # ZeRO-2 keeps DeepSpeed's default: there it bounds the fragmentation of partitioned gradients.
+        zero.setdefault("contiguous_gradients", False)
     if fp16["enabled"]:
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic
         fp16.setdefault("initial_scale_power", 16)
