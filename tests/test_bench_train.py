@@ -4,6 +4,8 @@ baseline predicts exactly what the pseudo-masked layout predicts, one step per p
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 
 import torch
@@ -125,3 +127,23 @@ def test_the_device_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idl
     trace.write_text(json.dumps({"traceEvents": events[3:]}))
     assert bench_train.device_timeline(str(trace)) is None
     assert bench_train.companion_trace_path("/o/base.trace.json", "pretrain") == "/o/base.pretrain.trace.json"
+
+
+def test_pretrain_s_step_is_timed_and_signals_keep_their_meaning(pretraining_samples, tmp_path):
+    """--deepspeed on the CPU: pretrain's own step is timed beside the bare model, and the Trainer it
+    builds does not keep SIGTERM/SIGINT to itself (they ask a run to save at its next iteration; this
+    loop is not a run, so `timeout` or Ctrl-C must end the bench)."""
+    out = tmp_path / "figures.json"
+    script = ("import signal, sys; sys.path.insert(0, 'tools'); import bench_train; "
+              f"code = bench_train.main(['--preset', 'tiny', '--seq-length', '64', '--micro-batch-size', '4', "
+              f"'--iterations', '1', '--warmup', '0', '--deepspeed', '--data-path', {str(pretraining_samples)!r}, "
+              f"'--json', {str(out)!r}]); "
+              "print('handlers', [signal.getsignal(s) is signal.default_int_handler if s == signal.SIGINT "
+              "else signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)]); "
+              "sys.exit(code)")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "handlers [True, True, True]" in result.stdout
+    real = json.loads(out.read_text())["deepspeed"]
+    assert real["zero_stage"] == 1 and real["seconds_per_step"] > 0 and real["kernels_per_step"] > 100

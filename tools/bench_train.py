@@ -37,6 +37,7 @@ import json
 import os
 import re
 import resource
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -413,9 +414,16 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
         check_sizes(pretrain_args)
         plan = pmlm_pretraining_run(pretrain_args, UniLMMaskingConfig())
         held_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # the bare model's
+        # The Trainer takes SIGTERM/SIGUSR1/SIGINT to save at the next iteration of its loop; this
+        # loop is not a run to save, so they keep their usual meaning (timeout, Ctrl-C end the bench).
+        handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
         try:
             with contextlib.redirect_stdout(sys.stderr):
-                trainer, loaders = start_pretraining(pretrain_args, plan)
+                try:
+                    trainer, loaders = start_pretraining(pretrain_args, plan)
+                finally:
+                    for signum, handler in handlers.items():
+                        signal.signal(signum, handler)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             # As Trainer.train feeds it: the next batch built and copied by a background thread.
