@@ -35,22 +35,30 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     assert [s["seq_length"] for s in plan if s["traced"]] == [128]
     assert [(s["seq_length"], s["precision"]) for s in plan if s["kind"] == "compile"] == [(128, "bf16"), (512, "bf16")]
     # Most important first, so that a short lease measures what the goals are judged on: the real
-    # path, the compiled rows, the other backend at the preferred precision, the other precision.
+    # path, the compiled rows, the other backend at the preferred precision, the other precision
+    # (without large batches; with them below).
     assert [gpu_check.bench_name(spec, "base") for spec in plan] == [
         "base-seq128-bf16-sdpa", "base-seq512-bf16-sdpa", "base-seq128-bf16-sdpa-compile",
         "base-seq512-bf16-sdpa-compile", "base-seq128-bf16-flex", "base-seq512-bf16-flex",
         "base-seq128-fp16-sdpa", "base-seq128-fp16-flex", "base-seq512-fp16-sdpa", "base-seq512-fp16-flex"]
     assert [spec["priority"] for spec in plan] == sorted(spec["priority"] for spec in plan)
     assert 2 < gpu_check.TESTS_PRIORITY < 3  # the gpu tests before the other precision's rows
-    # pretrain's step at larger micro batches, after the compiled rows.
+    # pretrain's step at larger micro batches, eager then compiled, before the compiled rows at the first shapes.
     large = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("fp16", "bf16"), ("sdpa", "flex"), "bf16", compile_rows=True,
                                  large_batches=gpu_check.LARGE_BATCH_SHAPES)
-    assert [gpu_check.bench_name(spec, "base") for spec in large][2:6] == [
-        "base-seq128-bf16-sdpa-compile", "base-seq512-bf16-sdpa-compile", "base-seq128-bf16-sdpa-mb256",
-        "base-seq512-bf16-sdpa-mb64"]
-    assert [(s["micro_batch"], s["flags"], gpu_check.minimum_seconds(s)) for s in large[4:6]] == [
-        (256, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS), (64, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS)]
-    assert len(large) == 12 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
+    assert [gpu_check.bench_name(spec, "base") for spec in large][2:8] == [
+        "base-seq128-bf16-sdpa-mb256", "base-seq512-bf16-sdpa-mb64", "base-seq128-bf16-sdpa-compile-mb256",
+        "base-seq512-bf16-sdpa-compile-mb64", "base-seq128-bf16-sdpa-compile", "base-seq512-bf16-sdpa-compile"]
+    assert [(s["micro_batch"], s["flags"], gpu_check.minimum_seconds(s)) for s in large[2:6]] == [
+        (256, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS), (64, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS),
+        (256, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS),
+        (64, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS)]
+    assert len(large) == 14 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
+    # Without --compile in bench_train: the large batches eager only.
+    no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
+                                      large_batches=gpu_check.LARGE_BATCH_SHAPES)
+    assert [gpu_check.bench_name(spec, "base") for spec in no_compile] == [
+        "base-seq128-bf16-sdpa", "base-seq512-bf16-sdpa", "base-seq128-bf16-sdpa-mb256", "base-seq512-bf16-sdpa-mb64"]
     # A V100: fp16 only, sdpa only, bench_train without --compile.
     v100 = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("fp16",), ("sdpa",), "fp16", compile_rows=False)
     assert [(s["precision"], s["real"], s["traced"]) for s in v100] == [("fp16", True, True), ("fp16", True, False)]

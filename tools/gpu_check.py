@@ -17,9 +17,10 @@ was busy and idle in the step: idle is waiting for the host's launches). The MFU
 the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
-step at seq 128 then 512 (with Hugging Face and the trace), the `--compile` rows, pretrain's step at
-the larger micro batches of LARGE_BATCH_SHAPES, the other attention backend at the preferred
-precision, the `gpu` tests, then the other precision. `--budget-seconds S`
+step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
+batches of LARGE_BATCH_SHAPES eager then compiled (at the first shapes an H100 waited on the host
+for half of pretrain's step; at these it works), the `--compile` rows at the first shapes, the other
+attention backend at the preferred precision, the `gpu` tests, then the other precision. `--budget-seconds S`
 bounds the whole check: a step starts only with at least its minimum left (`minimum_seconds`:
 45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a `--compile` row or
 the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
@@ -55,9 +56,10 @@ BENCH_SHAPES = ((128, 64), (512, 20))
 batch per GPU (20 x 6 accumulation steps x 64 GPUs = 7,680)."""
 LARGE_BATCH_SHAPES = ((128, 256), (512, 64))
 """(sequence length, micro batch) of pretrain's step once more, at 4x and 3.2x BENCH_SHAPES' micro
-batch: those used 6-7 GB of an H200 (the paper's micro batch was sized for a 32 GB V100), and a
-step's fixed host cost (launches, DeepSpeed's per-parameter Python) weighs less in a larger one,
-as in a run sized to the card. Peak memory is in the row."""
+batch, eager and compiled: those used 6-7 GB of an H200 (the paper's micro batch was sized for a
+32 GB V100), and a step's fixed host cost (launches, DeepSpeed's per-parameter Python) weighs less
+in a larger one, as in a run sized to the card (on one H100: 18 GB at these). Peak memory is in the
+row."""
 PRECISIONS = ("fp16", "bf16")
 DRY_RUN_SHAPES = ((64, 4),)
 """--cpu-dry-run: the tiny preset at this (sequence length, micro batch), fp32, one timed step."""
@@ -179,10 +181,11 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                compile_rows: bool, large_batches: Sequence[tuple[int, int]] = ()) -> list[dict]:
     """Every bench_train process of a check, most important first (the module docstring's order):
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
-    Face; the trace at seq 128, or at the first shape without one) per shape; then the --compile
-    row per shape where bench_train has the flag (pretrain's step compiled too); then pretrain's
-    step at each of `large_batches` (named with its micro batch); then the other backends at the
-    preferred precision; then the other precisions. `priority` says which group a row is in (0-3)."""
+    Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
+    at each of `large_batches` (named with its micro batch), eager, then compiled where bench_train
+    has --compile; then the --compile row per shape (pretrain's step compiled too); then the other
+    backends at the preferred precision; then the other precisions. `priority` says which group a
+    row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
     for seq_length, micro_batch in shapes:
@@ -197,11 +200,14 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
         if compile_rows:  # pretrain --compile too: where the goals are judged
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
                          "kind": "compile", "real": True, "flags": ["--compile", "--deepspeed"], "traced": False,
-                         "priority": 1})
+                         "priority": 1.5})
     for seq_length, micro_batch in large_batches:
-        plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
-                     "kind": "eager", "real": True, "flags": ["--deepspeed"], "traced": False,
-                     "name_suffix": f"-mb{micro_batch}", "priority": 1.5})
+        for kind in ("eager", "compile") if compile_rows else ("eager",):
+            plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
+                         "backend": "sdpa", "kind": kind, "real": True,
+                         "flags": ["--compile", "--deepspeed"] if kind == "compile" else ["--deepspeed"],
+                         "traced": False, "name_suffix": f"-mb{micro_batch}",
+                         "priority": 0.5 if kind == "eager" else 1})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
 
