@@ -53,6 +53,8 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
         (256, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS), (64, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS),
         (256, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS),
         (64, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS)]
+    assert [gpu_check.bench_name(s, "base") for s in large if s["traced"]] == [
+        "base-seq128-bf16-sdpa", "base-seq128-bf16-sdpa-compile-mb256"]  # the compiled step sized to the card too
     assert len(large) == 14 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
     # Without --compile in bench_train: the large batches eager only.
     no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
@@ -136,6 +138,10 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
             f"({figures['host_ms_outside_ops']:,.1f}) |") in markdown
     assert f"| `{figures['top_kernels'][0]['name']}` | {figures['top_kernels'][0]['calls']} |" in markdown
     assert "kernels of the bare model's step" in markdown and "kernels of pretrain's step" in markdown
+    assert ", compiled, by" not in markdown
+    compiled = json.loads(json.dumps(report))  # a traced --compile row (the large micro batch's) says so
+    next(row for row in compiled["bench"] if row["name"] == "tiny-seq64-fp32-sdpa")["kind"] = "compile"
+    assert "(seq 64, micro batch 4, fp32, compiled, by self CPU time;" in gpu_check.markdown(compiled)
     assert f"| `{real['top_kernels'][0]['name'][:120]}` | {real['top_kernels'][0]['calls']} |" in markdown
     assert markdown.count("GPU timeline: none (no GPU events in this trace).") == 2
     has_compile = gpu_check.bench_has_compile()

@@ -183,7 +183,7 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
     Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
     at each of `large_batches` (named with its micro batch), eager, then compiled where bench_train
-    has --compile; then the --compile row per shape (pretrain's step compiled too); then the other
+    has --compile (traced at the traced length); then the --compile row per shape (pretrain's step compiled too); then the other
     backends at the preferred precision; then the other precisions. `priority` says which group a
     row is in (0-3)."""
     plan = []
@@ -206,7 +206,10 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                          "backend": "sdpa", "kind": kind, "real": True,
                          "flags": ["--compile", "--deepspeed"] if kind == "compile" else ["--deepspeed"],
-                         "traced": False, "name_suffix": f"-mb{micro_batch}",
+                         # the compiled step traced too, at the traced length: where a step sized to the
+                         # card spends its time once the host is hidden
+                         "traced": kind == "compile" and seq_length == traced_length,
+                         "name_suffix": f"-mb{micro_batch}",
                          "priority": 0.5 if kind == "eager" else 1})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
@@ -359,7 +362,9 @@ def markdown(report: dict) -> str:
                       if figures.get("top_kernels")]
             for what, f in traced:
                 lines += ["", f"## Top {len(f['top_kernels'])} kernels of {what} (seq {row['seq_length']}, micro batch "
-                          f"{row['micro_batch_size']}, {row['precision']}, by {unit}; trace: {f['profile_trace']})", "",
+                          f"{row['micro_batch_size']}, {row['precision']}"
+                          + (", compiled" if row["kind"] == "compile" else "")
+                          + f", by {unit}; trace: {f['profile_trace']})", "",
                           _timeline(f.get("device_timeline")), "", "| kernel | calls | ms |", "|---|---|---|"]
                 lines += [f"| `{kernel['name'][:120].replace('|', '/')}` | {kernel['calls']} | "
                           f"{kernel['self_us'] / 1e3:.2f} |" for kernel in f["top_kernels"]]
