@@ -130,13 +130,14 @@ def test_the_device_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idl
 
 
 def test_pretrain_s_step_is_timed_and_signals_keep_their_meaning(pretraining_samples, tmp_path):
-    """--deepspeed on the CPU: pretrain's own step is timed beside the bare model, and the Trainer it
-    builds does not keep SIGTERM/SIGINT to itself (they ask a run to save at its next iteration; this
-    loop is not a run, so `timeout` or Ctrl-C must end the bench)."""
+    """--deepspeed on the CPU: pretrain's own step (two micro batches an optimizer step) is timed beside
+    the bare model, and the Trainer it builds does not keep SIGTERM/SIGINT to itself (they ask a run
+    to save at its next iteration; this loop is not a run, so `timeout` or Ctrl-C must end the bench)."""
     out = tmp_path / "figures.json"
     script = ("import signal, sys; sys.path.insert(0, 'tools'); import bench_train; "
               f"code = bench_train.main(['--preset', 'tiny', '--seq-length', '64', '--micro-batch-size', '4', "
-              f"'--iterations', '1', '--warmup', '0', '--deepspeed', '--data-path', {str(pretraining_samples)!r}, "
+              f"'--iterations', '1', '--warmup', '0', '--deepspeed', '--gradient-accumulation-steps', '2', "
+              f"'--data-path', {str(pretraining_samples)!r}, "
               f"'--json', {str(out)!r}]); "
               "print('handlers', [signal.getsignal(s) is signal.default_int_handler if s == signal.SIGINT "
               "else signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)]); "
@@ -147,3 +148,8 @@ def test_pretrain_s_step_is_timed_and_signals_keep_their_meaning(pretraining_sam
     assert "handlers [True, True, True]" in result.stdout
     real = json.loads(out.read_text())["deepspeed"]
     assert real["zero_stage"] == 1 and real["seconds_per_step"] > 0 and real["kernels_per_step"] > 100
+    # Two micro batches an optimizer step: every one counted in samples/s and tokens.
+    assert real["gradient_accumulation_steps"] == 2 and "2 micro batches a step" in result.stdout
+    assert abs(real["samples_per_sec"] * real["seconds_per_step"] - 8) < 1e-6
+    bare_only = run_module("tools.bench_train", "--preset", "tiny", "--gradient-accumulation-steps", "2")
+    assert bare_only.returncode == 2 and "--gradient-accumulation-steps is for --deepspeed" in bare_only.stderr

@@ -383,7 +383,8 @@ def deepspeed_precision(device: torch.device, precision: str) -> str:
 def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: str, peak: float | None) -> dict:
     """Times `Trainer.train_step` of a one-process `python -m megatron_pmlm.pretrain` run (its own
     argument parsing, checks, model, DeepSpeed engine with ZeRO-1 and loader): global batch = micro
-    batch, so one step is one micro batch and one optimizer step."""
+    batch x --gradient-accumulation-steps, so one step is that many micro batches and one optimizer
+    step (per-step figures are per optimizer step; samples/s and tokens/s count every micro batch)."""
     import tempfile
 
     from megatron_pmlm.config import UniLMMaskingConfig
@@ -405,7 +406,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
         steps = args.warmup + args.iterations + 3 + OUTSIDE_OPS_CALLS + (COMPILE_WARMUP_LIMIT if args.compile else 0)
         pretrain_args = pretrain_parser().parse_args(
             ["--data-path", str(samples), "--preset", args.preset, "--seq-length", str(args.seq_length),
-             "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
+             "--micro-batch-size", str(args.micro_batch_size),
+             "--global-batch-size", str(args.micro_batch_size * args.gradient_accumulation_steps),
              "--zero-stage", "1", "--attention-backend", args.attention_backend, "--train-iters", str(steps),
              "--eval-iters", "0", "--seed", str(args.seed)] + ([f"--{precision}"] if precision != "fp32" else [])
             + (["--hidden-size", str(args.hidden_size), "--ffn-hidden-size", str(4 * args.hidden_size)]
@@ -452,6 +454,7 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
                           else None)
                 # What the engine runs, read back from DeepSpeed rather than from the arguments given.
                 engine = {"zero_stage": trainer.engine.zero_optimization_stage(),
+                          "gradient_accumulation_steps": trainer.engine.gradient_accumulation_steps(),
                           "precision": "fp16" if trainer.engine.fp16_enabled() else
                           "bf16" if trainer.engine.bfloat16_enabled() else "fp32",
                           "padded_vocab_size": int(trainer.engine.module.bert.embeddings.word_embeddings.weight.shape[0])}
@@ -474,7 +477,8 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             "hidden_dropout": plan.model_config.hidden_dropout, "compile": bool(args.compile),
             "first_step_seconds": first_step_seconds if args.warmup else None, "compilations": compilations,
             "warmup_steps": args.warmup + extra_warmup, "compilations_while_timed": compiled_while_timed,
-            "seconds_per_step": seconds, "samples_per_sec": args.micro_batch_size / seconds,
+            "seconds_per_step": seconds,
+            "samples_per_sec": args.micro_batch_size * args.gradient_accumulation_steps / seconds,
             "tokens_per_step": tokens_per_step, "tokens_per_sec": tokens_per_step / seconds, "model_tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_memory_gb": memory,
             "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
@@ -629,6 +633,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also time pretrain's own step (Trainer.train_step: DeepSpeed ZeRO-1, bf16 on a GPU with "
                              "bf16, else fp16; fp32 on a CPU; the real loader, the padded vocabulary, pretrain's "
                              "dropout) on one process; with --compile, pretrain's --compile")
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                        help="with --deepspeed: micro batches per optimizer step (global batch = micro batch x "
+                             "this), as a data-parallel run of the paper's global batch has them: DeepSpeed's "
+                             "reduction and optimizer step are paid once per step, not per micro batch")
     parser.add_argument("--data-path", help="with --deepspeed: a data_prep.build_samples folder at --seq-length "
                                             "(default: built in a temporary folder from ../shared/data)")
     parser.add_argument("--huggingface", action="store_true",
@@ -646,6 +654,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.layout_quantum < 0:
         print("error: --layout-quantum must be >= 0 (0: the model's default)", file=sys.stderr)
+        return 2
+    if args.gradient_accumulation_steps < 1:
+        print("error: --gradient-accumulation-steps must be >= 1", file=sys.stderr)
+        return 2
+    if args.gradient_accumulation_steps > 1 and not args.deepspeed:
+        print("error: --gradient-accumulation-steps is for --deepspeed (pretrain's step; the bare model's step is one "
+              "micro batch)", file=sys.stderr)
         return 2
     if args.data_path and not args.deepspeed:
         print("error: --data-path is for --deepspeed (the samples pretrain's loader reads)", file=sys.stderr)
@@ -788,8 +803,11 @@ def benchmark(args: argparse.Namespace) -> int:
         if "skipped" in real:
             print(f"  deepspeed: skipped: {real['skipped']}")
         else:
+            accumulation = real["gradient_accumulation_steps"]
             print(f"  deepspeed (pretrain's Trainer.train_step, ZeRO-1, {real['precision']}, vocabulary padded to "
-                  f"{real['padded_vocab_size']}): {real['seconds_per_step'] * 1e3:.1f} ms/step | "
+                  f"{real['padded_vocab_size']}"
+                  + (f", {accumulation} micro batches a step" if accumulation > 1 else "")
+                  + f"): {real['seconds_per_step'] * 1e3:.1f} ms/step | "
                   f"{real['samples_per_sec']:.2f} samples/s | {real['tokens_per_sec']:,.0f} tokens/s | "
                   f"{real['model_tflops']:.3f} model TFLOP/s | "
                   + (f"MFU {real['mfu']:.1%}" if real["mfu"] is not None else "MFU ?")

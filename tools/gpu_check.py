@@ -335,7 +335,7 @@ def markdown(report: dict) -> str:
             lines.append(f"{head} {real['precision']} | {'compile' if real.get('compile') else 'eager'} | "
                          f"{real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
-                         f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / f['seconds_per_step']:.2f} | "
+                         f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / real.get('gradient_accumulation_steps', 1) / f['seconds_per_step']:.2f} | "
                          f"{real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | "
                          f"{real['kernels_per_step']:,} | {_outside_ops(real)} ({_outside_ops(f)}) | "
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
