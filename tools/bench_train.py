@@ -747,7 +747,8 @@ def benchmark(args: argparse.Namespace) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores, "
                                                                                      f"{torch.get_num_threads()} threads)",
         "preset": args.preset, "hidden_size": config.hidden_size, "seq_length": args.seq_length,
-        "micro_batch_size": args.micro_batch_size, "precision": precision, "attention_backend": args.attention_backend, "layout_width": int(batch.input_ids.shape[1]),
+        "micro_batch_size": args.micro_batch_size, "precision": precision, "attention_backend": args.attention_backend,
+        "layout_width": int(batch.input_ids.shape[1]),
         "layout_quantum": quantum, "padded_width": width, "padding_share": padding,
         "compilations": compilations, "recompilations": max(0, compilations - 1),
         "first_step_seconds": first_step[0] if first_step else None,

@@ -20,10 +20,10 @@ Order: what the goals are judged on comes first, so that a short lease measures 
 step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
 batches of LARGE_BATCH_SHAPES eager then compiled (at the first shapes an H100 waited on the host
 for half of pretrain's step; at these it works), the `--compile` rows at the first shapes, the other
-attention backend at the preferred precision, the `gpu` tests, then the other precision. `--budget-seconds S`
-bounds the whole check: a step starts only with at least its minimum left (`minimum_seconds`:
-45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a `--compile` row or
-the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
+attention backend at the preferred precision, the `gpu` tests, then the other precision.
+`--budget-seconds S` bounds the whole check: a step starts only with at least its minimum left
+(`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a
+`--compile` row or the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
 The report (`gpu-check.json`, `gpu-check.md`) is rewritten after every step, and `--archive
 FILE.tar.gz` packs the whole results folder into one file at the end, also when SIGTERM/SIGINT
 (a scheduler's or `timeout`'s) stops the check: one file to copy off a lent machine.
@@ -183,9 +183,9 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
     Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
     at each of `large_batches` (named with its micro batch), eager, then compiled where bench_train
-    has --compile (traced at the traced length); then the --compile row per shape (pretrain's step compiled too); then the other
-    backends at the preferred precision; then the other precisions. `priority` says which group a
-    row is in (0-3)."""
+    has --compile (traced at the traced length); then the --compile row per shape (pretrain's step
+    compiled too); then the other backends at the preferred precision; then the other precisions.
+    `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
     for seq_length, micro_batch in shapes:
