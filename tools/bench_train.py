@@ -58,6 +58,7 @@ from megatron_pmlm.data.masking import mask_example  # noqa: E402
 from megatron_pmlm.models.compiled import check_compile, compile_layout_quantum, compile_step_regions  # noqa: E402,E501
 from megatron_pmlm.models.model import PMLMForPreTraining, check_attention_backend  # noqa: E402
 from megatron_pmlm.parallel.layers import LocalLayers  # noqa: E402
+from megatron_pmlm.parallel.deepspeed_import import import_deepspeed  # noqa: E402
 from megatron_pmlm.training.recipe import flops_per_token, padded_vocab_size  # noqa: E402
 
 # Dense peak TFLOP/s per device and precision (NVIDIA datasheets, without sparsity), the most specific
@@ -372,6 +373,7 @@ def deepspeed_precision(device: torch.device, precision: str) -> str:
     fp16); on the CPU bf16 where DeepSpeed's CPU accelerator has it and --bf16 asks for it (the
     optimizer path a GPU's bf16 run takes, for the kernel count), else fp32."""
     if device.type != "cuda":
+        import_deepspeed()
         from deepspeed.accelerator import get_accelerator
 
         return "bf16" if precision == "bf16" and get_accelerator().is_bf16_supported() else "fp32"

@@ -20,6 +20,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..files import read_json
+from ..parallel.deepspeed_import import import_deepspeed
 from ..training.checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_listing, file_checksums, manifest
 from ..training.checkpoint_reader import (ConversionError, PretrainingCheckpoint, expected_shapes, has_nsp_head,
                                           load_pretraining_checkpoint, warn)
@@ -412,7 +413,7 @@ def import_from_hf(hf_dir: str | os.PathLike, save_dir: str | os.PathLike, tenso
         raise ConversionError(f"{vocabulary.source} has {len(vocabulary.tokens)} entries, config.json's vocab_size is "
                               f"{config.vocab_size}")
     do_lower_case = vocabulary.do_lower_case if vocabulary is not None else True
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     save_dir = Path(save_dir)
     tp = tensor_parallel_size

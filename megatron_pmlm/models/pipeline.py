@@ -36,6 +36,7 @@ from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias
 from .objectives import Objective
 from .relative_bias import query_dtype
 from ..parallel.layers import ParallelLayers
+from ..parallel.deepspeed_import import import_deepspeed
 
 TIED_KEY = "word_embeddings"
 
@@ -211,6 +212,7 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
                          init_seed: int = 0):
     """A PipelineModule whose weights equal `PMLMForPreTraining`'s for the same `init_seed`
     (parameter for parameter, see `canonical_parameter_name`)."""
+    import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     class PMLMPipeline(PipelineModule):

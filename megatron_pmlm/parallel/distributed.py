@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from .deepspeed_import import import_deepspeed
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def local_device_index(local_rank: int, visible_devices: int) -> int:
 
 def init_distributed(backend: str | None = None, timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
     """torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU)."""
-    import deepspeed
+    deepspeed = import_deepspeed()
 
     if dist.is_available() and dist.is_initialized():
         return

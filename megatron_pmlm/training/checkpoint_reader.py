@@ -26,6 +26,7 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from ..files import read_json
+from ..parallel.deepspeed_import import import_deepspeed
 from .checkpoint_files import LATEST_FILE, RUN_STATE_FILE, checkpoint_problem, checksum_note, newest_verified_checkpoint
 
 
@@ -183,6 +184,7 @@ def read_zero_states(tag_dir: Path, tp: int) -> list[dict[str, torch.Tensor]]:
     """ZeRO (stage 3, or 1/2 with fp16/bf16 weights): DeepSpeed's consolidation of the fp32
     partitions, one tensor-parallel rank at a time (zero_to_fp32 expects one model-parallel rank
     per folder: each rank's files are linked into a scratch folder)."""
+    import_deepspeed()
     from deepspeed.utils import zero_to_fp32
 
     shards = []

@@ -14,6 +14,7 @@ from ..models.compiled import check_compile
 from ..models.model import check_attention_backend
 from ..models.objectives import Objective, get_objective, objective_metrics
 from ..models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
+from ..parallel.deepspeed_import import import_deepspeed
 from .recipe import PretrainingRun, flops_per_token, padded_vocab_size, run_pretraining, training_config_from_args
 from .relayout import check_resume_layout
 from .training_config import check_precision_supported, check_zero_with_pipeline, read_deepspeed_config
@@ -123,6 +124,7 @@ def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_ac
 
     layers = MegatronCoreLayers(config.init_std) if layout.tensor_parallel_size > 1 else LocalLayers()
     if layout.pipeline_parallel_size > 1:
+        import_deepspeed()
         from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
         from ..models.pipeline import build_pipeline_model

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 
 from ..config import ConfigError
+from ..parallel.deepspeed_import import import_deepspeed
 from .checkpoint_files import RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError
 from . import heartbeat
 
@@ -175,6 +176,7 @@ def relayout_to_universal(tag_dir: Path, run_state: dict[str, Any], tensor_paral
     """Re-shard `tag_dir` (ZeRO-1/2, any TP x PP x DP) into DeepSpeed's universal format for a run
     of `tensor_parallel_size` x `pipeline_parallel_size` (any DP) whose vocabulary is padded to
     `embedding_rows`, next to it (written under a temporary name and renamed)."""
+    import_deepspeed()
     from deepspeed.checkpoint.constants import CAT_DIM, PARAM
 
     from ..models.pipeline import canonical_parameter_name

@@ -34,6 +34,7 @@ from ..files import write_text_atomically
 from ..models.layout import PMLMBatch
 from ..models.metrics import PMLM_METRICS, MetricSpec, MetricSums
 from ..parallel.distributed import collective_device
+from ..parallel.deepspeed_import import import_deepspeed
 from .checkpoint_files import (LATEST_FILE, RUN_STATE_FILE, UNIVERSAL_SUFFIX, CheckpointError, checkpoint_dirs,
                                checkpoint_listing, checksum_share, file_checksums, manifest,
                                newest_verified_checkpoint)
@@ -89,7 +90,7 @@ class Trainer:
                  run_args: dict[str, Any] | None = None, metrics: MetricSpec = PMLM_METRICS,
                  universal_checkpoint: bool = False, history_path: str | os.PathLike | None = None,
                  tracking: TrackingConfig | None = None):
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         self.config = config
         self.pipeline = pipeline

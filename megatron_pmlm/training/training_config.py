@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ConfigError
 from ..files import file_problem, read_json
+from ..parallel.deepspeed_import import import_deepspeed
 from ..parallel.distributed import collective_device
 from .gradient_norm import norm_from_squares
 
@@ -309,6 +310,7 @@ def check_precision_supported(precision: str) -> None:
     question DeepSpeed asks later, deep inside engine start-up), naming the flag and the way out."""
     if precision == "fp32":
         return
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..files import write_text_atomically
+from ..parallel.deepspeed_import import import_deepspeed
 from . import heartbeat
 from .checkpoint_files import RUN_STATE_FILE, UNIVERSAL_SUFFIX
 
@@ -21,6 +22,7 @@ def universal_checkpoint_info(embedding_rows: int, parameter_names: list[str]) -
     Only patterns that name a parameter of this model are listed (DeepSpeed refuses unused ones)."""
     import re
 
+    import_deepspeed()
     from deepspeed.checkpoint import constants
 
     def used(patterns: list[str]) -> list[str]:
@@ -42,6 +44,7 @@ def universal_checkpoint_info(embedding_rows: int, parameter_names: list[str]) -
 def convert_to_universal(tag_dir: Path, log: Callable[[str], None]) -> Path:
     """DeepSpeed's ds_to_universal on one checkpoint, into `<tag>_universal` next to it (written
     under a temporary name and renamed, so an interrupted conversion is redone, never half-used)."""
+    import_deepspeed()
     from deepspeed.checkpoint import ds_to_universal
 
     target = tag_dir.with_name(tag_dir.name + UNIVERSAL_SUFFIX)
