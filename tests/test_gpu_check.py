@@ -30,8 +30,8 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     # pretrain's own step, eager (with Hugging Face beside it) and compiled, at each shape.
     assert real == [(128, "bf16", "sdpa", ["--deepspeed", "--huggingface"]),
                     (512, "bf16", "sdpa", ["--deepspeed", "--huggingface"]),
-                    (128, "bf16", "sdpa", ["--compile", "--deepspeed"]),
-                    (512, "bf16", "sdpa", ["--compile", "--deepspeed"])]
+                    (128, "bf16", "sdpa", ["--compile", "--deepspeed", "--skip-host-proxy"]),
+                    (512, "bf16", "sdpa", ["--compile", "--deepspeed", "--skip-host-proxy"])]
     assert [s["seq_length"] for s in plan if s["traced"]] == [128]
     assert [(s["seq_length"], s["precision"]) for s in plan if s["kind"] == "compile"] == [(128, "bf16"), (512, "bf16")]
     # Most important first, so that a short lease measures what the goals are judged on: the real
@@ -51,11 +51,21 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
         "base-seq512-bf16-sdpa-compile-mb64", "base-seq128-bf16-sdpa-compile", "base-seq512-bf16-sdpa-compile"]
     assert [(s["micro_batch"], s["flags"], gpu_check.minimum_seconds(s)) for s in large[2:6]] == [
         (256, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS), (64, ["--deepspeed"], gpu_check.MIN_REAL_STEP_SECONDS),
-        (256, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS),
-        (64, ["--compile", "--deepspeed"], gpu_check.MIN_COMPILE_STEP_SECONDS)]
+        (256, list(gpu_check.COMPILE_FLAGS), gpu_check.MIN_COMPILE_STEP_SECONDS),
+        (64, list(gpu_check.COMPILE_FLAGS), gpu_check.MIN_COMPILE_STEP_SECONDS)]
     assert [gpu_check.bench_name(s, "base") for s in large if s["traced"]] == [
         "base-seq128-bf16-sdpa", "base-seq128-bf16-sdpa-compile-mb256"]  # the compiled step sized to the card too
     assert len(large) == 14 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
+    # pretrain's step accumulating micro batches (as a run of the paper's global batch does), after the
+    # compiled large-batch rows, before the compiled rows at the first shapes.
+    accumulated = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
+                                       large_batches=gpu_check.LARGE_BATCH_SHAPES,
+                                       accumulation=gpu_check.ACCUMULATION_SHAPES)
+    assert [gpu_check.bench_name(spec, "base") for spec in accumulated][5:7] == [
+        "base-seq512-bf16-sdpa-compile-mb64", "base-seq128-bf16-sdpa-ga8"]
+    (row,) = [spec for spec in accumulated if spec.get("name_suffix") == "-ga8"]
+    assert (row["micro_batch"], row["flags"], row["real"], row["traced"], gpu_check.minimum_seconds(row)) == (
+        64, ["--deepspeed", "--gradient-accumulation-steps", "8"], True, False, gpu_check.MIN_REAL_STEP_SECONDS)
     # Without --compile in bench_train: the large batches eager only.
     no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
                                       large_batches=gpu_check.LARGE_BATCH_SHAPES)
@@ -153,6 +163,17 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
         assert compiled["compilations"] >= 1  # its own graphs (dropout 0.1: the bare model's do not serve)
         assert compiled["host_syncs_per_step"] == 0 and compiled["kernels_per_step"] > 100
         assert "| 64 | 4 | fp32 | compile | 30,592 |" in markdown and "| 64 | 4 | fp32 | eager | 30,592 |" in markdown
+        # The compiled row spares the host proxy's own compilation (micro batch 1, seq 16): "skipped".
+        bare = rows["tiny-seq64-fp32-sdpa-compile"]["figures"]
+        assert "host_ms_per_step" not in bare and bare["host_proxy_skipped"] == "--skip-host-proxy"
+        assert f"| {bare['bias_bytes_per_step'] / 2**20:,.1f} | skipped |" in markdown
+
+    # An accumulated row: its micro batches a step named, the real / bare ratio per micro batch.
+    accumulated = copy.deepcopy(report)
+    step = next(row for row in accumulated["bench"] if row["name"] == "tiny-seq64-fp32-sdpa")["figures"]
+    step["deepspeed"].update(gradient_accumulation_steps=8, seconds_per_step=8 * 3 * step["seconds_per_step"])
+    assert "| 64 | 4 x 8 a step | fp32 | eager | 30,592 |" in gpu_check.markdown(accumulated)
+    assert f"{gpu_check._percent(step.get('mfu'))} | 3.00 |" in gpu_check.markdown(accumulated)
 
     # The report of a run whose pretrain step was skipped and whose other row failed.
     changed = copy.deepcopy(report)

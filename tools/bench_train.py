@@ -645,6 +645,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also time Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch) at "
                              "the sequence length, at our layout width, and with its head on the masked positions "
                              "only; print our step's ratio to each")
+    parser.add_argument("--skip-host-proxy", action="store_true",
+                        help="leave out host_ms_per_step (steps at micro batch 1, seq 16): with --compile that shape "
+                             "is a compilation of its own (30-90 s on a CPU or a GPU), which make gpu-check's "
+                             "--compile rows spare; their trace's GPU idle time says whether the compiled step "
+                             "still waits on the host")
     parser.add_argument("--profile-trace", help="trace one step with torch.profiler to this Chrome trace file (JSON) "
                                                 "and report its top-20 kernels")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output, the table "
@@ -776,7 +781,8 @@ def benchmark(args: argparse.Namespace) -> int:
         print(f"  proxies: not measured ({figures['proxies_skipped']})")
     else:
         # The host proxy before step_proxies' dispatch modes (see there).
-        host = host_step_proxy(model, optimizer, config, device, autocast_dtype, scaler, args.seed)
+        host = ({"host_proxy_skipped": "--skip-host-proxy"} if args.skip_host_proxy else
+                host_step_proxy(model, optimizer, config, device, autocast_dtype, scaler, args.seed))
         figures.update(step_proxies(model, optimizer, batch, device, autocast_dtype, scaler,
                                     config.num_attention_heads, width, compiled), **host)
         print(proxies_line(figures))

@@ -19,7 +19,9 @@ the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
 batches of LARGE_BATCH_SHAPES eager then compiled (at the first shapes an H100 waited on the host
-for half of pretrain's step; at these it works), the `--compile` rows at the first shapes, the other
+for half of pretrain's step; at these it works), pretrain's step accumulating the micro batches of
+ACCUMULATION_SHAPES (DeepSpeed's reduction and optimizer step once per k, as in a run of the paper's
+global batch), the `--compile` rows at the first shapes, the other
 attention backend at the preferred precision, the `gpu` tests, then the other precision.
 `--budget-seconds S` bounds the whole check: a step starts only with at least its minimum left
 (`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a
@@ -60,6 +62,15 @@ batch, eager and compiled: those used 6-7 GB of an H200 (the paper's micro batch
 32 GB V100), and a step's fixed host cost (launches, DeepSpeed's per-parameter Python) weighs less
 in a larger one, as in a run sized to the card (on one H100: 18 GB at these). Peak memory is in the
 row."""
+ACCUMULATION_SHAPES = ((128, 64, 8),)
+"""(sequence length, micro batch, micro batches a step) of pretrain's step once more, eager, with
+gradient accumulation: a run of the paper's global batch takes several micro batches an optimizer
+step (7,680 sequences: 15 micro batches of 64 on 8 GPUs), and DeepSpeed's ZeRO-1 reduction and
+optimizer step, ~11 ms of the 46 ms step at seq 128 x 64 on one H100, come once per step. Its MFU
+is the per-micro-batch figure such a run sees; the K = 1 rows stay the worst case."""
+COMPILE_FLAGS = ("--compile", "--deepspeed", "--skip-host-proxy")
+"""bench_train's flags of a `--compile` row: the bare model and pretrain's step compiled; without the
+host proxy, whose shape (micro batch 1, seq 16) would be one more compilation (30-90 s of the lease)."""
 PRECISIONS = ("fp16", "bf16")
 DRY_RUN_SHAPES = ((64, 4),)
 """--cpu-dry-run: the tiny preset at this (sequence length, micro batch), fp32, one timed step."""
@@ -178,13 +189,16 @@ def bench_has_compile() -> bool:
 
 
 def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], preferred: str,
-               compile_rows: bool, large_batches: Sequence[tuple[int, int]] = ()) -> list[dict]:
+               compile_rows: bool, large_batches: Sequence[tuple[int, int]] = (),
+               accumulation: Sequence[tuple[int, int, int]] = ()) -> list[dict]:
     """Every bench_train process of a check, most important first (the module docstring's order):
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
     Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
     at each of `large_batches` (named with its micro batch), eager, then compiled where bench_train
-    has --compile (traced at the traced length); then the --compile row per shape (pretrain's step
-    compiled too); then the other backends at the preferred precision; then the other precisions.
+    has --compile (traced at the traced length); then pretrain's step with the gradient accumulation
+    of each of `accumulation` (seq, micro batch, k; eager, named `-ga<k>`); then the --compile row per
+    shape (pretrain's step compiled too); then the other backends at the preferred precision; then the
+    other precisions.
     `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
@@ -199,18 +213,23 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                              "priority": 0 if real else 2 if precision == preferred else 3})
         if compile_rows:  # pretrain --compile too: where the goals are judged
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
-                         "kind": "compile", "real": True, "flags": ["--compile", "--deepspeed"], "traced": False,
+                         "kind": "compile", "real": True, "flags": list(COMPILE_FLAGS), "traced": False,
                          "priority": 1.5})
     for seq_length, micro_batch in large_batches:
         for kind in ("eager", "compile") if compile_rows else ("eager",):
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                          "backend": "sdpa", "kind": kind, "real": True,
-                         "flags": ["--compile", "--deepspeed"] if kind == "compile" else ["--deepspeed"],
+                         "flags": list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"],
                          # the compiled step traced too, at the traced length: where a step sized to the
                          # card spends its time once the host is hidden
                          "traced": kind == "compile" and seq_length == traced_length,
                          "name_suffix": f"-mb{micro_batch}",
                          "priority": 0.5 if kind == "eager" else 1})
+    for seq_length, micro_batch, steps in accumulation:
+        plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
+                     "kind": "eager", "real": True,
+                     "flags": ["--deepspeed", "--gradient-accumulation-steps", str(steps)], "traced": False,
+                     "name_suffix": f"-ga{steps}", "priority": 1.25})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
 
@@ -268,7 +287,8 @@ def _proxies(figures: dict) -> str:
     """The CPU proxies of a row (absent from figures of a bench_train without them: '?')."""
     if "kernels_per_step" not in figures:
         return "? | ? | ? | ?"
-    host = f"{figures['host_ms_per_step']:,.1f}" if "host_ms_per_step" in figures else "?"
+    host = (f"{figures['host_ms_per_step']:,.1f}" if "host_ms_per_step" in figures
+            else "skipped" if "host_proxy_skipped" in figures else "?")
     return (f"{figures['host_syncs_per_step']} ({figures['host_syncs_all_owners']}) | {figures['kernels_per_step']:,} "
             f"| {figures['bias_bytes_per_step'] / 2**20:,.1f} | {host}")
 
@@ -324,7 +344,9 @@ def markdown(report: dict) -> str:
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in real_rows:
             f, real = row["figures"], row["figures"].get("deepspeed", {})
-            head = f"| {row['seq_length']} | {row['micro_batch_size']} |"
+            accumulated = real.get("gradient_accumulation_steps", 1)
+            head = (f"| {row['seq_length']} | {row['micro_batch_size']}"
+                    + (f" x {accumulated} a step" if accumulated > 1 else "") + " |")
             if "seconds_per_step" not in real:
                 lines.append(f"{head} skipped: {real.get('skipped', 'no figures')} ||||||||||||||")
                 continue
@@ -335,7 +357,7 @@ def markdown(report: dict) -> str:
             lines.append(f"{head} {real['precision']} | {'compile' if real.get('compile') else 'eager'} | "
                          f"{real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
-                         f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / real.get('gradient_accumulation_steps', 1) / f['seconds_per_step']:.2f} | "
+                         f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / accumulated / f['seconds_per_step']:.2f} | "
                          f"{real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | "
                          f"{real['kernels_per_step']:,} | {_outside_ops(real)} ({_outside_ops(f)}) | "
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
@@ -518,7 +540,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["notes"].append("--compile rows not run: tools/bench_train.py has no --compile flag in this "
                                        "version")
             steps += bench_plan(shapes, precisions, backends, preferred, compile_rows,
-                                () if args.cpu_dry_run else LARGE_BATCH_SHAPES)
+                                () if args.cpu_dry_run else LARGE_BATCH_SHAPES,
+                                () if args.cpu_dry_run else ACCUMULATION_SHAPES)
         if not args.skip_tests and not args.cpu_dry_run:
             steps.append({"kind": "tests", "priority": TESTS_PRIORITY})
         steps.sort(key=lambda step: step["priority"])
