@@ -57,3 +57,24 @@ def test_only_the_thread_that_entered_is_counted():
         worker.join()
         x.tolist()  # this thread's read still counts
     assert syncs.count() == 1, syncs.report()
+
+
+def test_explicit_device_synchronizations_are_counted_once_and_the_functions_restored():
+    """torch.cuda.synchronize() and DeepSpeed's accelerator synchronize (DeepSpeed's throughput timer
+    calls it around every micro batch) are waits for the whole device: counted, on the CPU too."""
+    from megatron_pmlm.parallel.deepspeed_import import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    cuda_synchronize, accelerator_synchronize = torch.cuda.synchronize, accelerator.synchronize
+    had_own = "synchronize" in vars(accelerator)
+    with HostSyncCounter() as syncs:
+        accelerator.synchronize()  # on a GPU this calls torch.cuda.synchronize(): still one
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    assert syncs.count() == (2 if torch.cuda.is_available() else 1), syncs.report()
+    assert {what for (_, what, _) in syncs.events} == {"device synchronize"}
+    assert torch.cuda.synchronize is cuda_synchronize and accelerator.synchronize == accelerator_synchronize
+    assert ("synchronize" in vars(accelerator)) == had_own

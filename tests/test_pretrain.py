@@ -168,6 +168,12 @@ def test_deepspeed_config_files_and_overrides():
     assert build_deepspeed_config(stage_one, 64, base)["zero_optimization"]["contiguous_gradients"] is True
     stage_two = TrainingConfig(micro_batch_size=20, global_batch_size=7680, zero_stage=2, precision="bf16")
     assert "contiguous_gradients" not in build_deepspeed_config(stage_two, 64)["zero_optimization"]
+    # DeepSpeed's throughput timer (a device synchronize at each micro batch's forward and step) is off
+    # at every stage unless a file turns it on; a file's other timer settings are kept.
+    for training in (config, stage_one, stage_two):
+        assert build_deepspeed_config(training, 64)["timers"] == {"throughput": {"enabled": False}}
+    timed = {"timers": {"throughput": {"enabled": True, "synchronized": False}}}
+    assert build_deepspeed_config(stage_one, 64, timed)["timers"] == timed["timers"]
 
 
 def _precision_supported(precision: str) -> bool:

@@ -35,6 +35,25 @@ def test_nothing_of_ours_waits_for_the_device_between_two_log_lines(pretraining_
         # What is left is DeepSpeed's own (docs/gpu.md lists it); the backward of a boolean index of
         # ours (it runs inside DeepSpeed's loss.backward()) would be attributed to it: none.
         assert not any(event[1] == "boolean index" for event in run["events"]), run["report"]
+        # Nothing waits for the whole device: DeepSpeed's throughput timer is off (build_deepspeed_config).
+        assert not any(event[1] == "device synchronize" for event in run["events"]), run["report"]
+
+
+def test_deepspeed_s_throughput_timer_would_wait_for_the_device_twice_a_micro_batch(pretraining_samples, tmp_path):
+    """What pretrain turns off by default, turned back on by a user's file: the counter sees DeepSpeed's
+    `get_accelerator().synchronize()` at each micro batch's forward and step (a no-op on the CPU, a
+    full device wait on a GPU)."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"timers": {"throughput": {"enabled": True}}}))
+    output = tmp_path / "syncs.json"
+    result = run_module("tools.count_host_syncs", "--data-path", str(pretraining_samples), "--zero-stage", "1",
+                        "--deepspeed-config", str(config), "--json", str(output), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = json.loads(output.read_text())["runs"]
+    waits = [event for event in run["events"] if event[1] == "device synchronize"]
+    assert {event[0] for event in waits} == {"deepspeed"} and all("deepspeed/utils/timer.py:" in event[2]
+                                                                  for event in waits), run["report"]
+    assert sum(event[3] for event in waits) == 2 * run["micro_batches"], run["report"]
 
 
 def test_cuda_sync_warnings_are_recorded_with_their_owner_and_thread_and_others_still_shown(recwarn):

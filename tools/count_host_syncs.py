@@ -4,6 +4,7 @@
     python tools/count_host_syncs.py --data-path SAMPLES_DIR                  # ZeRO-0 and ZeRO-1
     python tools/count_host_syncs.py --data-path SAMPLES_DIR --zero-stage 1 --json -
     python tools/count_host_syncs.py --data-path SAMPLES_DIR --zero-stage 1 --precision bf16
+    python tools/count_host_syncs.py --data-path SAMPLES_DIR --zero-stage 1 --deepspeed-config ds.json
 
 Trains a real Trainer in this process (the tiny preset, fp32 by default, DeepSpeed on this machine's
 accelerator, world size 1; or under torchrun, each rank counting its own) for two log intervals,
@@ -39,7 +40,8 @@ OWNERS = ("ours", "deepspeed", "megatron-core", "other")
 
 def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int = 2, micro_batch_size: int = 4,
                             global_batch_size: int = 8, objective: str = "ae+par",
-                            cuda_optimizer: bool = True, precision: str = "fp32") -> dict:
+                            cuda_optimizer: bool = True, precision: str = "fp32",
+                            deepspeed_config: dict | None = None) -> dict:
     """Train 2 x `log_interval` iterations; the syncs counted between the two log lines, as
     {"micro_batches", "events": [[owner, what, place, count], ...], "per_micro_batch": {owner: n}}."""
     import torch.distributed as dist
@@ -84,8 +86,9 @@ def count_between_log_lines(data_path: str, zero_stage: int, log_interval: int =
     if cuda_optimizer:
         trainer_module.adamw_options = lambda _device_type: adamw_options("cuda")
     try:
-        trainer = CountingTrainer(model, training, processes.layout.data_parallel_size, mpu=model_parallel_unit(),
-                                  log=lambda message: None, metrics=objective_metrics(objective))
+        trainer = CountingTrainer(model, training, processes.layout.data_parallel_size, deepspeed_config,
+                                  mpu=model_parallel_unit(), log=lambda message: None,
+                                  metrics=objective_metrics(objective))
     finally:
         trainer_module.adamw_options = default_options
     loaders = build_pretraining_loaders(data_path, micro_batch_size, processes.data_parallel_rank,
@@ -119,6 +122,8 @@ def main() -> int:
                         help="fp16: DeepSpeed's loss scaler and its overflow check (where the accelerator has fp16)")
     parser.add_argument("--cpu-adamw", action="store_true",
                         help="keep torch's default CPU AdamW (its .item() of CPU step counters is counted)")
+    parser.add_argument("--deepspeed-config", help="a DeepSpeed config file under the command's values, as "
+                        "pretrain's --deepspeed-config")
     parser.add_argument("--json", help="also write the counts to this file ('-': standard output)")
     args = parser.parse_args()
     quiet_libraries()
@@ -134,13 +139,18 @@ def main() -> int:
             return 2
     from megatron_pmlm.config import ConfigError
     from megatron_pmlm.parallel.distributed import end_distributed
+    from megatron_pmlm.training.training_config import read_deepspeed_config
 
     with logs_to_stderr(args.json):
         try:
+            deepspeed_config = read_deepspeed_config(args.deepspeed_config)
             runs = [count_between_log_lines(args.data_path, stage, args.log_interval, args.micro_batch_size,
                                             args.global_batch_size, args.objective, not args.cpu_adamw,
-                                            args.precision)
+                                            args.precision, deepspeed_config)
                     for stage in args.zero_stage]
+        except FileNotFoundError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         except ConfigError as error:
             print(f"error: {error}", file=sys.stderr)
             return 2

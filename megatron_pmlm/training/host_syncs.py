@@ -45,6 +45,11 @@ BOOLEAN_INDEXED_OPS = (aten.index.Tensor, aten.index_put.default, aten.index_put
 PATCHED_METHODS = ("item", "cpu", "tolist", "numpy")
 """Tensor methods that copy to the host; on a CPU tensor `.cpu()`, `.tolist()` and `.numpy()`
 dispatch nothing, so they are counted by patching the methods."""
+DEVICE_SYNCHRONIZE = "device synchronize"
+"""What an explicit wait for the whole device is recorded as: `torch.cuda.synchronize()`, or
+DeepSpeed's `get_accelerator().synchronize()` (a no-op on DeepSpeed's CPU accelerator, counted all
+the same: on a GPU it is `torch.cuda.synchronize()`). DeepSpeed's throughput timer, on by default,
+calls it at every micro batch's forward and step."""
 
 _THIS_FILE = str(Path(__file__).resolve())
 _WARNINGS_FILE = str(Path(warnings.__file__).resolve())
@@ -76,8 +81,10 @@ class HostSyncCounter(TorchDispatchMode):
         syncs.count("ours")   # 0 is the goal
         syncs.report()        # one line per (owner, what, where)
 
-    Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, and calls of the Tensor
-    methods `PATCHED_METHODS`. A method call that dispatches a counted op (`.item()`) counts once.
+    Counted: the ops of `SYNCING_OPS`, indexing with a boolean index, calls of the Tensor
+    methods `PATCHED_METHODS`, and explicit device synchronizations (`DEVICE_SYNCHRONIZE`: patched
+    `torch.cuda.synchronize` and, when DeepSpeed is imported, its accelerator's `synchronize`). A
+    call that dispatches a counted op (`.item()`) or calls another counted one counts once.
 
     Compiled code (`--compile`) runs eagerly while the counter is active (torch.compiler's
     "force_eager" stance) and compiled again after: the counter sees the eager step's ops. Without
@@ -92,6 +99,7 @@ class HostSyncCounter(TorchDispatchMode):
         self.events: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self._in_method = 0
         self._originals: dict[str, object] = {}
+        self._synchronizes: list[tuple[object, str, object, bool]] = []
         self._thread = threading.get_ident()
         self._eager = contextlib.ExitStack()
 
@@ -116,6 +124,11 @@ class HostSyncCounter(TorchDispatchMode):
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
             setattr(torch.Tensor, name, self._counting(name, original))
+        for owner, name in _synchronize_functions():
+            original = getattr(owner, name)
+            # An instance's method comes from its class: patched on the instance, deleted after.
+            self._synchronizes.append((owner, name, original, name in vars(owner)))
+            setattr(owner, name, self._counting(DEVICE_SYNCHRONIZE, original))
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -125,18 +138,26 @@ class HostSyncCounter(TorchDispatchMode):
             for name, original in self._originals.items():
                 setattr(torch.Tensor, name, original)
             self._originals.clear()
+            for owner, name, original, own_attribute in reversed(self._synchronizes):
+                if own_attribute:
+                    setattr(owner, name, original)
+                else:
+                    delattr(owner, name)
+            self._synchronizes.clear()
             self._eager.close()
 
     def _counting(self, name: str, original):
         counter = self
 
-        def method(tensor, *args, **kwargs):
+        what = name if name == DEVICE_SYNCHRONIZE else f".{name}()"
+
+        def method(*args, **kwargs):
             if counter._in_method or threading.get_ident() != counter._thread:
-                return original(tensor, *args, **kwargs)
-            counter._record(f".{name}()")
+                return original(*args, **kwargs)
+            counter._record(what)
             counter._in_method += 1
             try:
-                return original(tensor, *args, **kwargs)
+                return original(*args, **kwargs)
             finally:
                 counter._in_method -= 1
 
@@ -215,6 +236,16 @@ class CudaSyncWarnings:
         lines = [f"{n:5d}  {who:13s} {thread:16s} {place}" for (who, place, thread), n in
                  sorted(self.events.items(), key=lambda item: (-item[1], item[0]))]
         return "\n".join(lines) if lines else "(no synchronising CUDA call)"
+
+
+def _synchronize_functions() -> list[tuple[object, str]]:
+    """(owner, attribute) of the device-wide waits to count: torch.cuda's, and the DeepSpeed
+    accelerator's where DeepSpeed is imported already (counting never imports it)."""
+    functions: list[tuple[object, str]] = [(torch.cuda, "synchronize")]
+    accelerator_module = sys.modules.get("deepspeed.accelerator")
+    if accelerator_module is not None:
+        functions.append((accelerator_module.get_accelerator(), "synchronize"))
+    return functions
 
 
 def _has_boolean_index(args, kwargs) -> bool:

@@ -249,6 +249,12 @@ def build_deepspeed_config(config: TrainingConfig, data_parallel_size: int,
         "steps_per_print": 10**9,  # we log ourselves
         "wall_clock_breakdown": False,
     })
+    # DeepSpeed's throughput timer (on by default) waits for the whole device at every micro batch's
+    # forward and again in its step(), so the host cannot queue the next kernels while the GPU works:
+    # two `get_accelerator().synchronize()` a micro batch once two steps have run. It only feeds
+    # DeepSpeed's own samples/s line, which steps_per_print above silences; the Trainer times its
+    # log intervals itself. A user's file may turn it back on.
+    ds_config.setdefault("timers", {}).setdefault("throughput", {}).setdefault("enabled", False)
     zero = ds_config.setdefault("zero_optimization", {})
     zero["stage"] = config.zero_stage
     fp16 = ds_config.setdefault("fp16", {})
