@@ -194,3 +194,11 @@ def test_the_tool_names_a_bad_data_path_in_one_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"error: --data-path {tmp_path / 'nothing'}: not a build_samples output directory (no metadata.json)"]
+
+
+def test_count_host_syncs_names_a_missing_deepspeed_config(pretraining_samples, tmp_path):
+    missing = tmp_path / "nope.json"
+    result = run_module("tools.count_host_syncs", "--data-path", str(pretraining_samples), "--deepspeed-config",
+                        str(missing), timeout=300)
+    assert result.returncode == 2 and f"DeepSpeed config {missing} does not exist" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

@@ -123,7 +123,7 @@ class HostSyncCounter(TorchDispatchMode):
         for name in PATCHED_METHODS:
             original = getattr(torch.Tensor, name)
             self._originals[name] = original
-            setattr(torch.Tensor, name, self._counting(name, original))
+            setattr(torch.Tensor, name, self._counting(f".{name}()", original))
         for owner, name in _synchronize_functions():
             original = getattr(owner, name)
             # An instance's method comes from its class: patched on the instance, deleted after.
@@ -146,10 +146,9 @@ class HostSyncCounter(TorchDispatchMode):
             self._synchronizes.clear()
             self._eager.close()
 
-    def _counting(self, name: str, original):
+    def _counting(self, what: str, original):
+        """`original`, recording `what` once per outermost call from the watched thread."""
         counter = self
-
-        what = name if name == DEVICE_SYNCHRONIZE else f".{name}()"
 
         def method(*args, **kwargs):
             if counter._in_method or threading.get_ident() != counter._thread:
@@ -161,7 +160,7 @@ class HostSyncCounter(TorchDispatchMode):
             finally:
                 counter._in_method -= 1
 
-        method.__name__ = name
+        method.__name__ = original.__name__
         return method
 
     def _record(self, what: str) -> None:
