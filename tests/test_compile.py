@@ -8,6 +8,7 @@ all but the first compilation."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.models import compiled
 from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM_ENV
 from megatron_pmlm.models.model import BertLayer, PMLMForPreTraining
+from megatron_pmlm.parallel.layers import LabelSmoothing, chunked_biased_cross_entropy
 
 VOCAB = 200
 RUN_QUANTUM = 64
@@ -197,6 +199,61 @@ def test_count_kernels_counts_the_ops_that_compute():
     # mm, relu, the copy inside contiguous() of a transposed tensor, sum; not t() nor view()
     assert count_kernels(lambda: (a @ b).relu().t().contiguous().view(-1).sum(), compiled=False) == 4
     assert count_kernels(lambda: (a @ b).t().unsqueeze(0).detach(), compiled=False) == 1  # views and aliases launch nothing
+
+
+SLOT_COUNTS = (9, 13, 20)
+"""Slot counts above the chunk of the cross-entropy tests below (4 rows): a micro batch of 256 at
+seq 128 predicts ~9,800 slots, over CROSS_ENTROPY_CHUNK_ROWS (4,096)."""
+
+
+@pytest.mark.parametrize("smoothing", [None, LabelSmoothing(0.1, 33, pad_id=2)], ids=["mlm", "smoothed"])
+def test_compiled_cross_entropy_compiles_once_for_every_slot_count_above_the_chunk(smoothing):
+    """The losses region has symbolic sizes (one compilation for every slot count); the chunk loop
+    over the count made each count above the chunk a compilation of its own, which on one H100 at
+    micro batch 256 recompiled the losses at every step. Compiled (one chunk) equals eager (chunks)."""
+    from torch._dynamo.utils import counters
+
+    def losses(logits, labels, bias):
+        return chunked_biased_cross_entropy(logits, labels, bias, chunk_rows=4, label_smoothing=smoothing)
+    compiled_losses = torch.compile(losses, dynamic=True)
+    generator = torch.Generator().manual_seed(0)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for rows in SLOT_COUNTS:
+        logits = (torch.randn(rows, 37, generator=generator) * 3).requires_grad_()
+        bias = torch.randn(37, generator=generator).masked_fill(torch.arange(37) >= 33, float("-inf"))
+        bias.requires_grad_()
+        labels = torch.randint(0, 33, (rows,), generator=generator)
+        upstream = torch.rand(rows, generator=generator)
+        results = {}
+        for name, function in (("eager", losses), ("compiled", compiled_losses)):
+            logits.grad = bias.grad = None
+            row_losses, predicted = function(logits, labels, bias)
+            (row_losses * upstream).sum().backward()
+            results[name] = (row_losses.detach(), predicted, logits.grad, bias.grad)
+        for got, expected, what in zip(results["compiled"], results["eager"], ("losses", "argmax", "logits", "bias")):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_compiled_cross_entropy_backward_writes_no_fp32_slots_by_vocabulary_tensor():
+    """pretrain's path (DeepSpeed's bf16 logits and bias): compiled, the softmax's gradient goes
+    from the bf16 logits to their bf16 gradient in fused kernels; a scatter at the labels had
+    inductor write the fp32 [slots, vocabulary] probabilities out first (1.2 GB at ~9,800 slots)."""
+    from torch._inductor.utils import run_and_get_code
+
+    def step(logits, labels, bias):
+        chunked_biased_cross_entropy(logits, labels, bias, chunk_rows=4)[0].sum().backward()
+    logits = torch.randn(13, 300).to(torch.bfloat16).requires_grad_()
+    bias = torch.zeros(300, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, 300, (13,))
+    _, sources = run_and_get_code(torch.compile(step, dynamic=True), logits, labels, bias)
+    buffers = [line.strip() for source in sources for line in source.splitlines() if "empty_strided" in line]
+    assert any("torch.bfloat16" in line for line in buffers), sources  # the backward's code was captured
+    two_dimensional_fp32 = [line for line in buffers if "torch.float32" in line
+                            and re.search(r"empty_strided\w*\(\(\w+, \w+\)", line)
+                            and not re.search(r"empty_strided\w*\(\(\w+, 1\)", line)]
+    assert not two_dimensional_fp32, buffers
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
 
 
 TRACED_REGIONS = ("embed", "forward", "losses")

@@ -433,17 +433,26 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             # As Trainer.train feeds it: the next batch built and copied by a background thread.
             with DevicePrefetcher(loaders.train, trainer.device) as train_batches:
                 graphs_before, first_step_seconds = compiled_graphs(), time.perf_counter()
-                for index in range(args.warmup):
+                def warmup_step(number: int) -> bool:
+                    """One untimed step; under --compile, a line for each that compiled (where a compiled
+                    warm-up's minutes go, as they go). Whether it compiled."""
+                    graphs, step_started = compiled_graphs(), time.perf_counter()
                     trainer.train_step(train_batches)
+                    new_graphs = compiled_graphs() - graphs
+                    if args.compile and new_graphs:
+                        print(f"compile warm-up step {number}: {new_graphs} new graphs in "
+                              f"{time.perf_counter() - step_started:.1f} s", file=sys.stderr, flush=True)
+                    return new_graphs > 0
+
+                for index in range(args.warmup):
+                    warmup_step(index + 1)
                     if index == 0:  # compilation included under --compile
                         _synchronize(device)
                         first_step_seconds = time.perf_counter() - first_step_seconds
                 settled, extra_warmup = 0, 0
                 while args.compile and settled < COMPILE_SETTLED_STEPS and extra_warmup < COMPILE_WARMUP_LIMIT:
-                    graphs = compiled_graphs()
-                    trainer.train_step(train_batches)
                     extra_warmup += 1
-                    settled = settled + 1 if compiled_graphs() == graphs else 0
+                    settled = 0 if warmup_step(args.warmup + extra_warmup) else settled + 1
                 _synchronize(device)
                 compilations = compiled_graphs() - graphs_before
                 start, tokens = time.perf_counter(), 0
