@@ -20,6 +20,7 @@ from pmlm_testing import REPO_ROOT, run_module
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import gpu_check  # noqa: E402
+from bench_attention_kernels import VARIANTS  # noqa: E402
 
 
 def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
@@ -88,6 +89,13 @@ def test_a_step_starts_only_with_its_own_minimum_left():
                        "base-seq512-bf16-flex": gpu_check.MIN_STEP_SECONDS}
     assert gpu_check.MIN_STEP_SECONDS < gpu_check.MIN_REAL_STEP_SECONDS < gpu_check.MIN_COMPILE_STEP_SECONDS
     assert gpu_check.minimum_seconds({"kind": "tests"}) == gpu_check.MIN_TESTS_SECONDS
+    assert gpu_check.minimum_seconds({"kind": "attention"}) == gpu_check.MIN_ATTENTION_SECONDS
+    # the attention kernels after the eager rows at the large micro batches, before the compiled ones
+    large = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
+                                 large_batches=gpu_check.LARGE_BATCH_SHAPES)
+    eager_large = [s["priority"] for s in large if s.get("name_suffix") and s["kind"] == "eager"]
+    compiled_large = [s["priority"] for s in large if s.get("name_suffix") and s["kind"] == "compile"]
+    assert max(eager_large) < gpu_check.ATTENTION_PRIORITY < min(compiled_large)
 
 
 def test_peaks_come_from_the_exact_device_name():
@@ -167,6 +175,16 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
         bare = rows["tiny-seq64-fp32-sdpa-compile"]["figures"]
         assert "host_ms_per_step" not in bare and bare["host_proxy_skipped"] == "--skip-host-proxy"
         assert f"| {bare['bias_bytes_per_step'] / 2**20:,.1f} | skipped |" in markdown
+
+    # The attention kernel alone: every variant ran, each the same attention as sdpa, in the report.
+    attention = report["attention"]
+    assert attention["ok"] and "--shapes 64x4" in attention["command"], attention
+    (shape,) = attention["figures"]["shapes"]
+    variants = {row["variant"]: row for row in shape["rows"]}
+    assert sorted(variants) == sorted(VARIANTS)
+    assert all(row["same_attention"] for name, row in variants.items() if name not in ("sdpa", "flash-no-bias"))
+    assert "grad_bias" in variants["flex-dense-bias"]["relative_difference"]
+    assert "## The attention kernel alone" in markdown and "| flex-dense-bias |" in markdown
 
     # An accumulated row: its micro batches a step named, the real / bare ratio per micro batch.
     accumulated = copy.deepcopy(report)

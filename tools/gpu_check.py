@@ -18,14 +18,16 @@ the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
-batches of LARGE_BATCH_SHAPES eager then compiled (at the first shapes an H100 waited on the host
+batches of LARGE_BATCH_SHAPES eager, the attention kernel alone (tools/bench_attention_kernels.py at
+ATTENTION_KERNEL_SHAPES: sdpa with the bias against FlexAttention with it and without any bias), then
+pretrain's step at the larger micro batches compiled (at the first shapes an H100 waited on the host
 for half of pretrain's step; at these it works), pretrain's step accumulating the micro batches of
 ACCUMULATION_SHAPES (DeepSpeed's reduction and optimizer step once per k, as in a run of the paper's
 global batch), the `--compile` rows at the first shapes, the other
 attention backend at the preferred precision, the `gpu` tests, then the other precision.
 `--budget-seconds S` bounds the whole check: a step starts only with at least its minimum left
-(`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for a
-`--compile` row or the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
+(`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face or for the
+attention kernels, 120 s for a `--compile` row or the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
 The report (`gpu-check.json`, `gpu-check.md`) is rewritten after every step, and `--archive
 FILE.tar.gz` packs the whole results folder into one file at the end, also when SIGTERM/SIGINT
 (a scheduler's or `timeout`'s) stops the check: one file to copy off a lent machine.
@@ -71,6 +73,16 @@ is the per-micro-batch figure such a run sees; the K = 1 rows stay the worst cas
 COMPILE_FLAGS = ("--compile", "--deepspeed", "--skip-host-proxy")
 """bench_train's flags of a `--compile` row: the bare model and pretrain's step compiled; without the
 host proxy, whose shape (micro batch 1, seq 16) would be one more compilation (30-90 s of the lease)."""
+ATTENTION_KERNEL_SHAPES = "512x64"
+"""tools/bench_attention_kernels.py's shapes in the check: the attention kernel alone (sdpa with the
+bias and its gradient against FlexAttention with the dense bias, the model's flex, and no bias) at
+seq 512, where attention weighs most (~60 TFLOP/s on the first H100s: 20% of the compiled step at
+seq 128, more at 512); after the eager rows at the large micro batches, before the compiled ones."""
+ATTENTION_PRIORITY = 0.9
+DRY_RUN_ATTENTION_SHAPES = "64x4"
+MIN_ATTENTION_SECONDS = 75
+"""--budget-seconds: the attention step starts only with this much left (two FlexAttention
+compilations, ~20 s each on an H100, and the timed runs: estimated)."""
 PRECISIONS = ("fp16", "bf16")
 DRY_RUN_SHAPES = ((64, 4),)
 """--cpu-dry-run: the tiny preset at this (sequence length, micro batch), fp32, one timed step."""
@@ -181,6 +193,27 @@ def run_tests(output_dir: Path, timeout: float) -> dict:
             "summary": summary.strip("= "), "seconds": time.time() - started, "log": str(output_dir / "tests.log")}
 
 
+def run_attention_kernels(output_dir: Path, shapes: str, preset: str, iterations: int, warmup: int, timeout: float,
+                          accelerator: str = "cuda") -> dict:
+    """tools/bench_attention_kernels.py in its own process: its figures, or what went wrong."""
+    figures_file = output_dir / "attention-kernels.json"
+    command = [sys.executable, str(REPO_ROOT / "tools" / "bench_attention_kernels.py"), "--preset", preset,
+               "--shapes", shapes, "--iterations", str(iterations), "--warmup", str(warmup),
+               "--json", str(figures_file)]
+    started = time.time()
+    output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": accelerator})
+    (output_dir / "attention-kernels.log").write_text(output)
+    result = {"name": "attention kernels", "command": " ".join(command[1:]), "seconds": time.time() - started,
+              "returncode": returncode}
+    if figures_file.is_file():
+        result["figures"] = json.loads(figures_file.read_text())
+    # exit 1 with figures: a variant failed or computed another attention (named in the figures)
+    result["ok"] = returncode == 0
+    if not result["ok"]:
+        result["error"] = f"exit code {returncode}: " + "; ".join(output.strip().splitlines()[-3:])
+    return result
+
+
 def bench_has_compile() -> bool:
     """Whether tools/bench_train.py takes --compile (its --help lists it)."""
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_train.py"), "--help"], cwd=REPO_ROOT,
@@ -237,6 +270,8 @@ def minimum_seconds(step: dict) -> float:
     """What must be left of --budget-seconds for `step` to start (a `bench_plan` row or the tests)."""
     if step["kind"] == "tests":
         return MIN_TESTS_SECONDS
+    if step["kind"] == "attention":
+        return MIN_ATTENTION_SECONDS
     if step["kind"] == "compile":
         return MIN_COMPILE_STEP_SECONDS
     return MIN_REAL_STEP_SECONDS if step["real"] else MIN_STEP_SECONDS
@@ -390,11 +425,38 @@ def markdown(report: dict) -> str:
                           _timeline(f.get("device_timeline")), "", "| kernel | calls | ms |", "|---|---|---|"]
                 lines += [f"| `{kernel['name'][:120].replace('|', '/')}` | {kernel['calls']} | "
                           f"{kernel['self_us'] / 1e3:.2f} |" for kernel in f["top_kernels"]]
+    lines += _attention_section(report.get("attention"))
     if report.get("not_run"):
         lines += ["", f"Not run ({report['not_run_reason']}): " + ", ".join(report["not_run"]) + "."]
     for note in report["notes"]:
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _attention_section(attention: dict | None) -> list[str]:
+    """The attention kernels' table (tools/bench_attention_kernels.py), or nothing when not run."""
+    if not attention:
+        return []
+    lines = ["", "## The attention kernel alone (`tools/bench_attention_kernels.py`)", "",
+             "One forward + backward of attention over a real layout's bias, q/k/v gradients (and the bias's "
+             "where the variant gives one) checked against sdpa's; TFLOP/s count 14 x B x heads x T^2 x head size."]
+    if not attention["ok"]:
+        lines += ["", f"{'Stopped' if attention.get('budget_stopped') else 'Failed'}: "
+                  f"{attention.get('error', '')[:300]}"]
+    for shape in attention.get("figures", {}).get("shapes", []):
+        lines += ["", f"seq {shape['seq_length']} (width {shape['width']}), micro batch {shape['micro_batch']}, "
+                  f"{shape.get('dtype', '?')}; pairs the rule allows {shape.get('allowed_fraction', 0):.1%}", "",
+                  "| variant | ms | TFLOP/s | same attention as sdpa (largest relative difference) |", "|---|---|---|---|"]
+        for row in shape["rows"]:
+            if "error" in row:
+                lines.append(f"| {row['variant']} | failed: {row['error'][:160].replace('|', '/')} | | |")
+                continue
+            check = "(the reference)" if row["variant"] == "sdpa" else "-"
+            if "relative_difference" in row:
+                worst = max(row["relative_difference"].items(), key=lambda item: item[1])
+                check = f"{'yes' if row['same_attention'] else 'NO'} ({worst[1]:.1e}, {worst[0]})"
+            lines.append(f"| {row['variant']} | {row['ms']:.3f} | {row['tflops']:.1f} | {check} |")
+    return lines
 
 
 def _timeline(timeline: dict | None) -> str:
@@ -524,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.budget_seconds - REPORT_SECONDS - (time.time() - started)
 
     def step_name(step: dict) -> str:
-        return "gpu tests" if step["kind"] == "tests" else bench_name(step, preset)
+        return {"tests": "gpu tests", "attention": "attention kernels"}.get(step["kind"]) or bench_name(step, preset)
 
     def budget_spent(name: str) -> None:
         report["not_run"].append(name)
@@ -542,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             steps += bench_plan(shapes, precisions, backends, preferred, compile_rows,
                                 () if args.cpu_dry_run else LARGE_BATCH_SHAPES,
                                 () if args.cpu_dry_run else ACCUMULATION_SHAPES)
+            steps.append({"kind": "attention", "priority": ATTENTION_PRIORITY,
+                          "shapes": DRY_RUN_ATTENTION_SHAPES if args.cpu_dry_run else ATTENTION_KERNEL_SHAPES})
         if not args.skip_tests and not args.cpu_dry_run:
             steps.append({"kind": "tests", "priority": TESTS_PRIORITY})
         steps.sort(key=lambda step: step["priority"])
@@ -560,6 +624,17 @@ def main(argv: list[str] | None = None) -> int:
                     budget_spent(f"{name} (stopped when the budget ran out)")
                 print(f"gpu-check: tests {'passed' if report['tests']['passed'] else 'FAILED'}: "
                       f"{report['tests']['summary']}", flush=True)
+            elif step["kind"] == "attention":
+                print(f"gpu-check: attention kernels at {step['shapes']} ...", flush=True)
+                timeout = min(args.timeout, left)
+                attention = run_attention_kernels(output_dir, step["shapes"], preset, iterations, warmup, timeout,
+                                                  accelerator)
+                if attention["returncode"] == 124 and timeout == left:
+                    attention["budget_stopped"] = True
+                    budget_spent(f"{name} (stopped when the budget ran out)")
+                report["attention"] = attention
+                print("gpu-check: attention kernels: " + ("done" if attention["ok"] else attention["error"][:300])
+                      + f" ({attention['seconds']:.0f} s)", flush=True)
             else:
                 timeout = min(args.timeout * (2 if step["real"] else 1), left)
                 row = run_bench(output_dir, step, iterations, warmup, timeout, preset, accelerator)
@@ -580,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as stopped:
         stopped_by = str(stopped)
         report["notes"].append(f"stopped by {stopped_by} after {time.time() - started:.0f} s")
-        done = {row["name"] for row in report["bench"]} | ({"gpu tests"} if report["tests"] else set())
+        done = ({row["name"] for row in report["bench"]} | ({"gpu tests"} if report["tests"] else set())
+                | ({"attention kernels"} if report.get("attention") else set()))
         report["not_run"] += [name for name in map(step_name, steps)
                               if name not in done and name not in report["not_run"]]
         report["not_run_reason"] = report["not_run_reason"] or f"stopped by {stopped_by}"
@@ -596,8 +672,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu-check: results packed into {args.archive}")
     print(f"gpu-check: results in {json_path} and {md_path} ({report['seconds']:.0f} s)")
     tests = report["tests"]
+    attention = report.get("attention")
     failed = stopped_by is not None or (tests is not None and not tests["passed"] and not tests.get("budget_stopped")) or any(
-        not r["ok"] and not r.get("budget_stopped") for r in report["bench"])
+        not r["ok"] and not r.get("budget_stopped") for r in report["bench"]) or (
+        attention is not None and not attention["ok"] and not attention.get("budget_stopped"))
     return 1 if failed else 0
 
 

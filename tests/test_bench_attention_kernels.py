@@ -1,0 +1,52 @@
+"""tools/bench_attention_kernels.py: what it refuses, and that a variant computing another attention
+is reported as different (the GPU figures come from `make gpu-check`; its dry run runs every variant)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from pmlm_testing import REPO_ROOT, run_module
+
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+import bench_attention_kernels  # noqa: E402
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "128"], "shape '128': give SEQxBATCH"),
+    (["--shapes", "4x2"], "sequence length >= 8"),
+    (["--variants", "sdpa,fast"], "--variants sdpa,fast: unknown fast"),
+    (["--preset", "huge"], "--preset huge:"),
+])
+def test_bad_arguments_are_refused_in_one_line(args, message, tmp_path):
+    result = run_module("tools.bench_attention_kernels", *args, "--json", str(tmp_path / "out.json"), timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_relative_difference_reads_the_reference_finite_entries_and_catches_non_finite_output():
+    expected = torch.tensor([1.0, float("-inf"), 2.0])
+    assert bench_attention_kernels.relative_difference(torch.tensor([1.0, float("-inf"), 2.0]), expected) == 0.0
+    assert bench_attention_kernels.relative_difference(torch.tensor([1.0, 0.0, 2.2]), expected) == \
+        pytest.approx(0.2 / math.sqrt(5))
+    assert bench_attention_kernels.relative_difference(torch.tensor([float("nan"), 0.0, 2.0]), expected) == math.inf
+
+
+def test_a_variant_computing_another_attention_is_reported_as_different(monkeypatch, tmp_path):
+    """flash-no-bias is never compared (it is the floor); were a bias variant to drop the bias, the
+    check would say so and the tool would exit 1."""
+    original = bench_attention_kernels.run_variant
+
+    def dropping_the_bias(name, *args, **kwargs):
+        return original("flash-no-bias" if name == "sdpa-bias-frozen" else name, *args, **kwargs)
+    monkeypatch.setattr(bench_attention_kernels, "run_variant", dropping_the_bias)
+    code = bench_attention_kernels.main(["--preset", "tiny", "--shapes", "32x2", "--variants", "sdpa,sdpa-bias-frozen",
+                                         "--iterations", "1", "--warmup", "1", "--json", str(tmp_path / "out.json")])
+    assert code == 1
+    (row,) = [r for r in json.loads((tmp_path / "out.json").read_text())["shapes"][0]["rows"]
+              if r["variant"] == "sdpa-bias-frozen"]
+    assert row["same_attention"] is False and row["relative_difference"]["output"] > 1e-2

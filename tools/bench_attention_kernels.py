@@ -1,0 +1,258 @@
+"""The attention kernel alone, with the pseudo-masked layout's bias and its gradient: which kernel to
+build on (issue 33; on one H100 the step's attention ran at ~60 TFLOP/s, 20% of a compiled step at
+seq 128 and more at 512, where its share grows with T^2).
+
+    python tools/bench_attention_kernels.py [--preset base] [--shapes 128x256,512x64] [--json out.json]
+
+For each shape (sequence length x micro batch): the real layout of a micro batch (tools/bench_train.py's
+batches), its dense additive bias as the model builds it (`model.attention_inputs`, sdpa: relative
+positions and -inf where the rule forbids) and FlexAttention's block mask and bias table (flex), random
+queries, keys and values at the preset's heads and head size; then one forward + backward of the
+attention alone, per variant:
+
+- `sdpa`: F.scaled_dot_product_attention with the bias, its gradient included (the model's sdpa
+  backend; on an H100 torch picks the memory-efficient kernel);
+- `sdpa-bias-frozen`: the same with a bias that needs no gradient (what dBias costs; torch may pick
+  another kernel, e.g. cuDNN's);
+- `flex-dense-bias`: FlexAttention (compiled on CUDA) under the block mask, its score_mod adding the
+  same dense bias, whose gradient comes from the kernel (one add per score, each to its own element);
+- `flex-table`: the model's flex backend (`flex_attention.flex_attention_forward`: the score_mod reads
+  the relative-bias table per tile; the table's gradient by atomic adds);
+- `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
+
+Each variant's output and q/k/v gradients are compared with `sdpa`'s (and `flex-dense-bias`'s bias
+gradient with sdpa's); times are the mean of --iterations after --warmup (compilation), on CUDA
+between device events. TFLOP/s count 14 x B x heads x T^2 x head size (forward 4, backward 10) for
+every variant alike, masked pairs included. Nothing here is a test; figures go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positive_int  # noqa: E402
+from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
+
+VARIANTS = ("sdpa", "sdpa-bias-frozen", "flex-dense-bias", "flex-table", "flash-no-bias")
+REFERENCE = "sdpa"
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+"""Largest relative difference (norm of the difference over the reference's norm) from `sdpa`'s
+output and gradients that a variant may show and still compute the same attention."""
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    """'128x256,512x64' -> [(128, 256), (512, 64)] (sequence length x micro batch)."""
+    shapes = []
+    for part in text.split(","):
+        try:
+            seq_length, micro_batch = (int(value) for value in part.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"shape {part!r}: give SEQxBATCH, e.g. 128x256") from None
+        if seq_length < 8 or micro_batch < 1:
+            raise argparse.ArgumentTypeError(f"shape {part!r}: sequence length >= 8 and micro batch >= 1")
+        shapes.append((seq_length, micro_batch))
+    return shapes
+
+
+def attention_flops(batch: int, heads: int, width: int, head_size: int) -> float:
+    """Forward (QK^T, PV: 4) + backward (recomputed QK^T, dV, dP, dQ, dK: 10) x B x heads x T^2 x d."""
+    return 14.0 * batch * heads * width * width * head_size
+
+
+def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.device, dtype: torch.dtype,
+                  seed: int = 1):
+    """(config, dense bias [B, heads, T, T] as the model builds it, flex mask, table) of a real micro batch."""
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    from megatron_pmlm.models.model import RelativePositionBias, attention_inputs
+    from tools.bench_train import make_examples, pmlm_batch
+
+    config = model_config_from_preset(preset, hidden_dropout=0.0, attention_dropout=0.0,
+                                      max_position_embeddings=max(seq_length, 128))
+    batch = pmlm_batch(make_examples(micro_batch, seq_length, config.vocab_size, seed=seed)).to(device)
+    rel_pos_bias = RelativePositionBias(config.num_attention_heads, config.rel_pos_bins, config.max_rel_pos).to(device)
+    torch.nn.init.normal_(rel_pos_bias.weight, std=0.02)
+    with torch.no_grad():
+        dense = attention_inputs("sdpa", rel_pos_bias, pmlm_attention_allowed, batch.position_ids, batch.roles,
+                                 batch.steps, dtype)
+    flex = attention_inputs("flex", rel_pos_bias, pmlm_attention_allowed, batch.position_ids, batch.roles,
+                            batch.steps, dtype)
+    return config, dense, flex, rel_pos_bias
+
+
+def run_variant(name: str, query, key, value, dense, flex, grad_out,
+                keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """One forward + backward; (output, gradients: q, k, v[, bias]) when `keep` (the timed runs keep
+    nothing: no copy of a gradient inside the time)."""
+    from megatron_pmlm.models import flex_attention as flex_module
+
+    for tensor in (query, key, value, dense, flex.distance_bias):
+        tensor.grad = None
+    if name == "sdpa":
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense)
+    elif name == "sdpa-bias-frozen":
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense.detach())
+    elif name == "flash-no-bias":
+        out = F.scaled_dot_product_attention(query, key, value)
+    elif name == "flex-table":
+        out = flex_module.flex_attention_forward(query, key, value, flex)
+    elif name == "flex-dense-bias":
+        def add_bias(score, b, h, q_idx, kv_idx):
+            return score + dense[b, h, q_idx, kv_idx].to(score.dtype)
+        if query.device.type == "cuda":
+            out = flex_module._compiled_flex_attention()(query, key, value, score_mod=add_bias,
+                                                         block_mask=flex.block_mask)
+        else:
+            with flex_module._reference_backward_allowed():
+                out = flex_module.flex_attention(query, key, value, score_mod=add_bias, block_mask=flex.block_mask)
+    else:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    out.backward(grad_out)
+    if not keep:
+        return None
+    grads = [query.grad, key.grad, value.grad]
+    if name in ("sdpa", "flex-dense-bias"):
+        grads.append(dense.grad)
+    return out.detach(), [g.detach().clone() for g in grads]
+
+
+def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """||got - expected|| / ||expected|| in fp64, over the finite entries of the reference."""
+    got, expected = got.double(), expected.double()
+    finite = torch.isfinite(expected)
+    if not torch.isfinite(got[finite]).all():
+        return math.inf
+    scale = float(expected[finite].norm())
+    return float((got[finite] - expected[finite]).norm()) / max(scale, 1e-30)
+
+
+def measure(shape: tuple[int, int], preset: str, variants: list[str], device: torch.device, dtype: torch.dtype,
+            iterations: int, warmup: int) -> dict:
+    seq_length, micro_batch = shape
+    config, dense_built, flex, _ = layout_inputs(preset, seq_length, micro_batch, device, dtype)
+    batch, heads, width, _ = dense_built.shape
+    head_size = config.hidden_size // config.num_attention_heads
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def leaf(*size):
+        return torch.randn(*size, generator=generator, device=device, dtype=torch.float32).to(dtype).requires_grad_()
+    query, key, value = (leaf(batch, heads, width, head_size) for _ in range(3))
+    grad_out = torch.randn(batch, heads, width, head_size, generator=generator, device=device).to(dtype)
+    dense = dense_built.detach().requires_grad_()  # the model's aligned layout (a view of a padded buffer)
+    flex = flex.with_distance_bias(flex.distance_bias.detach().requires_grad_())  # a leaf, as dense is
+    flops = attention_flops(batch, heads, width, head_size)
+    rows, reference = [], None
+    for name in [REFERENCE] + [v for v in variants if v != REFERENCE]:
+        row = {"variant": name}
+        try:
+            for _ in range(max(warmup, 1)):
+                out, grads = run_variant(name, query, key, value, dense, flex, grad_out)
+            seconds = _time(lambda: run_variant(name, query, key, value, dense, flex, grad_out, keep=False),
+                            iterations, device)
+        except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+            rows.append(row)
+            continue
+        row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+        if name == REFERENCE:
+            reference = (out, grads)
+        elif reference is not None and name != "flash-no-bias":
+            names = ("output", "grad_query", "grad_key", "grad_value", "grad_bias")
+            row["relative_difference"] = {what: relative_difference(got, expected) for what, got, expected in
+                                          zip(names, [out, *grads], [reference[0], *reference[1]])}
+            row["same_attention"] = max(row["relative_difference"].values()) <= TOLERANCE[dtype]
+        rows.append(row)
+    if reference is None:
+        return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "rows": rows}
+    return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "heads": heads,
+            "head_size": head_size, "dtype": str(dtype).replace("torch.", ""), "flops": flops,
+            "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows}
+
+
+def _time(step, iterations: int, device: torch.device) -> float:
+    """Mean seconds of `step` over `iterations` (between device events on CUDA)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        for _ in range(iterations):
+            step()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3 / iterations
+    started = time.perf_counter()
+    for _ in range(iterations):
+        step()
+    return (time.perf_counter() - started) / iterations
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python tools/bench_attention_kernels.py", formatter_class=HelpFormatter,
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="base", help="tiny, base or large")
+    parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x256,512x64"),
+                        help="SEQxBATCH[,SEQxBATCH...]")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                        help="default: bf16 on CUDA, fp32 on the CPU")
+    parser.add_argument("--iterations", type=positive_int, default=10)
+    parser.add_argument("--warmup", type=positive_int, default=2, help="untimed runs first (compilation)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        parser.error(f"--variants {args.variants}: unknown {', '.join(unknown) or '(none given)'}; choose from "
+                     f"{', '.join(VARIANTS)}")
+    try:
+        model_config_from_preset(args.preset)
+    except Exception as error:
+        parser.error(f"--preset {args.preset}: {error}")
+    if args.json:
+        try:
+            check_output(args.json, "--json")
+        except OutputError as error:
+            parser.error(str(error))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
+               "torch": torch.__version__, "preset": args.preset, "iterations": args.iterations, "shapes": []}
+    for shape in args.shapes:
+        figures = measure(shape, args.preset, variants, device, dtype, args.iterations, args.warmup)
+        results["shapes"].append(figures)
+        print(f"{results['device']} | {args.preset}, seq {figures['seq_length']} (layout width {figures['width']}), "
+              f"micro batch {figures['micro_batch']}, {figures.get('dtype', '?')}; pairs the rule allows "
+              f"{figures.get('allowed_fraction', 0):.1%}")
+        for row in figures["rows"]:
+            if "error" in row:
+                print(f"  {row['variant']:<17} failed: {row['error']}")
+                continue
+            check = ""
+            if "relative_difference" in row:
+                worst = max(row["relative_difference"].items(), key=lambda item: item[1])
+                check = (f" | {'same attention' if row['same_attention'] else 'DIFFERS'} as sdpa "
+                         f"(largest relative difference {worst[1]:.1e}, {worst[0]})")
+            print(f"  {row['variant']:<17} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
+    if args.json:
+        write_json_atomically(args.json, results)
+    failed = [row["variant"] for figures in results["shapes"] for row in figures["rows"]
+              if "error" in row or row.get("same_attention") is False]
+    if failed:
+        print(f"failed or different from sdpa: {', '.join(sorted(set(failed)))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
