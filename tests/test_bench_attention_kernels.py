@@ -36,6 +36,16 @@ def test_relative_difference_reads_the_reference_finite_entries_and_catches_non_
     assert bench_attention_kernels.relative_difference(torch.tensor([float("nan"), 0.0, 2.0]), expected) == math.inf
 
 
+def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
+    """sdpa-cudnn asks whether cuDNN's kernel takes the bias and its gradient; on the CPU it cannot run."""
+    code = bench_attention_kernels.main(["--preset", "tiny", "--shapes", "32x2", "--variants", "sdpa,sdpa-cudnn",
+                                         "--iterations", "1", "--warmup", "1", "--json", str(tmp_path / "out.json")])
+    assert code == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "out.json").read_text())["shapes"][0]["rows"]}
+    assert "cuDNN's attention runs on CUDA only" in rows["sdpa-cudnn"]["unavailable"]
+    assert "error" not in rows["sdpa-cudnn"] and rows["sdpa"]["ms"] > 0
+
+
 def test_a_variant_computing_another_attention_is_reported_as_different(monkeypatch, tmp_path):
     """flash-no-bias is never compared (it is the floor); were a bias variant to drop the bias, the
     check would say so and the tool would exit 1."""

@@ -182,9 +182,14 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     (shape,) = attention["figures"]["shapes"]
     variants = {row["variant"]: row for row in shape["rows"]}
     assert sorted(variants) == sorted(VARIANTS)
-    assert all(row["same_attention"] for name, row in variants.items() if name not in ("sdpa", "flash-no-bias"))
-    assert "grad_bias" in variants["flex-dense-bias"]["relative_difference"]
+    compared = [name for name in variants if name not in ("sdpa", "flash-no-bias", "sdpa-cudnn")]
+    assert all(variants[name]["same_attention"] for name in compared), variants
+    for name in ("flex-dense-bias", "sdpa-contiguous-bias"):  # the bias's gradient compared too
+        assert "grad_bias" in variants[name]["relative_difference"], name
+    # a probe that cannot run here says why, and is not a failure of the check
+    assert variants["sdpa-cudnn"]["unavailable"] == "NotImplementedError: cuDNN's attention runs on CUDA only"
     assert "## The attention kernel alone" in markdown and "| flex-dense-bias |" in markdown
+    assert "| sdpa-cudnn | not available: NotImplementedError: cuDNN's attention runs on CUDA only | | |" in markdown
 
     # An accumulated row: its micro batches a step named, the real / bare ratio per micro batch.
     accumulated = copy.deepcopy(report)

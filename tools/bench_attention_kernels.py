@@ -14,6 +14,10 @@ attention alone, per variant:
   backend; on an H100 torch picks the memory-efficient kernel);
 - `sdpa-bias-frozen`: the same with a bias that needs no gradient (what dBias costs; torch may pick
   another kernel, e.g. cuDNN's);
+- `sdpa-contiguous-bias`: the bias and its gradient as a contiguous [B, heads, T, T] tensor instead of
+  the model's view of a buffer padded to a multiple of 8 (whether the layout changes torch's choice);
+- `sdpa-cudnn` (a probe, CUDA only): SDPA held to cuDNN's kernel with the bias and its gradient; where
+  torch refuses, its reason is the row;
 - `flex-dense-bias`: FlexAttention (compiled on CUDA) under the block mask, its score_mod adding the
   same dense bias, whose gradient comes from the kernel (one add per score, each to its own element);
 - `flex-table`: the model's flex backend (`flex_attention.flex_attention_forward`: the score_mod reads
@@ -44,8 +48,12 @@ import torch.nn.functional as F  # noqa: E402
 from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positive_int  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
 
-VARIANTS = ("sdpa", "sdpa-bias-frozen", "flex-dense-bias", "flex-table", "flash-no-bias")
+VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "flex-dense-bias", "flex-table",
+            "flash-no-bias")
 REFERENCE = "sdpa"
+PROBES = ("sdpa-cudnn",)
+"""Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
+refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 """Largest relative difference (norm of the difference over the reference's norm) from `sdpa`'s
 output and gradients that a variant may show and still compute the same attention."""
@@ -93,13 +101,24 @@ def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.
 def run_variant(name: str, query, key, value, dense, flex, grad_out,
                 keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """One forward + backward; (output, gradients: q, k, v[, bias]) when `keep` (the timed runs keep
-    nothing: no copy of a gradient inside the time)."""
+    nothing: no copy of a gradient inside the time). `dense`: the bias leaf; its contiguous twin is
+    made once and kept on it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from megatron_pmlm.models import flex_attention as flex_module
 
-    for tensor in (query, key, value, dense, flex.distance_bias):
+    if not hasattr(dense, "contiguous_twin"):
+        dense.contiguous_twin = dense.detach().contiguous().requires_grad_()
+    bias = dense.contiguous_twin if name == "sdpa-contiguous-bias" else dense
+    for tensor in (query, key, value, bias, flex.distance_bias):
         tensor.grad = None
-    if name == "sdpa":
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense)
+    if name in ("sdpa", "sdpa-contiguous-bias"):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    elif name == "sdpa-cudnn":
+        if query.device.type != "cuda":
+            raise NotImplementedError("cuDNN's attention runs on CUDA only")
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     elif name == "sdpa-bias-frozen":
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense.detach())
     elif name == "flash-no-bias":
@@ -121,8 +140,8 @@ def run_variant(name: str, query, key, value, dense, flex, grad_out,
     if not keep:
         return None
     grads = [query.grad, key.grad, value.grad]
-    if name in ("sdpa", "flex-dense-bias"):
-        grads.append(dense.grad)
+    if bias.grad is not None and name != "sdpa-bias-frozen":
+        grads.append(bias.grad)
     return out.detach(), [g.detach().clone() for g in grads]
 
 
@@ -160,7 +179,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
             seconds = _time(lambda: run_variant(name, query, key, value, dense, flex, grad_out, keep=False),
                             iterations, device)
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+            row["unavailable" if name in PROBES else "error"] = reason
             rows.append(row)
             continue
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
@@ -235,19 +255,20 @@ def main(argv: list[str] | None = None) -> int:
               f"micro batch {figures['micro_batch']}, {figures.get('dtype', '?')}; pairs the rule allows "
               f"{figures.get('allowed_fraction', 0):.1%}")
         for row in figures["rows"]:
-            if "error" in row:
-                print(f"  {row['variant']:<17} failed: {row['error']}")
+            if "error" in row or "unavailable" in row:
+                print(f"  {row['variant']:<20} " + (f"failed: {row['error']}" if "error" in row
+                                                     else f"not available: {row['unavailable']}"))
                 continue
             check = ""
             if "relative_difference" in row:
                 worst = max(row["relative_difference"].items(), key=lambda item: item[1])
                 check = (f" | {'same attention' if row['same_attention'] else 'DIFFERS'} as sdpa "
                          f"(largest relative difference {worst[1]:.1e}, {worst[0]})")
-            print(f"  {row['variant']:<17} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
+            print(f"  {row['variant']:<20} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
     if args.json:
         write_json_atomically(args.json, results)
     failed = [row["variant"] for figures in results["shapes"] for row in figures["rows"]
-              if "error" in row or row.get("same_attention") is False]
+              if row["variant"] not in PROBES and ("error" in row or row.get("same_attention") is False)]
     if failed:
         print(f"failed or different from sdpa: {', '.join(sorted(set(failed)))}", file=sys.stderr)
         return 1

@@ -448,8 +448,9 @@ def _attention_section(attention: dict | None) -> list[str]:
                   f"{shape.get('dtype', '?')}; pairs the rule allows {shape.get('allowed_fraction', 0):.1%}", "",
                   "| variant | ms | TFLOP/s | same attention as sdpa (largest relative difference) |", "|---|---|---|---|"]
         for row in shape["rows"]:
-            if "error" in row:
-                lines.append(f"| {row['variant']} | failed: {row['error'][:160].replace('|', '/')} | | |")
+            if "error" in row or "unavailable" in row:
+                what = f"failed: {row['error']}" if "error" in row else f"not available: {row['unavailable']}"
+                lines.append(f"| {row['variant']} | {what[:160].replace('|', '/')} | | |")
                 continue
             check = "(the reference)" if row["variant"] == "sdpa" else "-"
             if "relative_difference" in row:
