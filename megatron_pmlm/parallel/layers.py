@@ -128,7 +128,8 @@ def row_chunks(rows, chunk_rows: int) -> list[slice]:
     inside a compiled region (--compile), which keeps the number of rows symbolic: a loop over it
     (or a test against `chunk_rows`) makes each count a compilation of its own, which on one H100
     at micro batch 256 (~9,800 slots, over 4,096) recompiled the losses at every step. Compiled, the
-    fp32 cast is fused into the reductions that read it (`_add_at_labels`), so no chunk is needed."""
+    fp32 cast is fused into the kernels that read it (the forward's reductions, the backward's
+    pointwise chain: `_minus_target`), so no fp32 chunk is written and none needs bounding."""
     if torch.compiler.is_compiling() or rows <= chunk_rows:
         return [slice(None)]
     return [slice(start, min(rows, start + chunk_rows)) for start in range(0, rows, chunk_rows)]
