@@ -98,18 +98,14 @@ def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.
     return config, dense, flex, rel_pos_bias
 
 
-def run_variant(name: str, query, key, value, dense, flex, grad_out,
+def run_variant(name: str, query, key, value, bias, flex, grad_out,
                 keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
     """One forward + backward; (output, gradients: q, k, v[, bias]) when `keep` (the timed runs keep
-    nothing: no copy of a gradient inside the time). `dense`: the bias leaf; its contiguous twin is
-    made once and kept on it."""
+    nothing: no copy of a gradient inside the time). `bias`: the dense bias leaf the variant reads."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from megatron_pmlm.models import flex_attention as flex_module
 
-    if not hasattr(dense, "contiguous_twin"):
-        dense.contiguous_twin = dense.detach().contiguous().requires_grad_()
-    bias = dense.contiguous_twin if name == "sdpa-contiguous-bias" else dense
     for tensor in (query, key, value, bias, flex.distance_bias):
         tensor.grad = None
     if name in ("sdpa", "sdpa-contiguous-bias"):
@@ -120,14 +116,14 @@ def run_variant(name: str, query, key, value, dense, flex, grad_out,
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     elif name == "sdpa-bias-frozen":
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=dense.detach())
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias.detach())
     elif name == "flash-no-bias":
         out = F.scaled_dot_product_attention(query, key, value)
     elif name == "flex-table":
         out = flex_module.flex_attention_forward(query, key, value, flex)
     elif name == "flex-dense-bias":
         def add_bias(score, b, h, q_idx, kv_idx):
-            return score + dense[b, h, q_idx, kv_idx].to(score.dtype)
+            return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
         if query.device.type == "cuda":
             out = flex_module._compiled_flex_attention()(query, key, value, score_mod=add_bias,
                                                          block_mask=flex.block_mask)
@@ -168,6 +164,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     query, key, value = (leaf(batch, heads, width, head_size) for _ in range(3))
     grad_out = torch.randn(batch, heads, width, head_size, generator=generator, device=device).to(dtype)
     dense = dense_built.detach().requires_grad_()  # the model's aligned layout (a view of a padded buffer)
+    biases = {"sdpa-contiguous-bias": dense_built.detach().contiguous().requires_grad_()}  # else `dense`
     flex = flex.with_distance_bias(flex.distance_bias.detach().requires_grad_())  # a leaf, as dense is
     flops = attention_flops(batch, heads, width, head_size)
     rows, reference = [], None
@@ -175,8 +172,9 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         row = {"variant": name}
         try:
             for _ in range(max(warmup, 1)):
-                out, grads = run_variant(name, query, key, value, dense, flex, grad_out)
-            seconds = _time(lambda: run_variant(name, query, key, value, dense, flex, grad_out, keep=False),
+                out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out)
+            seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
+                                                keep=False),
                             iterations, device)
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
