@@ -41,9 +41,14 @@ def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
     code = bench_attention_kernels.main(["--preset", "tiny", "--shapes", "32x2", "--variants", "sdpa,sdpa-cudnn",
                                          "--iterations", "1", "--warmup", "1", "--json", str(tmp_path / "out.json")])
     assert code == 0
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "out.json").read_text())["shapes"][0]["rows"]}
+    shape = json.loads((tmp_path / "out.json").read_text())["shapes"][0]
+    rows = {r["variant"]: r for r in shape["rows"]}
     assert "cuDNN's attention runs on CUDA only" in rows["sdpa-cudnn"]["unavailable"]
     assert "error" not in rows["sdpa-cudnn"] and rows["sdpa"]["ms"] > 0
+    # The table gradient from sdpa's bias gradient: the GEMMs here, the Triton kernel only on CUDA.
+    table = shape["table_gradient"]
+    assert table["gemm"]["ms"] > 0 and table["gemm"]["relative_difference"] < 1e-6
+    assert table["kernel"] == {"unavailable": "needs CUDA"}
 
 
 def test_a_variant_computing_another_attention_is_reported_as_different(monkeypatch, tmp_path):

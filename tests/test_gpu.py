@@ -9,6 +9,7 @@ reason "needs a CUDA device"). `make gpu-check` runs them after its most importa
   and layouts padded to the quantum compile once;
 - cached decoding equals recomputing the prefix on CUDA;
 - apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
+- the table gradient's Triton kernel equals the one-hot GEMMs, and the model's backward uses it;
 - tools/bench_train.py runs and reports its figures;
 - nothing of ours waits for the GPU between two log lines, by CUDA's own account
   (`torch.cuda.set_sync_debug_mode`, which also sees blocking host-to-device copies);
@@ -291,6 +292,45 @@ def test_apex_fused_layer_norm_equals_torchs():
             outputs.append((out, inputs.grad, module.weight.grad, module.bias.grad))
         for got, want in zip(*outputs):
             torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+
+
+def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_corpus, monkeypatch):
+    """`bucket_sums` (Triton) against the one-hot GEMMs on CUDA, for a real layout's buckets and
+    an aligned bias gradient in fp32 and bf16; a model's backward goes through it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_pmlm.models import bucket_sums, relative_bias
+
+    if not bucket_sums.KERNEL_ENABLED:
+        pytest.skip("Triton is not importable here (or PMLM_TABLE_GRADIENT=gemm)")
+    samples, _ = gpu_corpus
+    batch = _batch(samples, "ae+par", 8).to(DEVICE)
+    buckets = relative_bias.relative_buckets(batch.position_ids, batch.position_ids, 32, 128)
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = relative_bias.aligned_bias_buffer(*buckets.shape[:1], 12, *buckets.shape[1:], dtype,
+                                                 torch.device(DEVICE))
+        grad.copy_(torch.randn(grad.shape, device=DEVICE, generator=generator))
+        exact = relative_bias.table_gradient(grad.double(), buckets, 32, torch.float64)
+        ours = torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32)
+        monkeypatch.setattr(bucket_sums, "KERNEL_ENABLED", False)
+        gemms = relative_bias.table_gradient(grad, buckets, 32, torch.float32)
+        monkeypatch.setattr(bucket_sums, "KERNEL_ENABLED", True)
+        for name, result in (("kernel", ours), ("gemms", gemms)):
+            assert float((result.double() - exact).abs().max() / exact.abs().max()) <= 1e-6, (dtype, name)
+        assert torch.equal(ours, torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32))  # deterministic
+
+    class Calls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.count += func is torch.ops.megatron_pmlm.bucket_sums.default
+            return func(*args, **(kwargs or {}))
+
+    model = _model(_vocab_size(samples), "ae+par")
+    with Calls():
+        model.forward_batch(batch).loss.backward()
+    assert Calls.count == 1 and model.bert.rel_pos_bias.weight.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

@@ -190,6 +190,9 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert variants["sdpa-cudnn"]["unavailable"] == "NotImplementedError: cuDNN's attention runs on CUDA only"
     assert "## The attention kernel alone" in markdown and "| flex-dense-bias |" in markdown
     assert "| sdpa-cudnn | not available: NotImplementedError: cuDNN's attention runs on CUDA only | | |" in markdown
+    # the table gradient beside them: the GEMMs timed, the Triton kernel a GPU's
+    assert shape["table_gradient"]["gemm"]["relative_difference"] < 1e-6
+    assert "| table gradient, kernel | not available: needs CUDA | | |" in markdown
 
     # An accumulated row: its micro batches a step named, the real / bare ratio per micro batch.
     accumulated = copy.deepcopy(report)

@@ -24,6 +24,10 @@ attention alone, per variant:
   the relative-bias table per tile; the table's gradient by atomic adds);
 - `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
 
+Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
+GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
+(`models/bucket_sums.py`), each checked against a float64 sum.
+
 Each variant's output and q/k/v gradients are compared with `sdpa`'s (and `flex-dense-bias`'s bias
 gradient with sdpa's); times are the mean of --iterations after --warmup (compilation), on CUDA
 between device events. TFLOP/s count 14 x B x heads x T^2 x head size (forward 4, backward 10) for
@@ -80,9 +84,11 @@ def attention_flops(batch: int, heads: int, width: int, head_size: int) -> float
 
 def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.device, dtype: torch.dtype,
                   seed: int = 1):
-    """(config, dense bias [B, heads, T, T] as the model builds it, flex mask, table) of a real micro batch."""
+    """(config, dense bias [B, heads, T, T] as the model builds it, flex mask, table, the [B, T, T]
+    relative-distance buckets behind the bias) of a real micro batch."""
     from megatron_pmlm.models.layout import pmlm_attention_allowed
     from megatron_pmlm.models.model import RelativePositionBias, attention_inputs
+    from megatron_pmlm.models.relative_bias import relative_buckets
     from tools.bench_train import make_examples, pmlm_batch
 
     config = model_config_from_preset(preset, hidden_dropout=0.0, attention_dropout=0.0,
@@ -95,7 +101,8 @@ def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.
                                  batch.steps, dtype)
     flex = attention_inputs("flex", rel_pos_bias, pmlm_attention_allowed, batch.position_ids, batch.roles,
                             batch.steps, dtype)
-    return config, dense, flex, rel_pos_bias
+    buckets = relative_buckets(batch.position_ids, batch.position_ids, config.rel_pos_bins, config.max_rel_pos)
+    return config, dense, flex, rel_pos_bias, buckets
 
 
 def run_variant(name: str, query, key, value, bias, flex, grad_out,
@@ -154,7 +161,7 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 def measure(shape: tuple[int, int], preset: str, variants: list[str], device: torch.device, dtype: torch.dtype,
             iterations: int, warmup: int) -> dict:
     seq_length, micro_batch = shape
-    config, dense_built, flex, _ = layout_inputs(preset, seq_length, micro_batch, device, dtype)
+    config, dense_built, flex, _, buckets = layout_inputs(preset, seq_length, micro_batch, device, dtype)
     batch, heads, width, _ = dense_built.shape
     head_size = config.hidden_size // config.num_attention_heads
     generator = torch.Generator(device=device).manual_seed(0)
@@ -194,7 +201,33 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "rows": rows}
     return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "heads": heads,
             "head_size": head_size, "dtype": str(dtype).replace("torch.", ""), "flops": flops,
-            "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows}
+            "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows,
+            "table_gradient": table_gradient_timings(reference[1][3], buckets, config.rel_pos_bins, iterations, device)}
+
+
+def table_gradient_timings(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int, iterations: int,
+                           device: torch.device) -> dict:
+    """The relative-bias table's gradient from sdpa's bias gradient (one layer's: the model reduces
+    the sum over its layers once per micro batch): the one-hot GEMMs against the Triton kernel
+    (`models/bucket_sums.py`, CUDA), each one's ms and relative difference from a float64 sum."""
+    from megatron_pmlm.models import bucket_sums
+    from megatron_pmlm.models.relative_bias import table_gradient
+
+    exact = table_gradient(bias_grad.double(), buckets, bins, torch.float64)
+    enabled, result = bucket_sums.KERNEL_ENABLED, {}
+    try:
+        for name, use_kernel in (("gemm", False), ("kernel", True)):
+            if use_kernel and (device.type != "cuda" or not enabled):
+                result[name] = {"unavailable": "needs CUDA" if device.type != "cuda" else
+                                "Triton is not importable (or PMLM_TABLE_GRADIENT=gemm)"}
+                continue
+            bucket_sums.KERNEL_ENABLED = use_kernel
+            table = table_gradient(bias_grad, buckets, bins, torch.float32)
+            seconds = _time(lambda: table_gradient(bias_grad, buckets, bins, torch.float32), iterations, device)
+            result[name] = {"ms": seconds * 1e3, "relative_difference": relative_difference(table, exact)}
+    finally:
+        bucket_sums.KERNEL_ENABLED = enabled
+    return result
 
 
 def _time(step, iterations: int, device: torch.device) -> float:
@@ -263,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                 check = (f" | {'same attention' if row['same_attention'] else 'DIFFERS'} as sdpa "
                          f"(largest relative difference {worst[1]:.1e}, {worst[0]})")
             print(f"  {row['variant']:<20} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
+        for name, timing in figures.get("table_gradient", {}).items():
+            print(f"  table gradient, {name:<6} " + (f"not available: {timing['unavailable']}" if "unavailable" in timing
+                                                   else f"{timing['ms']:9.3f} ms | relative difference from a float64 "
+                                                        f"sum {timing['relative_difference']:.1e}"))
     if args.json:
         write_json_atomically(args.json, results)
     failed = [row["variant"] for figures in results["shapes"] for row in figures["rows"]

@@ -457,6 +457,12 @@ def _attention_section(attention: dict | None) -> list[str]:
                 worst = max(row["relative_difference"].items(), key=lambda item: item[1])
                 check = f"{'yes' if row['same_attention'] else 'NO'} ({worst[1]:.1e}, {worst[0]})"
             lines.append(f"| {row['variant']} | {row['ms']:.3f} | {row['tflops']:.1f} | {check} |")
+        for name, timing in shape.get("table_gradient", {}).items():
+            if "unavailable" in timing:
+                lines.append(f"| table gradient, {name} | not available: {timing['unavailable']} | | |")
+            else:
+                lines.append(f"| table gradient, {name} | {timing['ms']:.3f} | | "
+                             f"{timing['relative_difference']:.1e} from a float64 sum |")
     return lines
 
 

@@ -13,7 +13,8 @@ to it (issue 33, SPEC §14), and what this module does instead:
   hands out the [..., :T] view, which the kernel takes as it is.
 - the table gradient: `F.embedding`'s backward over the B x T x T bucket indices sorts them on a
   GPU; `RelativeBiasGather` keeps uint8 buckets and reduces the bias gradient into the
-  [heads, bins] table by a chunked one-hot contraction (GEMMs, deterministic, <= 64 MB chunks).
+  [heads, bins] table by a chunked one-hot contraction (GEMMs, deterministic, <= 64 MB chunks);
+  on a GPU by `bucket_sums.bucket_sums`, a Triton kernel that reads the gradient once.
   docs/benchmarks.md "Attention bias (issue 33 item 2)" has the measurements behind the choice.
 
 `bias_bytes_per_step` is the CPU proxy for what the bias costs a training step.
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import bucket_sums
 
 SDPA_MASK_ALIGNMENT = 8
 """SDPA (aten `preprocess_mask`) pads an attn_mask whose strides but the last are not multiples of this."""
@@ -143,7 +146,11 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     chunk of the gradient is copied to a contiguous [heads, sequences, queries, keys] in the
     accumulation dtype, at most heads / bins of the one-hot's bytes). Otherwise chunks of query
     rows, one sequence at a time (an aligned view is then batched over rows instead of copied).
+    On a GPU the same sums come from `bucket_sums` (one pass over the gradient, no one-hot in memory)
+    where Triton is installed.
     """
+    if grad.is_cuda and grad.dtype in (torch.float32, torch.float16, torch.bfloat16) and bucket_sums.KERNEL_ENABLED:
+        return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, bins).to(dtype)
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     one_hot_row_bytes = keys * bins * torch.finfo(accumulate).bits // 8

@@ -1,0 +1,81 @@
+"""The relative-bias table's gradient in one pass over the bias gradient (a Triton kernel, CUDA).
+
+`relative_bias.table_gradient` reduces the [B, heads, T, T] gradient of the dense bias into the
+[heads, bins] table by one-hot GEMMs. On a GPU that costs far more than the gradient's own bytes:
+per query-key pair it writes and reads an fp32 one-hot row (bins x 4 = 128 bytes at 32 bins) and
+an fp32 copy of the gradient (heads x 4), against heads x 2 bytes of bf16 gradient, and cuBLAS
+runs the skinny [heads, pairs] @ [pairs, bins] product on CUDA cores (the H100 trace: 1.8 ms at
+seq 128 x 256 for the GEMMs alone). `bucket_sums` reads the gradient and the uint8 buckets once:
+each tile's one-hot lives in registers and is contracted on the tensor cores (`tl.dot`, fp32
+accumulation; half-precision gradients enter as TF32, which holds every bf16 and fp16 value and the
+0/1 one-hot exactly, fp32 gradients as IEEE fp32), per-program partial tables are summed in a fixed
+order: the same sums as the GEMMs' (fp32, up to the order of additions), deterministic.
+
+It is a custom op (`torch.ops.megatron_pmlm.bucket_sums`): eager and compiled code call the same
+kernel, which inductor treats as an opaque call. `table_gradient` uses it for CUDA gradients when
+Triton is installed (it comes with PyTorch's CUDA builds), unless PMLM_TABLE_GRADIENT=gemm; the
+CPU keeps the GEMMs. Its tests run the kernel in Triton's interpreter on the CPU
+(`TRITON_INTERPRET=1`), which executes the same program on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+TABLE_GRADIENT_ENV = "PMLM_TABLE_GRADIENT"
+"""`gemm` keeps the one-hot GEMMs on a GPU too (a fallback, and what `bench_attention_kernels` compares)."""
+ROWS = 4
+"""Query rows per program; with KEYS_BLOCK, 256 query-key pairs per tile."""
+KEYS_BLOCK = 64
+"""Keys per tile: 64 contiguous bf16 gradient values (128 bytes) per head and row."""
+MIN_BLOCK = 16
+"""tl.dot's smallest dimension: heads and bins are padded up to a power of two >= this."""
+
+
+def kernel_enabled() -> bool:
+    """Whether CUDA gradients go through the kernel: Triton importable and not turned off."""
+    return (os.environ.get(TABLE_GRADIENT_ENV, "kernel") != "gemm"
+            and importlib.util.find_spec("triton") is not None)
+
+
+KERNEL_ENABLED = kernel_enabled()
+"""Read once at import: compiled code reads a constant, not the environment."""
+
+
+def _block(size: int) -> int:
+    return max(MIN_BLOCK, 1 << (size - 1).bit_length())
+
+
+@torch.library.custom_op("megatron_pmlm::bucket_sums", mutates_args=())
+def bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+    """[heads, bins] fp32: grad[b, h, i, j] ([B, heads, queries, keys], any strides but the last 1)
+    summed over the pairs (b, i, j) whose buckets[b, i, j] ([B, queries, keys], integer < bins) is
+    each bin."""
+    from .bucket_sums_triton import bucket_sums_kernel
+
+    batch, heads, queries, keys = grad.shape
+    if buckets.shape != (batch, queries, keys):
+        raise ValueError(f"bucket_sums: buckets {tuple(buckets.shape)} do not match the gradient {tuple(grad.shape)}")
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    buckets = buckets if buckets.stride(-1) == 1 else buckets.contiguous()
+    heads_block, bins_block = _block(heads), _block(bins)
+    # TF32 holds half-precision values exactly; below compute capability 8.0 there is no TF32.
+    exact_in_tf32 = grad.dtype in (torch.float16, torch.bfloat16)
+    has_tf32 = grad.device.type != "cuda" or torch.cuda.get_device_capability(grad.device) >= (8, 0)
+    row_blocks = -(-queries // ROWS)
+    programs = batch * row_blocks
+    partial = torch.empty(programs, heads_block, bins_block, dtype=torch.float32, device=grad.device)
+    if programs:
+        bucket_sums_kernel[(programs,)](
+            grad, buckets, partial, heads, queries, keys, grad.stride(0), grad.stride(1), grad.stride(2),
+            buckets.stride(0), buckets.stride(1), row_blocks, HEADS_BLOCK=heads_block, BINS_BLOCK=bins_block,
+            ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, PRECISION="tf32" if exact_in_tf32 and has_tf32 else "ieee")
+    return partial.sum(0)[:heads, :bins].contiguous()
+
+
+@bucket_sums.register_fake
+def _(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+    return grad.new_empty(grad.shape[1], bins, dtype=torch.float32)
