@@ -296,4 +296,7 @@ def test_the_bench_tool_reports_bias_bytes_and_table_gradient_timings(tmp_path):
     assert bf16["bias_bytes"] < fp32["bias_bytes"]
     timing, = results["table_gradient"]
     assert timing["table_gradient_error"] < 1e-5 and timing["table_gradient_s"] > 0
+    # Bytes a pair: the GEMMs' one-hot and fp32 copy against the kernel's one read of the bf16 gradient.
+    assert timing["gemm_bytes_read_per_pair"] > 5 * timing["kernel_bytes_read_per_pair"] > 0
+    assert timing["gemm_bytes_written_per_pair"] > 5 * timing["kernel_bytes_written_per_pair"] > 0
     assert bench_attention_bias.main(["--shapes", "16"]) == 2

@@ -53,6 +53,89 @@ json.dump({"results": results, "compiled_error": compiled_error}, sys.stdout)
 """
 
 
+PER_LAYER = r"""
+import copy, json, sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from megatron_pmlm.config import model_config_from_preset
+from megatron_pmlm.models import bucket_sums
+from megatron_pmlm.models.compiled import compile_step_regions
+from megatron_pmlm.models.model import PMLMForPreTraining
+from megatron_pmlm.models.relative_bias import bias_bytes_per_step
+from tools.bench_train import make_examples, pmlm_batch
+
+
+class KernelCalls(TorchDispatchMode):
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        KernelCalls.count += func is torch.ops.megatron_pmlm.bucket_sums.default
+        return func(*args, **(kwargs or {}))
+
+
+def step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model.forward_batch(batch).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def run(model, batch, per_layer):
+    bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = per_layer
+    hidden = model.bert.embeddings(batch.input_ids, batch.position_ids, batch.token_type_ids)
+    chosen = model.bert.table_gradient_per_layer(hidden)
+    KernelCalls.count = 0
+    with KernelCalls():
+        result = step(model, batch)
+    return chosen, KernelCalls.count, result
+
+
+def difference(grads, expected):
+    # Largest relative difference over the parameters; a key bias's gradient is 0 up to rounding
+    # (softmax ignores it: ~1e-11 here), hence the absolute floor.
+    return max(float((grads[name] - expected[name]).norm() / (expected[name].norm() + 1e-6)) for name in expected)
+
+
+report = {}
+config = model_config_from_preset("tiny", hidden_dropout=0.0, attention_dropout=0.0, num_layers=3)
+batch = pmlm_batch(make_examples(3, 24, config.vocab_size, seed=3))
+for checkpointing in (False, True):
+    model = PMLMForPreTraining(config, init_seed=2).train()
+    model.bert.encoder.checkpoint_activations = checkpointing
+    torch.nn.init.normal_(model.bert.rel_pos_bias.weight, std=0.5)
+    twin = copy.deepcopy(model)
+    chosen, calls, (loss, grads) = run(model, batch, True)
+    shared_chosen, shared_calls, (shared_loss, shared_grads) = run(twin, batch, False)
+    worst = difference(grads, shared_grads)
+    report[str(checkpointing)] = {"chosen": chosen, "calls": calls, "shared_chosen": shared_chosen,
+                                  "shared_calls": shared_calls, "loss_difference": float((loss - shared_loss).abs()),
+                                  "same_parameters": sorted(grads) == sorted(shared_grads), "worst": worst,
+                                  "table_grad_norm": float(grads["bert.rel_pos_bias.weight"].norm())}
+bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = True
+per_layer_bytes = bias_bytes_per_step(model, batch)
+with torch.no_grad():  # evaluation: the shared bias, nothing to reduce
+    report["no_grad_chosen"] = model.bert.table_gradient_per_layer(torch.zeros(1))
+bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = False
+shared_bytes = bias_bytes_per_step(model, batch)
+report["bias_bytes"] = {"per_layer": per_layer_bytes, "shared": shared_bytes,
+                        "bias": 3 * config.num_attention_heads * batch.input_ids.shape[1] ** 2 * 4}
+bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = True
+# --compile: the embed region builds (bias, buckets), the eager encoder loop hands each compiled
+# layer the bias through LayerBiasUse.
+model.bert.encoder.checkpoint_activations = False
+compiled = copy.deepcopy(model)
+compile_step_regions(compiled)
+for each in (model, compiled):
+    each.bert.layout_quantum = 16
+_, eager_grads = step(model, batch)
+KernelCalls.count = 0
+with KernelCalls():
+    _, compiled_grads = step(compiled, batch)
+report["compiled"] = {"calls": KernelCalls.count, "worst": difference(compiled_grads, eager_grads)}
+json.dump(report, sys.stdout)
+"""
+
+
 def run_interpreted(source: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -82,3 +165,26 @@ def test_the_environment_turns_the_kernel_off():
         result = subprocess.run([sys.executable, "-c", code], env={**env, bucket_sums.TABLE_GRADIENT_ENV: setting},
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0 and result.stdout == expected, result.stderr[-2000:]
+
+
+def test_each_layer_reducing_its_own_bias_gradient_trains_as_the_shared_bias_does():
+    """With the kernel (here in the interpreter, as on a GPU) each of the 3 layers reduces its own
+    bias gradient into the table (3 kernel calls, the layers' tables summed in fp32): loss and every
+    parameter's gradient as with the shared bias and the GEMMs (no kernel call), with and without
+    activation checkpointing, and compiled (`--compile`'s regions) as eager; and the bias-sized
+    writes of the layers' gradient sums are gone."""
+    report = run_interpreted(PER_LAYER)
+    for checkpointing in ("False", "True"):
+        result = report[checkpointing]
+        assert result["chosen"] and result["calls"] == 3, result
+        assert not result["shared_chosen"] and result["shared_calls"] == 0, result
+        assert result["same_parameters"] and result["loss_difference"] <= 1e-6, result
+        assert result["worst"] <= 1e-5 and result["table_grad_norm"] > 0, result
+    assert report["no_grad_chosen"] is False
+    assert report["compiled"]["calls"] == 3 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
+    per_layer, shared, bias = (report["bias_bytes"][key] for key in ("per_layer", "shared", "bias"))
+    # Gone: the engine's 2 sums of the 3 layers' bias gradients and the GEMMs' contiguous copy of
+    # their sum (the CPU's math SDPA adds the mask to its scores in both: 3 adds each).
+    assert shared["ops"]["add.Tensor"] - per_layer["ops"]["add.Tensor"] == 2, report["bias_bytes"]
+    assert shared["ops"]["clone.default"] == 1 and "clone.default" not in per_layer["ops"], report["bias_bytes"]
+    assert shared["bias_bytes"] - per_layer["bias_bytes"] == 3 * bias, report["bias_bytes"]

@@ -9,7 +9,7 @@ reason "needs a CUDA device"). `make gpu-check` runs them after its most importa
   and layouts padded to the quantum compile once;
 - cached decoding equals recomputing the prefix on CUDA;
 - apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
-- the table gradient's Triton kernel equals the one-hot GEMMs, and the model's backward uses it;
+- the table gradient's Triton kernel equals the one-hot GEMMs, and each layer's backward uses it;
 - tools/bench_train.py runs and reports its figures;
 - nothing of ours waits for the GPU between two log lines, by CUDA's own account
   (`torch.cuda.set_sync_debug_mode`, which also sees blocking host-to-device copies);
@@ -296,7 +296,8 @@ def test_apex_fused_layer_norm_equals_torchs():
 
 def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_corpus, monkeypatch):
     """`bucket_sums` (Triton) against the one-hot GEMMs on CUDA, for a real layout's buckets and
-    an aligned bias gradient in fp32 and bf16; a model's backward goes through it."""
+    an aligned bias gradient in fp32 and bf16; in a model's backward each layer reduces its own bias
+    gradient with it, and every gradient equals the shared bias's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_pmlm.models import bucket_sums, relative_bias
@@ -327,10 +328,16 @@ def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_co
             Calls.count += func is torch.ops.megatron_pmlm.bucket_sums.default
             return func(*args, **(kwargs or {}))
 
+    # Each layer reduces its own bias gradient (one call per layer), as the shared bias and the GEMMs do.
     model = _model(_vocab_size(samples), "ae+par")
+    twin = copy.deepcopy(model)
     with Calls():
         model.forward_batch(batch).loss.backward()
-    assert Calls.count == 1 and model.bert.rel_pos_bias.weight.grad.abs().sum() > 0
+    assert Calls.count == model.config.num_layers and model.bert.rel_pos_bias.weight.grad.abs().sum() > 0
+    monkeypatch.setattr(bucket_sums, "KERNEL_ENABLED", False)
+    twin.forward_batch(batch).loss.backward()
+    for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex"])

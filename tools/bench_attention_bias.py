@@ -11,7 +11,9 @@ batches):
   plus the bytes SDPA's memory-efficient kernel would pad per layer on a GPU (computed from the
   masks' strides, a CPU kernel never pads);
 - the relative-position table's gradient alone: `F.embedding`'s backward over the B x T x T bucket
-  indices (what the model did before) against `relative_bias.table_gradient`, best of --repeats.
+  indices (what the model did before) against `relative_bias.table_gradient`, best of --repeats;
+  and the bytes per query-key pair of a bf16 gradient's table gradient: the one-hot GEMMs counted
+  op by op, the Triton kernel a GPU uses (`models/bucket_sums.py`) computed from its tiles.
 
 Nothing here is a test; figures go to docs/benchmarks.md.
 """
@@ -29,6 +31,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from megatron_pmlm.config import ConfigError, HelpFormatter, model_config_from_preset  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
@@ -106,7 +110,53 @@ def table_gradient_timings(heads: int, bins: int, width: int, micro_batch: int, 
                            repeats)
     return {"width": width, "micro_batch": micro_batch, "heads": heads, "bins": bins, **seconds,
             "embedding_backward_error": error(embedding_backward()),
-            "table_gradient_error": error(one_hot_contraction())}
+            "table_gradient_error": error(one_hot_contraction()),
+            **table_gradient_bytes(heads, bins, width, micro_batch)}
+
+
+class _OpBytes(TorchDispatchMode):
+    """Bytes each computing op reads (its tensor inputs) and writes (its outputs); views and
+    allocations are free."""
+
+    FREE = ("empty", "empty_strided", "view", "_unsafe_view", "transpose", "expand", "slice", "select", "t",
+            "detach", "alias", "as_strided")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read = self.written = self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ not in self.FREE:
+            def size(tree):
+                return sum(t.numel() * t.element_size() for t in tree_leaves(tree) if isinstance(t, torch.Tensor))
+            self.read += size((args, kwargs))
+            self.written += size(out)
+            self.ops += 1
+        return out
+
+
+def table_gradient_bytes(heads: int, bins: int, width: int, micro_batch: int) -> dict:
+    """Bytes per query-key pair of the table gradient from a bf16 bias gradient in the model's
+    aligned layout: the one-hot GEMMs counted op by op (`_OpBytes`), and the Triton kernel a GPU
+    uses (`models/bucket_sums.py`), computed from its tiles: it reads each pair's gradient (every
+    head) and bucket once and writes one [heads, bins] fp32 partial table per program, which the
+    final sum reads back."""
+    from megatron_pmlm.models import bucket_sums
+    from megatron_pmlm.models.relative_bias import aligned_bias_buffer, table_gradient
+
+    buckets = torch.randint(0, bins, (micro_batch, width, width), dtype=torch.uint8)
+    grad = aligned_bias_buffer(micro_batch, heads, width, width, torch.bfloat16, torch.device("cpu")).normal_()
+    pairs = micro_batch * width * width
+    with _OpBytes() as counted:
+        table_gradient(grad, buckets, bins, torch.float32)
+    programs = micro_batch * -(-width // bucket_sums.ROWS)
+    partial = programs * bucket_sums._block(heads) * bucket_sums._block(bins) * 4
+    return {"gemm_bytes_read_per_pair": counted.read / pairs, "gemm_bytes_written_per_pair": counted.written / pairs,
+            "gemm_ops": counted.ops,
+            "kernel_bytes_read_per_pair": (pairs * (heads * grad.element_size() + buckets.element_size()) + partial)
+            / pairs,
+            "kernel_bytes_written_per_pair": (partial + heads * bins * 4) / pairs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,6 +208,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"one-hot contraction {row['table_gradient_s'] * 1e3:.1f} ms; "
                   f"largest error against a float64 sum {row['embedding_backward_error']:.1e} and "
                   f"{row['table_gradient_error']:.1e}", flush=True)
+            print(f"  bytes a query-key pair (bf16 gradient): one-hot GEMMs {row['gemm_bytes_read_per_pair']:.1f} "
+                  f"read + {row['gemm_bytes_written_per_pair']:.1f} written ({row['gemm_ops']} ops); the GPU's Triton "
+                  f"kernel {row['kernel_bytes_read_per_pair']:.1f} read + {row['kernel_bytes_written_per_pair']:.1f} "
+                  f"written", flush=True)
     if args.json:
         write_json_atomically(args.json, results)
     return 0

@@ -43,6 +43,15 @@ def kernel_enabled() -> bool:
 
 KERNEL_ENABLED = kernel_enabled()
 """Read once at import: compiled code reads a constant, not the environment."""
+INTERPRETED = KERNEL_ENABLED and os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs the kernel on CPU tensors: the tests take the GPU's paths on the CPU."""
+
+
+def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the table gradient of a bias gradient on `device` in `dtype` goes through the kernel:
+    on CUDA (any device under Triton's interpreter), in fp32, bf16 or fp16, the kernel enabled."""
+    return (((device.type == "cuda" and KERNEL_ENABLED) or INTERPRETED)
+            and dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
 def _block(size: int) -> int:

@@ -6,7 +6,10 @@ The regions (docs/benchmarks.md, "Compiled step", has the kernel counts behind t
 - the transformer layers (`compile_transformer_layers`, below);
 - `BertModel.embed`: the three embeddings + LayerNorm, and the attention bias every layer shares
   (the attention rule, the relative-distance buckets, `RelativeBiasGather` with its custom
-  backward): static shapes at the padded width, like the layers;
+  backward): static shapes at the padded width, like the layers. On a GPU in training it hands out
+  the bias without a gradient and its buckets, and the eager loop over the layers gives each
+  compiled layer the bias through `relative_bias.LayerBiasUse` (each layer's bias gradient is
+  reduced into the table as its backward ends);
 - the model's `losses`: gather of the predicted slots, the MLM head (transform + tied logits), the
   chunked cross entropy (`_ChunkedBiasedCrossEntropy`, traced with its own backward) and the loss
   arithmetic (NSP for UniLM, label smoothing for seq2seq): the number of predicted slots changes

@@ -24,7 +24,8 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
                      pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
-from .relative_bias import (blocked_bias, query_dtype, relative_attention_bias,
+from . import bucket_sums
+from .relative_bias import (LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias,
                             relative_position_bucket)
 from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
 
@@ -46,11 +47,14 @@ class RelativePositionBias(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_heads, num_buckets))
 
     def forward(self, position_ids: torch.Tensor | None = None, key_position_ids: torch.Tensor | None = None,
-                allowed: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                allowed: torch.Tensor | None = None, dtype: torch.dtype | None = None,
+                per_layer_gradient: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
         (keys default to the queries; decoding passes cached + new slots as keys), -inf where the
         boolean [B, queries, keys] `allowed` is False, in `dtype` (default: the table's): built
-        once per batch as `relative_bias.RelativeBiasGather` does, an SDPA-aligned view.
+        once per batch as `relative_bias.RelativeBiasGather` does, an SDPA-aligned view. With
+        `per_layer_gradient`: (that bias without a gradient, its buckets), for the layers to reduce
+        their own bias gradients (`relative_bias.LayerBiasUse`).
 
         Without position ids: the bias of every key - query distance clamped to +-max_distance,
         [heads, 2 x max_distance + 1], which the flex backend's score_mod looks up. It is computed
@@ -61,7 +65,7 @@ class RelativePositionBias(nn.Module):
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
         key_position_ids = position_ids if key_position_ids is None else key_position_ids
         return relative_attention_bias(self.weight, position_ids, key_position_ids, self.num_buckets,
-                                       self.max_distance, allowed, dtype or self.weight.dtype)
+                                       self.max_distance, allowed, dtype or self.weight.dtype, per_layer_gradient)
 
 
 class BertEmbeddings(nn.Module):
@@ -173,12 +177,19 @@ class BertEncoder(nn.Module):
         self.checkpoint_activations = False
         """Recompute each layer in the backward pass instead of storing its activations."""
 
-    def forward(self, hidden, attention_bias):
+    def forward(self, hidden, attention_bias, table=None):
+        """`attention_bias`: what every layer's attention takes (`attention_inputs`), or, with the
+        relative-bias `table`, the (bias, buckets) of `BertModel.table_gradient_per_layer`: each
+        layer then gets the bias through `LayerBiasUse`, which reduces that layer's bias gradient."""
+        if table is not None:
+            bias, buckets = attention_bias
+            table = table.float()  # the layers' tables are summed in fp32, then cast back once
         for layer in self.layer:
+            attention = attention_bias if table is None else LayerBiasUse.apply(table, bias, buckets)
             if self.checkpoint_activations and self.training:
-                hidden = checkpointed_layer(layer, hidden, attention_bias)
+                hidden = checkpointed_layer(layer, hidden, attention)
             else:
-                hidden = layer(hidden, attention_bias)
+                hidden = layer(hidden, attention)
         return hidden
 
 
@@ -221,10 +232,24 @@ class BertModel(nn.Module):
         outputs back; None: `flex_attention.default_layout_quantum` (16 for flex on CUDA, so its
         compiled kernel sees few shapes; else 1). Padding slots are PAD: seen by nobody."""
 
+    def table_gradient_per_layer(self, hidden: torch.Tensor) -> bool:
+        """Whether each layer reduces its own gradient of the sdpa bias into the relative-bias
+        table (`relative_bias.LayerBiasUse`) instead of autograd summing the layers' bias-sized
+        gradients first: where that reduction is the one-pass Triton kernel (`bucket_sums.runs_on`:
+        a GPU), while training. Not under ZeRO-3, whose partitioned table is only whole inside the
+        bias module's own forward (the shared bias then takes the table's gradient as before)."""
+        table = self.rel_pos_bias.weight if self.rel_pos_bias is not None else None
+        return (self.config.attention_backend == "sdpa" and table is not None and table.requires_grad
+                and torch.is_grad_enabled() and not hasattr(table, "ds_id")
+                and bucket_sums.runs_on(hidden.device, query_dtype(hidden)))
+
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
         """Embeddings and the attention bias every layer shares (in the queries' dtype: autocast's
-        if on, so no layer casts it)."""
+        if on, so no layer casts it); under `table_gradient_per_layer`, (bias, buckets) instead."""
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
+        if self.table_gradient_per_layer(hidden):
+            return hidden, self.rel_pos_bias(position_ids, None, self.attention_rule(roles, steps), query_dtype(hidden),
+                                              per_layer_gradient=True)
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
                                         position_ids, roles, steps, query_dtype(hidden))
 
@@ -236,7 +261,8 @@ class BertModel(nn.Module):
     def padded_forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         """The final hidden states at the padded width (`pad_layout`): the models' losses read the
         real slots from it (`layout.gather_slots` with the layout width), so no cut is made."""
-        return self.encoder(*self.embed(*self.pad_layout(input_ids, position_ids, token_type_ids, roles, steps)))
+        hidden, attention = self.embed(*self.pad_layout(input_ids, position_ids, token_type_ids, roles, steps))
+        return self.encoder(hidden, attention, self.rel_pos_bias.weight if isinstance(attention, tuple) else None)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         width = input_ids.shape[1]

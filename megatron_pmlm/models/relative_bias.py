@@ -14,7 +14,9 @@ to it (issue 33, SPEC §14), and what this module does instead:
 - the table gradient: `F.embedding`'s backward over the B x T x T bucket indices sorts them on a
   GPU; `RelativeBiasGather` keeps uint8 buckets and reduces the bias gradient into the
   [heads, bins] table by a chunked one-hot contraction (GEMMs, deterministic, <= 64 MB chunks);
-  on a GPU by `bucket_sums.bucket_sums`, a Triton kernel that reads the gradient once.
+  on a GPU by `bucket_sums.bucket_sums`, a Triton kernel that reads the gradient once. There, in
+  training, each layer reduces its own bias gradient (`LayerBiasUse`): autograd then sums small
+  tables, not the layers' bias-sized gradients.
   docs/benchmarks.md "Attention bias (issue 33 item 2)" has the measurements behind the choice.
 
 `bias_bytes_per_step` is the CPU proxy for what the bias costs a training step.
@@ -149,7 +151,7 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     On a GPU the same sums come from `bucket_sums` (one pass over the gradient, no one-hot in memory)
     where Triton is installed.
     """
-    if grad.is_cuda and grad.dtype in (torch.float32, torch.float16, torch.bfloat16) and bucket_sums.KERNEL_ENABLED:
+    if bucket_sums.runs_on(grad.device, grad.dtype):
         return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, bins).to(dtype)
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
@@ -183,12 +185,37 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     return total.to(dtype)
 
 
+class LayerBiasUse(torch.autograd.Function):
+    """One layer's use of the shared bias when each layer reduces its own bias gradient
+    (`BertModel.table_gradient_per_layer`): the forward hands the bias, built once without a
+    gradient, on as it is (a view); the backward reduces this layer's bias gradient into the table's
+    at once (`bucket_sums`, one read of it). Autograd then sums one small [heads, bins] table per
+    layer instead of the layers' bias-sized gradients (11 reads of two and writes of one bias-sized
+    tensor at 12 layers), and no bias-sized gradient outlives its layer's backward. `table` is given
+    in fp32 (the model casts it once), so the layers' tables are summed in fp32."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, bias: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(buckets)
+        ctx.bins = table.shape[1]
+        return bias.view_as(bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (buckets,) = ctx.saved_tensors
+        return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, ctx.bins), None, None
+
+
 def relative_attention_bias(table: torch.Tensor, position_ids: torch.Tensor, key_position_ids: torch.Tensor,
                             num_buckets: int, max_distance: int, allowed: torch.Tensor | None,
-                            dtype: torch.dtype) -> torch.Tensor:
+                            dtype: torch.dtype, per_layer_gradient: bool = False
+                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The [B, heads, queries, keys] relative-position bias (-inf where `allowed` is False) in `dtype`,
-    an aligned view, differentiable in `table`."""
+    an aligned view, differentiable in `table`; with `per_layer_gradient`, (the bias without a
+    gradient, its [B, queries, keys] buckets) for `LayerBiasUse` to hand to each layer."""
     buckets = relative_buckets(position_ids, key_position_ids, num_buckets, max_distance)
+    if per_layer_gradient:
+        return RelativeBiasGather.apply(table.detach(), buckets, allowed, dtype), buckets
     return RelativeBiasGather.apply(table, buckets, allowed, dtype)
 
 
