@@ -33,7 +33,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import bucket_sums
+try:
+    from . import bucket_sums
+except ImportError:  # tools/bench_before_after.py loads this file alone, for its counters (bias_bytes_per_step)
+    bucket_sums = None
 
 SDPA_MASK_ALIGNMENT = 8
 """SDPA (aten `preprocess_mask`) pads an attn_mask whose strides but the last are not multiples of this."""
@@ -151,7 +154,7 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     On a GPU the same sums come from `bucket_sums` (one pass over the gradient, no one-hot in memory)
     where Triton is installed.
     """
-    if bucket_sums.runs_on(grad.device, grad.dtype):
+    if bucket_sums is not None and bucket_sums.runs_on(grad.device, grad.dtype):
         return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, bins).to(dtype)
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
