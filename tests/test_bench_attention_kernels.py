@@ -49,6 +49,9 @@ def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
     table = shape["table_gradient"]
     assert table["gemm"]["ms"] > 0 and table["gemm"]["relative_difference"] < 1e-6
     assert table["kernel"] == {"unavailable": "needs CUDA"}
+    # and a step's worth (tiny: 2 layers): the layers' gradients summed, then the GEMMs (twice the table)
+    assert table["2 layers: summed, gemm"]["relative_difference"] < 1e-6
+    assert table["2 layers: each, kernel"] == {"unavailable": "needs CUDA"}
 
 
 def test_a_variant_computing_another_attention_is_reported_as_different(monkeypatch, tmp_path):

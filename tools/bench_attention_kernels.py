@@ -26,7 +26,9 @@ attention alone, per variant:
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
 GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
-(`models/bucket_sums.py`), each checked against a float64 sum.
+(`models/bucket_sums.py`), and what a step of the preset's layers does with their bias gradients:
+autograd's sums then the GEMMs (the former path) against the kernel on each layer's gradient (the
+GPU's path now, `relative_bias.LayerBiasUse`); each checked against a float64 sum.
 
 Each variant's output and q/k/v gradients are compared with `sdpa`'s (and `flex-dense-bias`'s bias
 gradient with sdpa's); times are the mean of --iterations after --warmup (compilation), on CUDA
@@ -202,29 +204,47 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "heads": heads,
             "head_size": head_size, "dtype": str(dtype).replace("torch.", ""), "flops": flops,
             "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows,
-            "table_gradient": table_gradient_timings(reference[1][3], buckets, config.rel_pos_bins, iterations, device)}
+            "table_gradient": table_gradient_timings(reference[1][3], buckets, config.rel_pos_bins, config.num_layers,
+                                                     iterations, device)}
 
 
-def table_gradient_timings(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int, iterations: int,
+def table_gradient_timings(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int, layers: int, iterations: int,
                            device: torch.device) -> dict:
-    """The relative-bias table's gradient from sdpa's bias gradient (one layer's: the model reduces
-    the sum over its layers once per micro batch): the one-hot GEMMs against the Triton kernel
-    (`models/bucket_sums.py`, CUDA), each one's ms and relative difference from a float64 sum."""
+    """The relative-bias table's gradient from sdpa's bias gradient: one reduction by the one-hot
+    GEMMs and by the Triton kernel (`models/bucket_sums.py`, CUDA); then what a step of `layers`
+    layers does, each layer's bias gradient being this one: summed by autograd (layers - 1 adds)
+    and reduced once by the GEMMs (the former path), against the kernel run on each layer's
+    gradient and the small tables summed (`relative_bias.LayerBiasUse`, the GPU's path now).
+    Each: ms, and the relative difference from a float64 sum (x layers for the step's)."""
     from megatron_pmlm.models import bucket_sums
     from megatron_pmlm.models.relative_bias import table_gradient
 
     exact = table_gradient(bias_grad.double(), buckets, bins, torch.float64)
+
+    def summed_then_reduced():
+        total = bias_grad + bias_grad  # autograd's InputBuffer: the first sum out of place, then in place
+        for _ in range(layers - 2):
+            total += bias_grad
+        return table_gradient(total, buckets, bins, torch.float32)
+
+    def each_layer_reduced():
+        return sum(torch.ops.megatron_pmlm.bucket_sums(bias_grad, buckets, bins) for _ in range(layers))
+
+    variants = {"gemm": (False, lambda: table_gradient(bias_grad, buckets, bins, torch.float32), 1),
+                "kernel": (True, lambda: table_gradient(bias_grad, buckets, bins, torch.float32), 1),
+                f"{layers} layers: summed, gemm": (False, summed_then_reduced, layers),
+                f"{layers} layers: each, kernel": (True, each_layer_reduced, layers)}
     enabled, result = bucket_sums.KERNEL_ENABLED, {}
     try:
-        for name, use_kernel in (("gemm", False), ("kernel", True)):
+        for name, (use_kernel, function, scale) in variants.items():
             if use_kernel and (device.type != "cuda" or not enabled):
                 result[name] = {"unavailable": "needs CUDA" if device.type != "cuda" else
                                 "Triton is not importable (or PMLM_TABLE_GRADIENT=gemm)"}
                 continue
             bucket_sums.KERNEL_ENABLED = use_kernel
-            table = table_gradient(bias_grad, buckets, bins, torch.float32)
-            seconds = _time(lambda: table_gradient(bias_grad, buckets, bins, torch.float32), iterations, device)
-            result[name] = {"ms": seconds * 1e3, "relative_difference": relative_difference(table, exact)}
+            table = function()
+            seconds = _time(function, iterations, device)
+            result[name] = {"ms": seconds * 1e3, "relative_difference": relative_difference(table, exact * scale)}
     finally:
         bucket_sums.KERNEL_ENABLED = enabled
     return result
@@ -297,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                          f"(largest relative difference {worst[1]:.1e}, {worst[0]})")
             print(f"  {row['variant']:<20} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
         for name, timing in figures.get("table_gradient", {}).items():
-            print(f"  table gradient, {name:<6} " + (f"not available: {timing['unavailable']}" if "unavailable" in timing
+            print(f"  table gradient, {name:<26} " + (f"not available: {timing['unavailable']}" if "unavailable" in timing
                                                    else f"{timing['ms']:9.3f} ms | relative difference from a float64 "
                                                         f"sum {timing['relative_difference']:.1e}"))
     if args.json:
