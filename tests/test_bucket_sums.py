@@ -136,6 +136,33 @@ json.dump(report, sys.stdout)
 """
 
 
+FAILING = r"""
+import json, sys, warnings
+import torch
+from megatron_pmlm.models import bucket_sums, bucket_sums_triton
+from megatron_pmlm.models.relative_bias import one_hot_table_gradient
+
+
+class NoCompiler:
+    def __getitem__(self, grid):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+
+bucket_sums_triton.bucket_sums_kernel = NoCompiler()
+grad = torch.randn(2, 3, 5, 8)
+buckets = torch.randint(0, 32, (2, 5, 8), dtype=torch.uint8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    first = torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32)
+    second = torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32)
+expected = one_hot_table_gradient(grad, buckets, 32, torch.float32)
+json.dump({"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+           "equal": bool(torch.equal(first, expected) and torch.equal(second, expected)),
+           "enabled_after": bucket_sums.KERNEL_ENABLED or bucket_sums.INTERPRETED,
+           "runs_on_after": bucket_sums.runs_on(torch.device("cpu"), torch.float32)}, sys.stdout)
+"""
+
+
 def run_interpreted(source: str) -> dict:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -188,3 +215,13 @@ def test_each_layer_reducing_its_own_bias_gradient_trains_as_the_shared_bias_doe
     assert shared["ops"]["add.Tensor"] - per_layer["ops"]["add.Tensor"] == 2, report["bias_bytes"]
     assert shared["ops"]["clone.default"] == 1 and "clone.default" not in per_layer["ops"], report["bias_bytes"]
     assert shared["bias_bytes"] - per_layer["bias_bytes"] == 3 * bias, report["bias_bytes"]
+
+
+def test_a_kernel_that_cannot_compile_falls_back_to_the_gemms_with_one_warning():
+    """Triton failing on a machine (no C compiler, a driver it does not know) must not stop a run:
+    the first failure warns once, naming the switch, and the GEMMs (and the shared bias) take over."""
+    report = run_interpreted(FAILING)
+    assert report["equal"] and not report["enabled_after"] and not report["runs_on_after"], report
+    (warning,) = report["warnings"]
+    assert "Triton kernel failed here (RuntimeError: Failed to find C compiler" in warning
+    assert "PMLM_TABLE_GRADIENT=gemm" in warning

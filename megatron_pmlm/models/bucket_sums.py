@@ -14,7 +14,7 @@ order: the same sums as the GEMMs' (fp32, up to the order of additions), determi
 It is a custom op (`torch.ops.megatron_pmlm.bucket_sums`): eager and compiled code call the same
 kernel, which inductor treats as an opaque call. `table_gradient` uses it for CUDA gradients when
 Triton is installed (it comes with PyTorch's CUDA builds), unless PMLM_TABLE_GRADIENT=gemm; the
-CPU keeps the GEMMs. Its tests run the kernel in Triton's interpreter on the CPU
+CPU keeps the GEMMs, and so does a run whose first kernel launch fails (one warning). Its tests run the kernel in Triton's interpreter on the CPU
 (`TRITON_INTERPRET=1`), which executes the same program on CPU tensors.
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 
 import torch
 
@@ -63,11 +64,36 @@ def bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.T
     """[heads, bins] fp32: grad[b, h, i, j] ([B, heads, queries, keys], any strides but the last 1)
     summed over the pairs (b, i, j) whose buckets[b, i, j] ([B, queries, keys], integer < bins) is
     each bin."""
-    from .bucket_sums_triton import bucket_sums_kernel
-
     batch, heads, queries, keys = grad.shape
     if buckets.shape != (batch, queries, keys):
         raise ValueError(f"bucket_sums: buckets {tuple(buckets.shape)} do not match the gradient {tuple(grad.shape)}")
+    if not (KERNEL_ENABLED or INTERPRETED):  # turned off by a failure (below): the GEMMs
+        from .relative_bias import one_hot_table_gradient
+
+        return one_hot_table_gradient(grad, buckets, bins, torch.float32)
+    try:
+        return _kernel_sums(grad, buckets, bins)
+    except Exception as error:  # Triton cannot compile or launch here: the run goes on with the GEMMs
+        _turn_off(error)
+        from .relative_bias import one_hot_table_gradient
+
+        return one_hot_table_gradient(grad, buckets, bins, torch.float32)
+
+
+def _turn_off(error: Exception) -> None:
+    """After the kernel failed: one warning, and the GEMMs (with the shared bias) from then on."""
+    global KERNEL_ENABLED, INTERPRETED
+    KERNEL_ENABLED = INTERPRETED = False
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    warnings.warn(f"megatron-pmlm: the relative-bias table gradient's Triton kernel failed here "
+                  f"({type(error).__name__}: {first_line}); using the one-hot GEMMs from now on "
+                  f"(set {TABLE_GRADIENT_ENV}=gemm to skip the kernel)", RuntimeWarning, stacklevel=3)
+
+
+def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+    from .bucket_sums_triton import bucket_sums_kernel
+
+    batch, heads, queries, keys = grad.shape
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
     buckets = buckets if buckets.stride(-1) == 1 else buckets.contiguous()
     heads_block, bins_block = _block(heads), _block(bins)

@@ -156,6 +156,11 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
     """
     if bucket_sums is not None and bucket_sums.runs_on(grad.device, grad.dtype):
         return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, bins).to(dtype)
+    return one_hot_table_gradient(grad, buckets, bins, dtype)
+
+
+def one_hot_table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
+    """`table_gradient` by the one-hot GEMMs, wherever the gradient is."""
     batch, heads, queries, keys = grad.shape
     accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     one_hot_row_bytes = keys * bins * torch.finfo(accumulate).bits // 8
