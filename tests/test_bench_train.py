@@ -58,6 +58,8 @@ def test_bench_train_runs_on_cpu_and_reports_its_figures(tmp_path):
     heads, width = 4, figures["padded_width"]  # tiny: 4 heads
     assert figures["bias_bytes_per_step"] >= 4 * heads * width * width * 4  # at least one fp32 [B, H, T, T]
     assert figures["bias_ops"] and figures["sdpa_pad_bytes_per_step"] == 0  # the bias is built aligned
+    assert figures["table_gradient"] == "the layers' summed bias gradient, one-hot GEMMs"  # the CPU's path
+    assert "| table gradient: the layers' summed bias gradient, one-hot GEMMs" in result.stdout
     # Where the kernels come from (by phase and op), the optimizer one fused AdamW; the host floor.
     assert figures["kernels_by_source"]["optimizer: aten::_fused_adamw_"] == 1
     assert any(source.startswith("backward EmbeddingBackward0: ") for source in figures["kernels_by_source"])

@@ -358,6 +358,10 @@ def test_bench_train_runs_on_cuda(backend, tmp_path):
         assert figures["compilations"] >= 1 and figures["padded_width"] % flex_attention.LAYOUT_QUANTUM == 0
     else:
         assert figures["compilations"] == 0 and figures["padded_width"] == figures["layout_width"]
+        from megatron_pmlm.models import bucket_sums
+
+        if bucket_sums.KERNEL_ENABLED:  # the table gradient's kernel ran and did not hand over to the GEMMs
+            assert figures["table_gradient"] == "each layer's bias gradient, Triton kernel", result.stderr[-3000:]
     if figures["peak_tflops"]:  # a GPU of the datasheet table (V100, A100, H100, H200)
         assert 0 < figures["mfu"] < 1
 

@@ -255,7 +255,21 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
             "host_ms_outside_ops": outside_ops,
             "kernels_by_source": dict(sources.most_common()),
             "bias_bytes_per_step": bias["bias_bytes"], "bias_ops": bias["ops"],
-            "sdpa_pad_bytes_per_step": bias["sdpa_pad_bytes"]}
+            "sdpa_pad_bytes_per_step": bias["sdpa_pad_bytes"],
+            "table_gradient": table_gradient_path(model, device, autocast_dtype or next(model.parameters()).dtype)}
+
+
+def table_gradient_path(model, device, dtype) -> str:
+    """How the step took the relative-bias table's gradient (after the timed steps, so a Triton
+    kernel that failed and handed over to the GEMMs shows): `models/bucket_sums.py`."""
+    from megatron_pmlm.models import bucket_sums
+
+    config = model.config
+    if config.attention_backend != "sdpa" or not config.rel_pos:
+        return "not the sdpa bias's (flex, or no relative bias)"
+    if bucket_sums.runs_on(device, dtype):
+        return "each layer's bias gradient, Triton kernel"
+    return "the layers' summed bias gradient, one-hot GEMMs"
 
 
 HOST_PROXY_SEQ_LENGTH = 16
@@ -302,7 +316,7 @@ def proxies_line(figures: dict) -> str:
             f"all) | kernels/step {figures['kernels_per_step']} ({figures['kernels_counted']}) | host ms outside "
             f"ops/step {figures['host_ms_outside_ops']:.1f} | attention-bias "
             f"bytes/step {figures['bias_bytes_per_step'] / 2**20:,.1f} MiB (+ {figures['sdpa_pad_bytes_per_step'] / 2**20:,.1f} "
-            f"MiB a GPU's SDPA would pad)"
+            f"MiB a GPU's SDPA would pad) | table gradient: {figures['table_gradient']}"
             + (f" | host ms/step {figures['host_ms_per_step']:.1f} (fwd+bwd {figures['host_ms_forward_backward']:.1f}; "
                f"{figures['host_proxy_shape']})" if "host_ms_per_step" in figures else ""))
 
@@ -495,7 +509,9 @@ def deepspeed_step(args: argparse.Namespace, device: torch.device, precision: st
             "memory_source": "CUDA max allocated less what the process held before" if memory is not None else None,
             "host_syncs_per_step": syncs.count("ours"), "host_syncs_all_owners": syncs.count(),
             "host_syncs": syncs.report().splitlines() if syncs.count() else [], "kernels_per_step": kernels,
-            "host_ms_outside_ops": outside_ops, **traced}
+            "host_ms_outside_ops": outside_ops,
+            "table_gradient": table_gradient_path(trainer.engine.module, device, {
+                "bf16": torch.bfloat16, "fp16": torch.float16}.get(engine["precision"], torch.float32)), **traced}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -831,6 +847,7 @@ def benchmark(args: argparse.Namespace) -> int:
                   + (f"MFU {real['mfu']:.1%}" if real["mfu"] is not None else "MFU ?")
                   + f" | host syncs/step {real['host_syncs_per_step']} ours ({real['host_syncs_all_owners']} all) | "
                   f"kernels/step {real['kernels_per_step']} | host ms outside ops/step {real['host_ms_outside_ops']:.1f}"
+                  f" | table gradient: {real['table_gradient']}"
                   + (f" | compiled: {real['compilations']} graphs in {real['warmup_steps']} warm-up steps "
                      f"(first step {real['first_step_seconds']:.1f} s), {real['compilations_while_timed']} while "
                      "timed" if real["compile"] else ""))
