@@ -190,6 +190,9 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert variants["sdpa-cudnn"]["unavailable"] == "NotImplementedError: cuDNN's attention runs on CUDA only"
     assert "## The attention kernel alone" in markdown and "| flex-dense-bias |" in markdown
     assert "| sdpa-cudnn | not available: NotImplementedError: cuDNN's attention runs on CUDA only | | |" in markdown
+    # which path pretrain's step took for the table gradient (the CPU's: the GEMMs)
+    assert ("The relative-bias table's gradient (`models/bucket_sums.py`): the layers' summed bias gradient, "
+            "one-hot GEMMs." in markdown)
     # the table gradient beside them: the GEMMs timed, the Triton kernel a GPU's
     assert shape["table_gradient"]["gemm"]["relative_difference"] < 1e-6
     assert "| table gradient, kernel | not available: needs CUDA | | |" in markdown

@@ -397,6 +397,10 @@ def markdown(report: dict) -> str:
                          f"{real['kernels_per_step']:,} | {_outside_ops(real)} ({_outside_ops(f)}) | "
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
                          + f" | {first} |")
+        paths = sorted({row["figures"]["deepspeed"]["table_gradient"] for row in real_rows
+                        if "table_gradient" in row["figures"].get("deepspeed", {})})
+        if paths:
+            lines += ["", "The relative-bias table's gradient (`models/bucket_sums.py`): " + "; ".join(paths) + "."]
         lines += ["", "## Hugging Face BertForMaskedLM (sdpa, same size, precision and micro batch)", "",
                   "Forward + backward + AdamW per step; ours = the bare-model step above; ratio = ours / theirs "
                   "(below 1: ours is faster).", "",
