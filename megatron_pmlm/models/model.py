@@ -247,11 +247,9 @@ class BertModel(nn.Module):
         """Embeddings and the attention bias every layer shares (in the queries' dtype: autocast's
         if on, so no layer casts it); under `table_gradient_per_layer`, (bias, buckets) instead."""
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
-        if self.table_gradient_per_layer(hidden):
-            return hidden, self.rel_pos_bias(position_ids, None, self.attention_rule(roles, steps), query_dtype(hidden),
-                                              per_layer_gradient=True)
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
-                                        position_ids, roles, steps, query_dtype(hidden))
+                                        position_ids, roles, steps, query_dtype(hidden),
+                                        per_layer_gradient=self.table_gradient_per_layer(hidden))
 
     def pad_layout(self, input_ids, position_ids, token_type_ids, roles, steps) -> tuple[torch.Tensor, ...]:
         """The [B, T] inputs widened to a multiple of the layout quantum (`layout.pad_layout_inputs`)."""
@@ -356,21 +354,25 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
 
 
 def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
-                     position_ids, roles, steps, dtype) -> "torch.Tensor | FlexAttentionMask":
+                     position_ids, roles, steps, dtype, per_layer_gradient: bool = False
+                     ) -> "torch.Tensor | FlexAttentionMask | tuple[torch.Tensor, torch.Tensor]":
     """What every layer's attention takes for one batch: the dense additive bias (sdpa) or the
-    block mask and relative-bias score_mod (flex), both from the same rule and bias table."""
+    block mask and relative-bias score_mod (flex), both from the same rule and bias table; with
+    `per_layer_gradient` (sdpa, `BertModel.table_gradient_per_layer`), (bias, buckets)."""
     if backend == "flex":
         return build_flex_attention_mask(
             attention_rule, roles, steps, None if rel_pos_bias is None else rel_pos_bias(),
             position_ids, rel_pos_bias.max_distance if rel_pos_bias is not None else 0)
-    return attention_bias(rel_pos_bias, attention_rule, position_ids, roles, steps, dtype)
+    return attention_bias(rel_pos_bias, attention_rule, position_ids, roles, steps, dtype,
+                          per_layer_gradient=per_layer_gradient)
 
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
                    position_ids, roles, steps, dtype, key_position_ids=None, key_roles=None,
-                   key_steps=None) -> torch.Tensor:
+                   key_steps=None, per_layer_gradient: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Additive [B, heads or 1, queries, keys] bias: relative positions plus -inf where attention is
-    not allowed, in `dtype` (the queries'). Keys default to the queries (a full forward).
+    not allowed, in `dtype` (the queries'). Keys default to the queries (a full forward). With
+    `per_layer_gradient` (a relative bias is there): (that bias without a gradient, its buckets).
 
     Built once per batch and shared by every layer as it is: a view of a buffer whose rows are
     padded to a multiple of 8 (`relative_bias.aligned_bias_buffer`), so SDPA neither casts nor pads
@@ -380,7 +382,7 @@ def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: At
                attention_rule(roles, steps, key_roles, key_steps))
     if rel_pos_bias is None:
         return blocked_bias(allowed, dtype)
-    return rel_pos_bias(position_ids, key_position_ids, allowed, dtype)
+    return rel_pos_bias(position_ids, key_position_ids, allowed, dtype, per_layer_gradient)
 
 
 class BertPredictionHeadTransform(nn.Module):
