@@ -17,7 +17,7 @@ from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.data.unilm_batches import build_unilm_batch, sample_keys
 from megatron_pmlm.tokenizer import SpecialTokenIds
-from megatron_pmlm.models import relative_bias
+from megatron_pmlm.models import bucket_sums
 from megatron_pmlm.models.layout import CONTEXT, PAD
 from megatron_pmlm.models.model import BertModel, PMLMForPreTraining, relative_position_bucket
 from megatron_pmlm.models.objectives import get_objective
@@ -253,8 +253,8 @@ def test_table_gradient_equals_the_embedding_backward_across_chunks(grad_dtype, 
     expected, = torch.autograd.grad(F.embedding(buckets.long(), table.t()).permute(0, 3, 1, 2), table, grad.float())
     sequence_bytes = 13 * 21 * 32 * 4
     # One chunk; 2 whole sequences a chunk (batched GEMMs over 2 + 1, contiguous gradients only); 5 rows a chunk.
-    for chunk_bytes in (relative_bias.ONE_HOT_CHUNK_BYTES, 2 * sequence_bytes, 5 * 21 * 32 * 4):
-        monkeypatch.setattr(relative_bias, "ONE_HOT_CHUNK_BYTES", chunk_bytes)
+    for chunk_bytes in (bucket_sums.ONE_HOT_CHUNK_BYTES, 2 * sequence_bytes, 5 * 21 * 32 * 4):
+        monkeypatch.setattr(bucket_sums, "ONE_HOT_CHUNK_BYTES", chunk_bytes)
         for layout, gradient in (("aligned view", grad), ("contiguous", grad.contiguous())):
             ours = table_gradient(gradient, buckets, 32, torch.float32)
             assert relative_difference(ours, expected) <= FP32_RELATIVE, (chunk_bytes, layout)

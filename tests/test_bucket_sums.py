@@ -140,7 +140,7 @@ FAILING = r"""
 import json, sys, warnings
 import torch
 from megatron_pmlm.models import bucket_sums, bucket_sums_triton
-from megatron_pmlm.models.relative_bias import one_hot_table_gradient
+from megatron_pmlm.models.bucket_sums import one_hot_bucket_sums
 
 
 class NoCompiler:
@@ -155,7 +155,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     first = torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32)
     second = torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32)
-expected = one_hot_table_gradient(grad, buckets, 32, torch.float32)
+expected = one_hot_bucket_sums(grad, buckets, 32, torch.float32)
 json.dump({"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
            "equal": bool(torch.equal(first, expected) and torch.equal(second, expected)),
            "enabled_after": bucket_sums.KERNEL_ENABLED or bucket_sums.INTERPRETED,

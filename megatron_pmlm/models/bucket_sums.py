@@ -34,6 +34,8 @@ KEYS_BLOCK = 64
 """Keys per tile: 64 contiguous bf16 gradient values (128 bytes) per head and row."""
 MIN_BLOCK = 16
 """tl.dot's smallest dimension: heads and bins are padded up to a power of two >= this."""
+ONE_HOT_CHUNK_BYTES = 64 * 2 ** 20
+"""Largest one-hot block `one_hot_bucket_sums` materialises at once."""
 
 
 def kernel_enabled() -> bool:
@@ -55,6 +57,47 @@ def runs_on(device: torch.device, dtype: torch.dtype) -> bool:
             and dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
+def one_hot_bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
+    """The same sums as `bucket_sums`, in `dtype`, by one-hot GEMMs on any device (the CPU's way):
+    grad[b, :, rows] [heads, rows x keys] @ one_hot(buckets[b, rows]) [rows x keys, bins],
+    accumulated in fp32 for half-precision gradients. When whole sequences' one-hots fit
+    ONE_HOT_CHUNK_BYTES, one GEMM covers as many sequences as fit: a handful of kernels for the
+    micro batch, whatever the gradient's dtype and layout (each chunk of the gradient is copied to a
+    contiguous [heads, sequences, queries, keys] in the accumulation dtype, at most heads / bins of
+    the one-hot's bytes). Otherwise chunks of query rows, one sequence at a time (an aligned view is
+    then batched over rows instead of copied)."""
+    batch, heads, queries, keys = grad.shape
+    accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
+    one_hot_row_bytes = keys * bins * torch.finfo(accumulate).bits // 8
+    rows_per_chunk = max(1, ONE_HOT_CHUNK_BYTES // one_hot_row_bytes)
+    bin_ids = torch.arange(bins, dtype=buckets.dtype, device=buckets.device)
+    sequences_per_chunk = rows_per_chunk // queries
+    if sequences_per_chunk >= 1:
+        total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
+        for start in range(0, batch, sequences_per_chunk):
+            sequences = slice(start, start + sequences_per_chunk)
+            one_hot = (buckets[sequences, :, :, None] == bin_ids).to(accumulate)  # [sequences, queries, keys, bins]
+            # [heads, sequences x queries x keys] @ [sequences x queries x keys, bins]: one plain GEMM per
+            # chunk (on an H100 cuBLAS ran the batched form, [sequences, heads, pairs] @ [sequences,
+            # pairs, bins], as a slow GEMV-like kernel: 1 ms a chunk at seq 128 x 16)
+            chunk = grad[sequences].transpose(0, 1).to(accumulate, memory_format=torch.contiguous_format)
+            total.addmm_(chunk.reshape(heads, -1), one_hot.view(-1, bins))
+        return total.to(dtype)
+    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+    flat_rows = grad.stride(2) == keys  # rows follow each other: [heads, rows x keys] is a view
+    total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
+    for b in range(batch):
+        for start in range(0, queries, rows_per_chunk):
+            rows = slice(start, start + rows_per_chunk)
+            one_hot = (buckets[b, rows, :, None] == bin_ids).to(accumulate)  # [rows, keys, bins]
+            chunk = grad[b, :, rows].to(accumulate)  # [heads, rows, keys]
+            if flat_rows:
+                total.addmm_(chunk.reshape(heads, -1), one_hot.view(-1, bins))
+            else:
+                total += torch.bmm(chunk.transpose(0, 1), one_hot).sum(0)
+    return total.to(dtype)
+
+
 def _block(size: int) -> int:
     return max(MIN_BLOCK, 1 << (size - 1).bit_length())
 
@@ -68,16 +111,12 @@ def bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.T
     if buckets.shape != (batch, queries, keys):
         raise ValueError(f"bucket_sums: buckets {tuple(buckets.shape)} do not match the gradient {tuple(grad.shape)}")
     if not (KERNEL_ENABLED or INTERPRETED):  # turned off by a failure (below): the GEMMs
-        from .relative_bias import one_hot_table_gradient
-
-        return one_hot_table_gradient(grad, buckets, bins, torch.float32)
+        return one_hot_bucket_sums(grad, buckets, bins, torch.float32)
     try:
         return _kernel_sums(grad, buckets, bins)
     except Exception as error:  # Triton cannot compile or launch here: the run goes on with the GEMMs
         _turn_off(error)
-        from .relative_bias import one_hot_table_gradient
-
-        return one_hot_table_gradient(grad, buckets, bins, torch.float32)
+        return one_hot_bucket_sums(grad, buckets, bins, torch.float32)
 
 
 def _turn_off(error: Exception) -> None:

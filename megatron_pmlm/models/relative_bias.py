@@ -35,13 +35,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 try:
     from . import bucket_sums
-except ImportError:  # tools/bench_before_after.py loads this file alone, for its counters (bias_bytes_per_step)
+except ImportError:  # tools/bench_before_after.py loads this file alone, for bias_bytes_per_step only
     bucket_sums = None
 
 SDPA_MASK_ALIGNMENT = 8
 """SDPA (aten `preprocess_mask`) pads an attn_mask whose strides but the last are not multiples of this."""
-ONE_HOT_CHUNK_BYTES = 64 * 2 ** 20
-"""Largest one-hot block the table gradient materialises at once."""
 
 
 def relative_position_bucket(relative_position: torch.Tensor, num_buckets: int = 32,
@@ -141,56 +139,14 @@ class RelativeBiasGather(torch.autograd.Function):
 
 
 def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
-    """[heads, bins] gradient of the table: grad[b, h, i, j] summed over the pairs of each bucket.
-
-    A one-hot contraction: grad[b, :, rows] [heads, rows x keys] @ one_hot(buckets[b, rows])
-    [rows x keys, bins], accumulated in fp32 (bf16 bias gradients included). GEMMs instead of
-    F.embedding's backward: no sort of the B x T x T indices on a GPU, no atomics, deterministic.
-    When whole sequences' one-hots fit ONE_HOT_CHUNK_BYTES, one GEMM covers as many sequences as
-    fit: a handful of kernels for the micro batch, whatever the gradient's dtype and layout (each
-    chunk of the gradient is copied to a contiguous [heads, sequences, queries, keys] in the
-    accumulation dtype, at most heads / bins of the one-hot's bytes). Otherwise chunks of query
-    rows, one sequence at a time (an aligned view is then batched over rows instead of copied).
-    On a GPU the same sums come from `bucket_sums` (one pass over the gradient, no one-hot in memory)
-    where Triton is installed.
-    """
-    if bucket_sums is not None and bucket_sums.runs_on(grad.device, grad.dtype):
+    """[heads, bins] gradient of the table: grad[b, h, i, j] summed over the pairs of each bucket,
+    in `dtype`. On a GPU (where Triton is installed) one pass of `bucket_sums.bucket_sums`'s kernel
+    over the gradient; elsewhere `bucket_sums.one_hot_bucket_sums`'s one-hot GEMMs. Both accumulate
+    in fp32 (bf16 bias gradients included), deterministic, no sort of the B x T x T indices (which
+    F.embedding's backward did on a GPU)."""
+    if bucket_sums.runs_on(grad.device, grad.dtype):
         return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, bins).to(dtype)
-    return one_hot_table_gradient(grad, buckets, bins, dtype)
-
-
-def one_hot_table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: torch.dtype) -> torch.Tensor:
-    """`table_gradient` by the one-hot GEMMs, wherever the gradient is."""
-    batch, heads, queries, keys = grad.shape
-    accumulate = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    one_hot_row_bytes = keys * bins * torch.finfo(accumulate).bits // 8
-    rows_per_chunk = max(1, ONE_HOT_CHUNK_BYTES // one_hot_row_bytes)
-    bin_ids = torch.arange(bins, dtype=buckets.dtype, device=buckets.device)
-    sequences_per_chunk = rows_per_chunk // queries
-    if sequences_per_chunk >= 1:
-        total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
-        for start in range(0, batch, sequences_per_chunk):
-            sequences = slice(start, start + sequences_per_chunk)
-            one_hot = (buckets[sequences, :, :, None] == bin_ids).to(accumulate)  # [sequences, queries, keys, bins]
-            # [heads, sequences x queries x keys] @ [sequences x queries x keys, bins]: one plain GEMM per
-            # chunk (on an H100 cuBLAS ran the batched form, [sequences, heads, pairs] @ [sequences,
-            # pairs, bins], as a slow GEMV-like kernel: 1 ms a chunk at seq 128 x 16)
-            chunk = grad[sequences].transpose(0, 1).to(accumulate, memory_format=torch.contiguous_format)
-            total.addmm_(chunk.reshape(heads, -1), one_hot.view(-1, bins))
-        return total.to(dtype)
-    grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-    flat_rows = grad.stride(2) == keys  # rows follow each other: [heads, rows x keys] is a view
-    total = torch.zeros(heads, bins, dtype=accumulate, device=grad.device)
-    for b in range(batch):
-        for start in range(0, queries, rows_per_chunk):
-            rows = slice(start, start + rows_per_chunk)
-            one_hot = (buckets[b, rows, :, None] == bin_ids).to(accumulate)  # [rows, keys, bins]
-            chunk = grad[b, :, rows].to(accumulate)  # [heads, rows, keys]
-            if flat_rows:
-                total.addmm_(chunk.reshape(heads, -1), one_hot.view(-1, bins))
-            else:
-                total += torch.bmm(chunk.transpose(0, 1), one_hot).sum(0)
-    return total.to(dtype)
+    return bucket_sums.one_hot_bucket_sums(grad, buckets, bins, dtype)
 
 
 class LayerBiasUse(torch.autograd.Function):
