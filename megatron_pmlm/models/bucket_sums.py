@@ -1,7 +1,8 @@
-"""The relative-bias table's gradient in one pass over the bias gradient (a Triton kernel, CUDA).
+"""The relative-bias table's gradient: the [B, heads, T, T] gradient of the dense bias summed per
+distance bucket into the [heads, bins] table, by one-hot GEMMs (`one_hot_bucket_sums`, any device)
+or in one pass by a Triton kernel (`bucket_sums`, CUDA); `relative_bias.table_gradient` picks.
 
-`relative_bias.table_gradient` reduces the [B, heads, T, T] gradient of the dense bias into the
-[heads, bins] table by one-hot GEMMs. On a GPU that costs far more than the gradient's own bytes:
+The GEMMs, on a GPU, cost far more than the gradient's own bytes:
 per query-key pair it writes and reads an fp32 one-hot row (bins x 4 = 128 bytes at 32 bins) and
 an fp32 copy of the gradient (heads x 4), against heads x 2 bytes of bf16 gradient, and cuBLAS
 runs the skinny [heads, pairs] @ [pairs, bins] product on CUDA cores (the H100 trace: 1.8 ms at
@@ -14,8 +15,9 @@ order: the same sums as the GEMMs' (fp32, up to the order of additions), determi
 It is a custom op (`torch.ops.megatron_pmlm.bucket_sums`): eager and compiled code call the same
 kernel, which inductor treats as an opaque call. `table_gradient` uses it for CUDA gradients when
 Triton is installed (it comes with PyTorch's CUDA builds), unless PMLM_TABLE_GRADIENT=gemm; the
-CPU keeps the GEMMs, and so does a run whose first kernel launch fails (one warning). Its tests run the kernel in Triton's interpreter on the CPU
-(`TRITON_INTERPRET=1`), which executes the same program on CPU tensors.
+CPU keeps the GEMMs, and so does a run whose first kernel launch fails (one warning). Its tests
+run the kernel in Triton's interpreter on the CPU (`TRITON_INTERPRET=1`), which executes the same
+program on CPU tensors.
 """
 
 from __future__ import annotations
