@@ -260,16 +260,17 @@ def step_proxies(model, optimizer, batch: PMLMBatch, device, autocast_dtype, sca
 
 
 def table_gradient_path(model, device, dtype) -> str:
-    """How the step took the relative-bias table's gradient (after the timed steps, so a Triton
-    kernel that failed and handed over to the GEMMs shows): `models/bucket_sums.py`."""
+    """How the step took the relative-bias table's gradient, as the model decides it
+    (`BertModel.table_gradient_per_layer`, `bucket_sums.runs_on`), asked after the timed steps so
+    that a Triton kernel that failed and handed over to the GEMMs shows."""
     from megatron_pmlm.models import bucket_sums
 
-    config = model.config
-    if config.attention_backend != "sdpa" or not config.rel_pos:
+    if model.config.attention_backend != "sdpa" or not model.config.rel_pos:
         return "not the sdpa bias's (flex, or no relative bias)"
-    if bucket_sums.runs_on(device, dtype):
-        return "each layer's bias gradient, Triton kernel"
-    return "the layers' summed bias gradient, one-hot GEMMs"
+    how = "Triton kernel" if bucket_sums.runs_on(device, dtype) else "one-hot GEMMs"
+    if model.bert.table_gradient_per_layer(device, dtype):
+        return f"each layer's bias gradient, {how}"
+    return f"the layers' summed bias gradient, {how}"
 
 
 HOST_PROXY_SEQ_LENGTH = 16

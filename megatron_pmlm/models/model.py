@@ -232,16 +232,16 @@ class BertModel(nn.Module):
         outputs back; None: `flex_attention.default_layout_quantum` (16 for flex on CUDA, so its
         compiled kernel sees few shapes; else 1). Padding slots are PAD: seen by nobody."""
 
-    def table_gradient_per_layer(self, hidden: torch.Tensor) -> bool:
-        """Whether each layer reduces its own gradient of the sdpa bias into the relative-bias
-        table (`relative_bias.LayerBiasUse`) instead of autograd summing the layers' bias-sized
-        gradients first: where that reduction is the one-pass Triton kernel (`bucket_sums.runs_on`:
-        a GPU), while training. Not under ZeRO-3, whose partitioned table is only whole inside the
-        bias module's own forward (the shared bias then takes the table's gradient as before)."""
+    def table_gradient_per_layer(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether each layer reduces its own gradient of the sdpa bias (on `device`, in `dtype`)
+        into the relative-bias table (`relative_bias.LayerBiasUse`) instead of autograd summing the
+        layers' bias-sized gradients first: where that reduction is the one-pass Triton kernel
+        (`bucket_sums.runs_on`: a GPU), while training. Not under ZeRO-3, whose partitioned table is
+        only whole inside the bias module's own forward (the shared bias then takes the table's
+        gradient as before)."""
         table = self.rel_pos_bias.weight if self.rel_pos_bias is not None else None
         return (self.config.attention_backend == "sdpa" and table is not None and table.requires_grad
-                and torch.is_grad_enabled() and not hasattr(table, "ds_id")
-                and bucket_sums.runs_on(hidden.device, query_dtype(hidden)))
+                and torch.is_grad_enabled() and not hasattr(table, "ds_id") and bucket_sums.runs_on(device, dtype))
 
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
         """Embeddings and the attention bias every layer shares (in the queries' dtype: autocast's
@@ -249,7 +249,8 @@ class BertModel(nn.Module):
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
                                         position_ids, roles, steps, query_dtype(hidden),
-                                        per_layer_gradient=self.table_gradient_per_layer(hidden))
+                                        per_layer_gradient=self.table_gradient_per_layer(hidden.device,
+                                                                                         query_dtype(hidden)))
 
     def pad_layout(self, input_ids, position_ids, token_type_ids, roles, steps) -> tuple[torch.Tensor, ...]:
         """The [B, T] inputs widened to a multiple of the layout quantum (`layout.pad_layout_inputs`)."""
