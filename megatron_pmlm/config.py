@@ -18,7 +18,7 @@ class ConfigError(ValueError):
     """A configuration value a user supplied is invalid; the message names it."""
 
 
-ATTENTION_BACKENDS = ("sdpa", "flex")
+ATTENTION_BACKENDS = ("sdpa", "flex", "triton")
 
 
 @dataclass

@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
     model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
                        help="sdpa: a dense additive mask + relative bias per batch; flex: torch FlexAttention "
-                            "(block mask from roles/steps, relative bias as a score_mod; needs --attention-dropout 0)")
+                            "(block mask from roles/steps, relative bias as a score_mod; needs --attention-dropout 0); "
+                            "triton: our flash attention reading the relative bias per tile, dropout drawn in the "
+                            "kernel (CUDA, SM 8.0+; docs/gpu.md)")
     model.add_argument("--objective", default=DEFAULT_OBJECTIVE, help=f"one of {', '.join(OBJECTIVES)}")
     model.add_argument("--make-vocab-size-divisible-by", type=non_negative_int, default=128,
                        help="pad the vocabulary (x tensor parallel size) for efficient, splittable matmuls")

@@ -24,9 +24,10 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
                      pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
-from . import bucket_sums
+from . import bucket_attention, bucket_sums
+from .bucket_attention import BucketAttentionInputs
 from .relative_bias import (LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias,
-                            relative_position_bucket)
+                            relative_buckets, relative_position_bucket)
 from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
 
 if TYPE_CHECKING:
@@ -48,7 +49,8 @@ class RelativePositionBias(nn.Module):
 
     def forward(self, position_ids: torch.Tensor | None = None, key_position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, dtype: torch.dtype | None = None,
-                per_layer_gradient: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                per_layer_gradient: bool = False, kernel_inputs: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | BucketAttentionInputs:
         """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
         (keys default to the queries; decoding passes cached + new slots as keys), -inf where the
         boolean [B, queries, keys] `allowed` is False, in `dtype` (default: the table's): built
@@ -59,7 +61,15 @@ class RelativePositionBias(nn.Module):
         Without position ids: the bias of every key - query distance clamped to +-max_distance,
         [heads, 2 x max_distance + 1], which the flex backend's score_mod looks up. It is computed
         here, in forward, so that ZeRO-3 gathers the table and gradients reach it.
+
+        With `kernel_inputs` (the triton backend): no bias, but `BucketAttentionInputs`, each pair's
+        bucket (or BLOCKED) and an fp32 copy of the table, made here for the same reason.
         """
+        if kernel_inputs:
+            key_position_ids = position_ids if key_position_ids is None else key_position_ids
+            buckets = relative_buckets(position_ids, key_position_ids, self.num_buckets, self.max_distance)
+            return BucketAttentionInputs(bucket_attention.attention_codes(buckets, allowed),
+                                         self.weight.to(torch.float32, copy=True))
         if position_ids is None:
             distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
@@ -111,13 +121,16 @@ class BertSelfAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention: "torch.Tensor | FlexAttentionMask",
                 cache: "LayerKeyValues | None" = None) -> torch.Tensor:
-        """`attention`: the dense additive bias (sdpa) or a FlexAttentionMask (flex), see
-        `attention_inputs`."""
+        """`attention`: the dense additive bias (sdpa), a FlexAttentionMask (flex) or the
+        BucketAttentionInputs (triton), see `attention_inputs`."""
         query, key, value = self._project(hidden, self.query, self.key, self.value)
         if cache is not None:
             key, value = cache.extend(key, value)
         if isinstance(attention, FlexAttentionMask):
             context = flex_attention_forward(query, key, value, attention)
+        elif isinstance(attention, BucketAttentionInputs):
+            context = bucket_attention.bucket_attention(query, key, value, attention.codes, attention.table,
+                                                        self.dropout_p if self.training else 0.0)
         else:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention,
@@ -182,7 +195,7 @@ class BertEncoder(nn.Module):
         relative-bias `table`, the (bias, buckets) of `BertModel.table_gradient_per_layer`: each
         layer then gets the bias through `LayerBiasUse`, which reduces that layer's bias gradient."""
         if table is not None:
-            bias, buckets = attention_bias
+            bias, buckets = attention_bias  # (bias, buckets) of table_gradient_per_layer
             table = table.float()  # the layers' tables are summed in fp32, then cast back once
         for layer in self.layer:
             attention = attention_bias if table is None else LayerBiasUse.apply(table, bias, buckets)
@@ -261,7 +274,8 @@ class BertModel(nn.Module):
         """The final hidden states at the padded width (`pad_layout`): the models' losses read the
         real slots from it (`layout.gather_slots` with the layout width), so no cut is made."""
         hidden, attention = self.embed(*self.pad_layout(input_ids, position_ids, token_type_ids, roles, steps))
-        return self.encoder(hidden, attention, self.rel_pos_bias.weight if isinstance(attention, tuple) else None)
+        per_layer = isinstance(attention, tuple) and not isinstance(attention, BucketAttentionInputs)
+        return self.encoder(hidden, attention, self.rel_pos_bias.weight if per_layer else None)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         width = input_ids.shape[1]
@@ -344,12 +358,17 @@ class KeyValueCache:
 
 def check_attention_backend(config: ModelConfig, device_type: str | None = None) -> None:
     """Refuse what a backend cannot compute: FlexAttention has no attention dropout, and does not run
-    on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); pass the
-    `device_type` the model will run on (None: not known yet, only the configuration is checked)."""
+    on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); the
+    triton backend takes head sizes 16-128 (powers of two) and runs on CUDA SM 8.0+ (or in Triton's
+    interpreter); pass the `device_type` the model will run on (None: not known yet, only the
+    configuration is checked)."""
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")
     problem = flex_capability_problem(device_type) if config.attention_backend == "flex" and device_type else None
+    if config.attention_backend == "triton":
+        problem = bucket_attention.head_dim_problem(config.head_dim) or (
+            bucket_attention.device_problem(torch.device(device_type)) if device_type else None)
     if problem:
         raise ConfigError(problem)
 
@@ -357,9 +376,15 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
 def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
                      position_ids, roles, steps, dtype, per_layer_gradient: bool = False
                      ) -> "torch.Tensor | FlexAttentionMask | tuple[torch.Tensor, torch.Tensor]":
-    """What every layer's attention takes for one batch: the dense additive bias (sdpa) or the
-    block mask and relative-bias score_mod (flex), both from the same rule and bias table; with
+    """What every layer's attention takes for one batch: the dense additive bias (sdpa), the block
+    mask and relative-bias score_mod (flex), or each pair's bucket code and the table (triton), all
+    from the same rule and bias table; with
     `per_layer_gradient` (sdpa, `BertModel.table_gradient_per_layer`), (bias, buckets)."""
+    if backend == "triton":
+        allowed = attention_rule(roles, steps)
+        if rel_pos_bias is None:
+            return BucketAttentionInputs(bucket_attention.attention_codes(None, allowed), None)
+        return rel_pos_bias(position_ids, None, allowed, kernel_inputs=True)
     if backend == "flex":
         return build_flex_attention_mask(
             attention_rule, roles, steps, None if rel_pos_bias is None else rel_pos_bias(),

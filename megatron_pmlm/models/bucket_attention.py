@@ -1,0 +1,303 @@
+"""The `triton` attention backend: flash attention that reads the relative-position bias per tile.
+
+The sdpa backend hands every layer a dense [B, heads, T, T] bias, and SDPA then runs PyTorch's
+memory-efficient kernel (cutlass's SM 8.0 code: ~60 TFLOP/s on an H100, 20-40% of a base step), the
+only fused kernel that takes a bias with a gradient; flash and cuDNN refuse it (cuDNN's SDPA also
+refuses a dropout that is not a multiple of 1/16, and gives the bias no gradient). Here each layer
+gets a uint8 code per query-key pair instead (`attention_codes`: the relative-distance bucket, or
+BLOCKED where the rule forbids the pair), 1 byte a pair for all heads, and the kernels
+(`bucket_attention_triton.py`) add `table[head, code]` to each score tile as they compute it:
+
+- no bias is built, read per layer, or kept (the dense bf16 bias is 2 x heads bytes a pair, read
+  forward and backward in every layer);
+- attention dropout is drawn in the kernel (Philox, 16 bits a draw, so the probability is rounded to
+  a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact inverse of
+  the kept fraction), and redrawn in the backward from the same seed instead of being stored;
+- the backward writes the score gradient dS (the bias's gradient) once, in the queries' dtype, and
+  reduces it into the [heads, bins] table gradient with `bucket_sums` (one pass): the same sums as the
+  sdpa path's.
+
+Each call is a custom op (`torch.ops.megatron_pmlm.bucket_attention`), opaque to torch.compile. The
+kernels run on CUDA (SM 8.0+), and on CPU tensors in Triton's interpreter (`TRITON_INTERPRET=1`),
+which is how the tests check them against a float64 reference.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+from . import bucket_sums
+from .relative_bias import aligned_bias_buffer
+
+BLOCKED = 255
+"""The code of a query-key pair the attention rule forbids (its score is -inf)."""
+DROPOUT_RESOLUTION = 1 << 16
+"""Dropout compares a 16-bit draw per pair with round(probability x this)."""
+FORWARD_BLOCK = (64, 64)
+"""(queries, keys) per tile of the forward kernel (untuned: the next GPU run says)."""
+BACKWARD_BLOCK = (64, 64)
+"""(queries, keys) per tile of both backward kernels."""
+HEAD_DIMS = (16, 32, 64, 128)
+"""Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
+NUM_WARPS = 4
+
+TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton's interpreter runs the kernels on CPU tensors (the tests)."""
+
+
+class BucketAttentionInputs(NamedTuple):
+    """What every layer's attention takes under the triton backend, built once per micro batch."""
+
+    codes: torch.Tensor
+    """uint8 [B, queries, keys] (`attention_codes`)."""
+    table: torch.Tensor | None
+    """fp32 [heads, bins]: the relative-bias table as the layers read it (a differentiable copy made
+    inside the bias module's forward, so ZeRO-3 has it gathered), or None without a relative bias."""
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels can run on `device`: CUDA with Triton installed, or any device in the interpreter."""
+    return TRITON_INSTALLED and (device.type == "cuda" or INTERPRETED)
+
+
+def device_problem(device: torch.device) -> str | None:
+    """Why the triton backend cannot run on `device`, or None."""
+    if not TRITON_INSTALLED:
+        return ("--attention-backend triton needs Triton (it comes with PyTorch's CUDA builds): "
+                "use --attention-backend sdpa")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 0):
+            return (f"--attention-backend triton needs a GPU of compute capability >= 8.0; this GPU is SM "
+                    f"{capability[0]}.{capability[1]}: use --attention-backend sdpa")
+        return None
+    if INTERPRETED:
+        return None
+    return (f"--attention-backend triton runs on CUDA GPUs (on the CPU only in Triton's interpreter, "
+            f"TRITON_INTERPRET=1, for tests); this run is on {device.type}: use --attention-backend sdpa")
+
+
+def head_dim_problem(head_dim: int) -> str | None:
+    if head_dim not in HEAD_DIMS:
+        return (f"--attention-backend triton takes head sizes {', '.join(map(str, HEAD_DIMS))}; this model's is "
+                f"{head_dim} (hidden size / heads): use --attention-backend sdpa")
+    return None
+
+
+def attention_codes(buckets: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, queries, keys]: each pair's relative-distance bucket (0 without a relative bias)
+    where `allowed`, BLOCKED elsewhere; one pass over the pairs per batch, shared by every layer."""
+    blocked = torch.tensor(BLOCKED, dtype=torch.uint8, device=allowed.device)
+    if buckets is None:
+        return torch.where(allowed, torch.zeros((), dtype=torch.uint8, device=allowed.device), blocked)
+    if buckets.dtype != torch.uint8:
+        raise ValueError(f"attention_codes: buckets must be uint8 (at most {BLOCKED} bins), got {buckets.dtype}")
+    return torch.where(allowed, buckets, blocked)
+
+
+def dropout_threshold(dropout_p: float) -> tuple[int, float]:
+    """(the 16-bit threshold below which a draw drops its pair, the scale of the kept values)."""
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"attention dropout must be in [0, 1), got {dropout_p}")
+    threshold = round(dropout_p * DROPOUT_RESOLUTION)
+    return threshold, DROPOUT_RESOLUTION / (DROPOUT_RESOLUTION - threshold)
+
+
+def _heads_last(batch: int, length: int, heads: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    """A [batch, heads, length, head_dim] view of [batch, length, heads, head_dim] memory: the layout
+    the model's `transpose(1, 2).reshape(batch, length, -1)` takes without a copy."""
+    return like.new_empty(batch, length, heads, head_dim).transpose(1, 2)
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep fp32 products (IEEE); half-precision inputs go to the tensor cores as they are."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"bucket_attention: the last dimension must be contiguous, got strides {tensor.stride()}")
+    return tensor.stride(0), tensor.stride(1), tensor.stride(2)
+
+
+def _check(query, key, value, codes, table) -> None:
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
+    if key.shape != (batch, heads, keys, head_dim) or value.shape != key.shape:
+        raise ValueError(f"bucket_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
+                         f"{tuple(value.shape)} do not match")
+    if codes.shape != (batch, queries, keys) or codes.dtype != torch.uint8:
+        raise ValueError(f"bucket_attention: codes must be uint8 [{batch}, {queries}, {keys}], got "
+                         f"{codes.dtype} {tuple(codes.shape)}")
+    if table is not None and (table.dim() != 2 or table.shape[0] != heads or table.shape[1] >= BLOCKED):
+        raise ValueError(f"bucket_attention: table must be [{heads}, bins < {BLOCKED}], got {tuple(table.shape)}")
+    problem = head_dim_problem(head_dim)
+    if problem:
+        raise ValueError(problem)
+
+
+@torch.library.custom_op("megatron_pmlm::bucket_attention", mutates_args=())
+def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
+                             table: torch.Tensor | None, dropout_p: float, scale: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(output [B, heads, queries, head_dim] in [B, queries, heads, head_dim] memory, fp32 log-sum-exp
+    [B, heads, queries], the int64 dropout seed [1]) of softmax(scale x q k^T + table[h, codes]) v with
+    dropout; the seed is drawn from the device's generator (activation checkpointing restores it)."""
+    from .bucket_attention_triton import attention_forward_kernel
+
+    _check(query, key, value, codes, table)
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
+    out = _heads_last(batch, queries, heads, head_dim, query)
+    lse = query.new_empty(batch, heads, queries, dtype=torch.float32)
+    seed = (torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=query.device) if dropout_p > 0
+            else torch.zeros(1, dtype=torch.int64, device=query.device))
+    threshold, keep_scale = dropout_threshold(dropout_p)
+    block_m, block_n = FORWARD_BLOCK
+    table_arg = table if table is not None else lse  # never read without a table
+    grid = (batch * heads, triton_cdiv(queries, block_m))
+    if batch * heads and queries:
+        attention_forward_kernel[grid](
+            query, key, value, codes, table_arg, seed, out, lse, heads, queries, keys,
+            *_strides(query), *_strides(key), *_strides(value), *_strides(out),
+            codes.stride(0), codes.stride(1), table.stride(0) if table is not None else 0, queries,
+            scale, threshold, keep_scale,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_TABLE=table is not None,
+            DROPOUT=threshold > 0, BLOCKED=BLOCKED, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
+            num_warps=NUM_WARPS)
+    return out, lse, seed
+
+
+@bucket_attention_forward.register_fake
+def _(query, key, value, codes, table, dropout_p, scale):
+    batch, heads, queries, head_dim = query.shape
+    return (_heads_last(batch, queries, heads, head_dim, query),
+            query.new_empty(batch, heads, queries, dtype=torch.float32),
+            query.new_empty(1, dtype=torch.int64))
+
+
+@torch.library.custom_op("megatron_pmlm::bucket_attention_backward", mutates_args=())
+def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, codes: torch.Tensor,
+                              table: torch.Tensor | None, dropout_p: float, scale: float, table_gradient: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, the table's fp32 gradient [heads, bins], empty without `table_gradient`)."""
+    from .bucket_attention_triton import attention_backward_key_value_kernel, attention_backward_query_kernel
+
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)  # [B, heads, queries]: rowsum(dO * O)
+    dq = _heads_last(batch, queries, heads, head_dim, query)
+    dk = _heads_last(batch, keys, heads, head_dim, key)
+    dv = _heads_last(batch, keys, heads, head_dim, value)
+    write_scores = table is not None and table_gradient
+    score_grad = (aligned_bias_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
+                  else dq)  # never written without a table gradient
+    threshold, keep_scale = dropout_threshold(dropout_p)
+    table_arg = table if table is not None else lse
+    common = dict(HEAD_DIM=head_dim, HAS_TABLE=table is not None, DROPOUT=threshold > 0, BLOCKED=BLOCKED,
+                  PRECISION=_precision(query.dtype), UPCAST=INTERPRETED, num_warps=NUM_WARPS)
+    table_stride = table.stride(0) if table is not None else 0
+    if batch * heads and queries and keys:
+        block_m, block_n = BACKWARD_BLOCK
+        attention_backward_key_value_kernel[(batch * heads, triton_cdiv(keys, block_n))](
+            query, key, value, grad_out, codes, table_arg, seed, lse, delta, dk, dv, score_grad,
+            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *_strides(dk), *_strides(dv), *_strides(score_grad),
+            codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
+            BLOCK_M=block_m, BLOCK_N=block_n, WRITE_DS=write_scores, **common)
+        attention_backward_query_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+            query, key, value, grad_out, codes, table_arg, seed, lse, delta, dq,
+            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+            *_strides(dq), codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
+            BLOCK_M=block_m, BLOCK_N=block_n, **common)
+    else:
+        for tensor in (dq, dk, dv):
+            tensor.zero_()
+    if write_scores:
+        bins = table.shape[1]
+        table_grad = (bucket_sums.bucket_sums(score_grad, codes, bins) if queries and keys
+                      else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
+    else:
+        table_grad = query.new_empty(0, dtype=torch.float32)
+    return dq, dk, dv, table_grad
+
+
+@bucket_attention_backward.register_fake
+def _(grad_out, query, key, value, out, lse, seed, codes, table, dropout_p, scale, table_gradient):
+    batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
+    bins = table.shape[1] if table is not None and table_gradient else None
+    return (_heads_last(batch, queries, heads, head_dim, query), _heads_last(batch, keys, heads, head_dim, key),
+            _heads_last(batch, keys, heads, head_dim, value),
+            query.new_empty((heads, bins) if bins is not None else (0,), dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, codes, table, dropout_p, scale = inputs
+    out, lse, seed = output
+    ctx.save_for_backward(query, key, value, out, lse, seed, codes, table)
+    ctx.dropout_p, ctx.scale = dropout_p, scale
+
+
+def _backward(ctx, grad_out, grad_lse, grad_seed):
+    query, key, value, out, lse, seed, codes, table = ctx.saved_tensors
+    table_gradient = table is not None and ctx.needs_input_grad[4]
+    dq, dk, dv, table_grad = torch.ops.megatron_pmlm.bucket_attention_backward(
+        grad_out, query, key, value, out, lse, seed, codes, table, ctx.dropout_p, ctx.scale, table_gradient)
+    return dq, dk, dv, None, table_grad.to(table.dtype) if table_gradient else None, None, None
+
+
+bucket_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_cdiv(size: int, block: int) -> int:
+    return -(-size // block)
+
+
+def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
+                     table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
+    (-inf where codes is BLOCKED): [B, heads, queries, head_dim] (a view of [B, queries, heads,
+    head_dim] memory), differentiable in q, k, v and the table."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return bucket_attention_forward(query, key, value, codes, table, float(dropout_p), float(scale))[0]
+
+
+def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,
+                      dropout_p: float) -> torch.Tensor:
+    """bool [batch, heads, queries, keys]: the pairs the kernels keep for `seed` (tests and checks)."""
+    from .bucket_attention_triton import dropout_keep_kernel
+
+    threshold, _ = dropout_threshold(dropout_p)
+    keep = torch.empty(batch, heads, queries, keys, dtype=torch.int8, device=seed.device)
+    block_m, block_n = FORWARD_BLOCK
+    if keep.numel():
+        dropout_keep_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+            seed, keep, heads, queries, keys, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
+    return keep.bool()
+
+
+def reference_attention(query, key, value, codes, table, keep=None, dropout_p: float = 0.0,
+                        scale: float | None = None) -> torch.Tensor:
+    """The same attention in plain torch ops with a dense bias (tests): `keep` the dropout mask."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    allowed = codes != BLOCKED
+    if table is not None:
+        bias = table[:, codes.long().clamp(max=table.shape[1] - 1)].permute(1, 0, 2, 3)
+    else:
+        bias = torch.zeros(codes.shape, dtype=query.dtype, device=query.device)[:, None]
+    scores = query @ key.transpose(-1, -2) * scale + bias
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    probs = torch.softmax(scores, -1).nan_to_num(0.0)  # a row that sees no key: output 0
+    if keep is not None:
+        _, keep_scale = dropout_threshold(dropout_p)
+        probs = probs * keep * keep_scale
+    return probs @ value

@@ -1,0 +1,250 @@
+"""The Triton kernels behind `bucket_attention` (imported only where Triton is installed).
+
+Flash attention (online softmax, nothing [T, T] kept between the passes) whose additive bias is read
+per tile from a uint8 code per query-key pair: the pair's relative-distance bucket, whose bias is
+`table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). Attention
+dropout is drawn in the kernel from Philox, keyed by a seed tensor and the pair's index, so the
+backward redraws the same mask instead of storing it; each Philox call gives 128 bits, cut into
+eight 16-bit draws, so a tile needs one call per eight pairs.
+
+- `attention_forward_kernel`: one program per (sequence x head, block of queries); writes the
+  output and each row's log-sum-exp (+inf for a row that sees no key: its output is 0).
+- `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over
+  every block of queries: dK, dV and, when asked, dS (the bias's gradient) for its tiles.
+- `attention_backward_query_kernel`: one program per (sequence x head, block of queries): dQ.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """a @ b with fp32 accumulation. UPCAST (Triton's interpreter, whose tl.dot misreads bf16
+    operands in Triton 3.9) multiplies the same values in fp32: operands are rounded to the input
+    dtype first, as on a GPU."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps. A pair is
+    kept when its 16-bit draw is >= threshold (the drop probability x 65536). Pairs are drawn in
+    groups of 8 consecutive keys, one Philox call per group; the group index counts from the
+    sequence and head's first pair, so every tile of the forward and of both backward kernels
+    redraws the same bits."""
+    groups_per_row = (keys + 7) // 8
+    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
+    offsets = ((sequence_head.to(tl.int64) * queries + rows[:, None].to(tl.int64)) * groups_per_row
+               + groups[None, :].to(tl.int64))
+    r0, r1, r2, r3 = tl.randint4x(seed, offsets)
+    low = 0xFFFF
+    draws = tl.join(tl.join(tl.join(r0 & low, r0 >> 16), tl.join(r1 & low, r1 >> 16)),
+                    tl.join(tl.join(r2 & low, r2 >> 16), tl.join(r3 & low, r3 >> 16)))
+    draws = tl.reshape(draws, (BLOCK_M, BLOCK_N))
+    return draws >= threshold
+
+
+@triton.jit
+def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, queries, keys, code_stride_query,
+                  scale, HAS_TABLE: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """scale x q @ k^T plus table[head, code] for the tile's pairs, -inf where the code is BLOCKED
+    or the pair lies outside [queries, keys]; also the allowed mask."""
+    inside = (rows[:, None] < queries) & (cols[None, :] < keys)
+    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :], mask=inside,
+                   other=BLOCKED).to(tl.int32)
+    allowed = code != BLOCKED
+    scores = mm(q, tl.trans(k), PRECISION, UPCAST) * scale
+    if HAS_TABLE:
+        scores += tl.load(table_ptr + table_row + code, mask=allowed, other=0.0)
+    return tl.where(allowed, scores, float("-inf")), allowed
+
+
+@triton.jit
+def attention_forward_kernel(
+        q_ptr, k_ptr, v_ptr, codes_ptr, table_ptr, seed_ptr, out_ptr, lse_ptr,
+        heads, queries, keys,
+        q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
+        v_stride_b, v_stride_h, v_stride_t, o_stride_b, o_stride_h, o_stride_t,
+        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        scale, threshold, keep_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr):
+    sequence_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    sequence = (sequence_head // heads).to(tl.int64)
+    head = (sequence_head % heads).to(tl.int64)
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < queries
+    q = tl.load(q_ptr + sequence * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_t + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    k_base = k_ptr + sequence * k_stride_b + head * k_stride_h
+    v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
+    codes_base = codes_ptr + sequence * code_stride_b
+    table_row = head * table_stride_h
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for column_start in range(0, keys, BLOCK_N):
+        cols = column_start + tl.arange(0, BLOCK_N)
+        col_valid = cols < keys
+        k = tl.load(k_base + cols[:, None] * k_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * v_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
+                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
+        p = tl.exp(scores - safe_max[:, None])
+        correction = tl.exp(row_max - safe_max)
+        row_sum = row_sum * correction + tl.sum(p, 1)
+        if DROPOUT:
+            keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p * keep_scale, 0.0)
+        acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, UPCAST)
+        row_max = new_max
+    seen = row_sum > 0
+    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+    lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("inf"))
+    tl.store(out_ptr + sequence * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_t + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
+
+
+@triton.jit
+def attention_backward_key_value_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr,
+        dk_ptr, dv_ptr, ds_ptr,
+        heads, queries, keys,
+        q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
+        v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
+        dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
+        ds_stride_b, ds_stride_h, ds_stride_t,
+        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        scale, threshold, keep_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, BLOCKED: tl.constexpr,
+        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    sequence_head = tl.program_id(0)
+    key_block = tl.program_id(1)
+    sequence = (sequence_head // heads).to(tl.int64)
+    head = (sequence_head % heads).to(tl.int64)
+    cols = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    col_valid = cols < keys
+    k = tl.load(k_ptr + sequence * k_stride_b + head * k_stride_h + cols[:, None] * k_stride_t + dims[None, :],
+                mask=col_valid[:, None], other=0.0)
+    v = tl.load(v_ptr + sequence * v_stride_b + head * v_stride_h + cols[:, None] * v_stride_t + dims[None, :],
+                mask=col_valid[:, None], other=0.0)
+    q_base = q_ptr + sequence * q_stride_b + head * q_stride_h
+    do_base = do_ptr + sequence * do_stride_b + head * do_stride_h
+    codes_base = codes_ptr + sequence * code_stride_b
+    ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
+    stats_base = sequence_head.to(tl.int64) * lse_stride_bh
+    table_row = head * table_stride_h
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    for row_start in range(0, queries, BLOCK_M):
+        rows = row_start + tl.arange(0, BLOCK_M)
+        row_valid = rows < queries
+        q = tl.load(q_base + rows[:, None] * q_stride_t + dims[None, :], mask=row_valid[:, None], other=0.0)
+        do = tl.load(do_base + rows[:, None] * do_stride_t + dims[None, :], mask=row_valid[:, None], other=0.0)
+        lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
+        delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
+                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
+        dp = mm(do, tl.trans(v), PRECISION, UPCAST)
+        if DROPOUT:
+            keep = dropout_keep(seed, sequence_head, rows, key_block * BLOCK_N, queries, keys, threshold,
+                                BLOCK_M, BLOCK_N)
+            p_dropped = tl.where(keep, p * keep_scale, 0.0)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        else:
+            p_dropped = p
+        dv += mm(tl.trans(p_dropped.to(do.dtype)), do, PRECISION, UPCAST)
+        ds = p * (dp - delta[:, None])
+        if WRITE_DS:
+            tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty),
+                     mask=row_valid[:, None] & col_valid[None, :])
+        dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+    dk *= scale
+    tl.store(dk_ptr + sequence * dk_stride_b + head * dk_stride_h + cols[:, None] * dk_stride_t + dims[None, :],
+             dk.to(dk_ptr.dtype.element_ty), mask=col_valid[:, None])
+    tl.store(dv_ptr + sequence * dv_stride_b + head * dv_stride_h + cols[:, None] * dv_stride_t + dims[None, :],
+             dv.to(dv_ptr.dtype.element_ty), mask=col_valid[:, None])
+
+
+@triton.jit
+def attention_backward_query_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr, dq_ptr,
+        heads, queries, keys,
+        q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
+        v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
+        dq_stride_b, dq_stride_h, dq_stride_t,
+        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        scale, threshold, keep_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
+        UPCAST: tl.constexpr):
+    sequence_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    sequence = (sequence_head // heads).to(tl.int64)
+    head = (sequence_head % heads).to(tl.int64)
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < queries
+    q = tl.load(q_ptr + sequence * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_t + dims[None, :],
+                mask=row_valid[:, None], other=0.0)
+    do = tl.load(do_ptr + sequence * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_t + dims[None, :],
+                 mask=row_valid[:, None], other=0.0)
+    stats_base = sequence_head.to(tl.int64) * lse_stride_bh
+    lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
+    delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
+    k_base = k_ptr + sequence * k_stride_b + head * k_stride_h
+    v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
+    codes_base = codes_ptr + sequence * code_stride_b
+    table_row = head * table_stride_h
+    seed = tl.load(seed_ptr) if DROPOUT else 0
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    for column_start in range(0, keys, BLOCK_N):
+        cols = column_start + tl.arange(0, BLOCK_N)
+        col_valid = cols < keys
+        k = tl.load(k_base + cols[:, None] * k_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        v = tl.load(v_base + cols[:, None] * v_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
+                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        p = tl.exp(scores - lse[:, None])
+        dp = mm(do, tl.trans(v), PRECISION, UPCAST)
+        if DROPOUT:
+            keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += mm(ds.to(k.dtype), k, PRECISION, UPCAST)
+    dq *= scale
+    tl.store(dq_ptr + sequence * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_t + dims[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit
+def dropout_keep_kernel(seed_ptr, keep_ptr, heads, queries, keys, threshold,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The [B x heads, queries, keys] keep mask the attention kernels draw (for tests and checks)."""
+    sequence_head = tl.program_id(0)
+    query_block = tl.program_id(1)
+    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    seed = tl.load(seed_ptr)
+    for column_start in range(0, keys, BLOCK_N):
+        cols = column_start + tl.arange(0, BLOCK_N)
+        keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+        tl.store(keep_ptr + (sequence_head.to(tl.int64) * queries + rows[:, None]) * keys + cols[None, :],
+                 keep.to(tl.int8), mask=(rows[:, None] < queries) & (cols[None, :] < keys))

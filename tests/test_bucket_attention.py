@@ -1,0 +1,247 @@
+"""The triton attention backend (`models/bucket_attention.py`): flash attention reading the relative
+bias per tile, dropout drawn in the kernel.
+
+On the CPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set before they are
+defined: each check is a fresh process), the same programs a GPU compiles, against a float64
+reference with a dense bias; tests/test_gpu.py checks them on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_pmlm.config import ConfigError, model_config_from_preset
+from megatron_pmlm.models import bucket_attention
+from megatron_pmlm.models.model import check_attention_backend
+from pmlm_testing import REPO_ROOT
+
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
+
+KERNELS = r"""
+import json, sys
+import torch
+from megatron_pmlm.models import bucket_attention as ba
+
+def errors(ours, exact):
+    return [float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(ours, exact)]
+
+def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table, generator):
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
+               for length in (queries, keys, keys))
+    allowed = torch.rand(batch, queries, keys, generator=generator) > 0.3
+    allowed[0, queries // 2] = False  # a row that sees no key
+    codes = ba.attention_codes(torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8,
+                                             generator=generator), allowed)
+    table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
+    out, lse, seed = ba.bucket_attention_forward(q, k, v, codes, table, dropout, head_dim ** -0.5)
+    keep = ba.dropout_keep_mask(seed, batch, heads, queries, keys, dropout) if dropout else None
+    grad = torch.randn(out.shape, generator=generator).to(dtype)
+    inputs = [q, k, v] + ([table] if with_table else [])
+    ours = [out] + list(torch.autograd.grad(out, inputs, grad))
+    exact_inputs = [x.detach().double().requires_grad_() for x in inputs]
+    exact_table = exact_inputs[3] if with_table else None
+    reference = ba.reference_attention(*exact_inputs[:3], codes, exact_table, keep=keep, dropout_p=dropout)
+    exact = [reference] + list(torch.autograd.grad(reference, exact_inputs, grad.double()))
+    result = {"shape": [batch, heads, queries, keys, head_dim, bins], "dtype": str(dtype), "dropout": dropout,
+              "table": with_table, "errors": errors(ours, exact),
+              "empty_row": float(out[0, :, queries // 2].abs().max()),
+              "finite": all(bool(torch.isfinite(t).all()) for t in ours),
+              "out_strides": list(out.stride())}
+    if dtype != torch.float32 and not dropout:
+        # What PyTorch's own attention loses in this dtype, same inputs, same reference.
+        bias = (table.detach()[:, codes.long().clamp(max=bins - 1)].permute(1, 0, 2, 3) if with_table
+                else torch.zeros(batch, 1, queries, keys))
+        bias = bias.masked_fill(~allowed[:, None], float("-inf")).to(dtype)
+        sdpa_inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(*sdpa_inputs, attn_mask=bias).nan_to_num(0.0)
+        result["sdpa_errors"] = errors([sdpa] + list(torch.autograd.grad(sdpa, sdpa_inputs, grad)), exact[:4])
+    if dropout:
+        result["kept"] = float(keep.float().mean())
+        result["kept_fraction"] = 1 - ba.dropout_threshold(dropout)[0] / ba.DROPOUT_RESOLUTION
+    return result
+
+generator = torch.Generator().manual_seed(0)
+results = []
+# (batch, heads, queries, keys, head_dim, bins): ragged tiles, queries != keys, 3 and 12 heads,
+# several key blocks, head sizes 16 and 64.
+for shape in [(2, 3, 40, 37, 16, 8), (1, 2, 70, 130, 32, 32), (2, 12, 17, 17, 64, 32)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        results.append(case(*shape, dtype, 0.0, True, generator))
+    results.append(case(*shape, torch.float32, 0.1, True, generator))
+results.append(case(2, 3, 40, 37, 16, 8, torch.float32, 0.0, False, generator))
+results.append(case(2, 3, 40, 37, 16, 8, torch.bfloat16, 0.25, False, generator))
+# Two calls draw two seeds; the same seed draws the same mask.
+q = torch.randn(1, 2, 64, 16)
+codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
+seeds = [ba.bucket_attention_forward(q, q, q, codes, None, 0.1, 0.25)[2] for _ in range(2)]
+masks = [ba.dropout_keep_mask(seed, 1, 2, 64, 64, 0.1) for seed in (seeds[0], seeds[0], seeds[1])]
+report = {"results": results, "seeds_differ": bool(seeds[0] != seeds[1]),
+          "same_seed_same_mask": bool(torch.equal(masks[0], masks[1])),
+          "other_seed_other_mask": not bool(torch.equal(masks[0], masks[2]))}
+# Schema, fake tensors and AOT autograd: torch.library's own checks (no dropout: deterministic).
+k = torch.randn(2, 3, 20, 16)
+table = torch.randn(3, 8, requires_grad=True)
+codes = ba.attention_codes(torch.randint(0, 8, (2, 20, 20), dtype=torch.uint8), torch.rand(2, 20, 20) > 0.2)
+torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
+                      (k.clone().requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_(), codes,
+                       table, 0.0, 0.25),
+                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+json.dump(report, sys.stdout)
+"""
+
+
+MODEL = r"""
+import copy, dataclasses, json, sys
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from megatron_pmlm.config import model_config_from_preset
+from megatron_pmlm.models import bucket_sums
+from megatron_pmlm.models.compiled import compile_step_regions
+from megatron_pmlm.models.model import PMLMForPreTraining
+from tools.bench_train import make_examples, pmlm_batch
+
+bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = False  # the sdpa twin as on the CPU: shared bias, GEMMs
+
+
+class KernelCalls(TorchDispatchMode):
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        KernelCalls.count += func in (torch.ops.megatron_pmlm.bucket_attention.default,
+                                      torch.ops.megatron_pmlm.bucket_attention_backward.default)
+        return func(*args, **(kwargs or {}))
+
+
+def step(model, batch, seed=0):
+    torch.manual_seed(seed)
+    model.zero_grad(set_to_none=True)
+    loss = model.forward_batch(batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def difference(grads, expected):
+    # Largest relative difference over the parameters (a key bias's gradient is 0 up to rounding).
+    return max(float((grads[n] - expected[n]).norm() / (expected[n].norm() + 1e-6)) for n in expected)
+
+
+def twins(config, checkpointing):
+    sdpa = PMLMForPreTraining(config, init_seed=2).train()
+    with torch.no_grad():
+        sdpa.bert.rel_pos_bias.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(4))
+    ours = PMLMForPreTraining(dataclasses.replace(config, attention_backend="triton"), init_seed=2).train()
+    ours.load_state_dict(sdpa.state_dict())
+    for model in (sdpa, ours):
+        model.bert.encoder.checkpoint_activations = checkpointing
+    return sdpa, ours
+
+
+config = model_config_from_preset("tiny", hidden_dropout=0.0, attention_dropout=0.0, num_layers=3)
+batch = pmlm_batch(make_examples(3, 24, config.vocab_size, seed=3))
+report = {}
+for checkpointing in (False, True):
+    sdpa, ours = twins(config, checkpointing)
+    KernelCalls.count = 0
+    with KernelCalls():
+        loss, grads = step(ours, batch)
+    calls = KernelCalls.count
+    ref_loss, ref_grads = step(sdpa, batch)
+    report[str(checkpointing)] = {"calls": calls, "loss": float((loss - ref_loss).abs()),
+                                  "worst": difference(grads, ref_grads), "same": sorted(grads) == sorted(ref_grads),
+                                  "table_grad_norm": float(grads["bert.rel_pos_bias.weight"].norm())}
+# Attention dropout drawn in the kernel: recomputing a checkpointed layer redraws the same mask.
+dropout = dataclasses.replace(config, attention_dropout=0.1)
+_, plain = twins(dropout, False)
+_, checkpointed = twins(dropout, True)
+plain_loss, plain_grads = step(plain, batch, seed=5)
+checkpointed_loss, checkpointed_grads = step(checkpointed, batch, seed=5)
+other_loss, _ = step(plain, batch, seed=6)
+report["dropout"] = {"checkpointed": difference(checkpointed_grads, plain_grads),
+                     "loss": float((plain_loss - checkpointed_loss).abs()),
+                     "other_seed_changes_loss": float((plain_loss - other_loss).abs())}
+# --compile: the custom op is opaque to inductor; compiled = eager.
+_, ours = twins(config, False)
+compiled = copy.deepcopy(ours)
+compile_step_regions(compiled)
+for model in (ours, compiled):
+    model.bert.layout_quantum = 16
+_, eager_grads = step(ours, batch)
+KernelCalls.count = 0
+with KernelCalls():
+    _, compiled_grads = step(compiled, batch)
+report["compiled"] = {"calls": KernelCalls.count, "worst": difference(compiled_grads, eager_grads)}
+json.dump(report, sys.stdout)
+"""
+
+
+def run_interpreted(source: str) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)
+
+
+@needs_triton
+def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
+    """Output, dQ, dK, dV and the table's gradient against float64 with a dense bias: fp32 within
+    1e-5 (relative to the largest value), bf16 within twice what PyTorch's own SDPA loses in bf16 on
+    the same inputs; dropout against the reference given the kernels' own mask, the kept fraction
+    that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
+    lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks."""
+    report = run_interpreted(KERNELS)
+    assert len(report["results"]) == 11
+    for result in report["results"]:
+        assert result["finite"] and result["empty_row"] == 0.0, result
+        batch, heads, queries, _, head_dim, _ = result["shape"]
+        assert result["out_strides"] == [queries * heads * head_dim, head_dim, heads * head_dim, 1], result
+        if result["dtype"] == "torch.float32":
+            assert max(result["errors"]) <= 1e-5, result
+        elif "sdpa_errors" in result:
+            for ours, sdpa in zip(result["errors"], result["sdpa_errors"]):
+                assert ours <= 2 * sdpa + 1e-3, result
+            assert result["errors"][-1] <= 0.02, result  # the table's gradient: bf16 dS summed in fp32
+        else:
+            assert max(result["errors"]) <= 0.03, result
+        if result["dropout"]:
+            assert abs(result["kept"] - result["kept_fraction"]) <= 0.03, result
+    assert report["seeds_differ"] and report["same_seed_same_mask"] and report["other_seed_other_mask"]
+
+
+@needs_triton
+def test_the_triton_backend_trains_as_sdpa_does():
+    """A 3-layer model with the triton backend: loss and every gradient equal the sdpa backend's
+    (no dropout), with and without activation checkpointing, one forward and one backward kernel
+    call per layer (and the recomputation's forward); with attention dropout a checkpointed layer's
+    recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
+    another; compiled = eager."""
+    report = run_interpreted(MODEL)
+    for checkpointing in ("False", "True"):
+        result = report[checkpointing]
+        # 3 forward and 3 backward calls; checkpointed, 3 more forward calls (the recomputation)
+        assert result["calls"] == (9 if checkpointing == "True" else 6) and result["same"], result
+        assert result["loss"] <= 1e-5 and result["worst"] <= 1e-4 and result["table_grad_norm"] > 0, result
+    dropout = report["dropout"]
+    assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
+    assert report["dropout"]["other_seed_changes_loss"] > 1e-4, report["dropout"]
+    assert report["compiled"]["calls"] == 6 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
+
+
+def test_the_triton_backend_is_refused_where_it_cannot_run():
+    """One line naming the culprit: a head size the kernels do not take; the CPU outside Triton's
+    interpreter."""
+    config = model_config_from_preset("tiny", attention_backend="triton")
+    with pytest.raises(ConfigError, match="head sizes 16, 32, 64, 128; this model's is 24"):
+        check_attention_backend(dataclasses.replace(config, hidden_size=96, num_attention_heads=4))
+    if not bucket_attention.INTERPRETED:
+        with pytest.raises(ConfigError, match="runs on CUDA GPUs .* this run is on cpu: use --attention-backend sdpa"):
+            check_attention_backend(config, "cpu")
+    check_attention_backend(config)  # the configuration alone is fine
