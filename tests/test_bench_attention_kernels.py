@@ -3,6 +3,7 @@ is reported as different (the GPU figures come from `make gpu-check`; its dry ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -52,6 +53,29 @@ def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
     # and a step's worth (tiny: 2 layers): the layers' gradients summed, then the GEMMs (twice the table)
     assert table["2 layers: summed, gemm"]["relative_difference"] < 1e-6
     assert table["2 layers: each, kernel"] == {"unavailable": "needs CUDA"}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pyproject's test "
+                    "extra installs it on x86_64 Linux)")
+def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table_gradient(tmp_path):
+    """In Triton's interpreter (a fresh process: it is read when the kernels are defined) the
+    triton variant is the same attention as sdpa, the table's gradient compared with sdpa's bias
+    gradient reduced per bucket; its dropout row and sdpa's are timed only."""
+    import os
+    import subprocess
+
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
+         "sdpa,triton,sdpa-dropout,triton-dropout", "--iterations", "1", "--warmup", "1", "--json", str(out)],
+        cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
+        text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
+    assert rows["triton"]["same_attention"], rows["triton"]
+    assert rows["triton"]["relative_difference"]["grad_table"] < 1e-5, rows["triton"]
+    for name in ("sdpa-dropout", "triton-dropout"):
+        assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 
 
 def test_a_variant_computing_another_attention_is_reported_as_different(monkeypatch, tmp_path):

@@ -97,6 +97,9 @@ torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
 json.dump(report, sys.stdout)
 """
 
+BF16_ROUNDING = 4 * 2.0 ** -8
+"""Four roundings of bf16 (8 bits of mantissa): the floor of the bf16 comparisons with float64."""
+
 
 MODEL = r"""
 import copy, dataclasses, json, sys
@@ -194,7 +197,7 @@ def run_interpreted(source: str) -> dict:
 def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     """Output, dQ, dK, dV and the table's gradient against float64 with a dense bias: fp32 within
     1e-5 (relative to the largest value), bf16 within twice what PyTorch's own SDPA loses in bf16 on
-    the same inputs; dropout against the reference given the kernels' own mask, the kept fraction
+    the same inputs (or 4 bf16 roundings: dS enters its products rounded to bf16, as in FlashAttention); dropout against the reference given the kernels' own mask, the kept fraction
     that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
     lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks."""
     report = run_interpreted(KERNELS)
@@ -207,7 +210,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
             assert max(result["errors"]) <= 1e-5, result
         elif "sdpa_errors" in result:
             for ours, sdpa in zip(result["errors"], result["sdpa_errors"]):
-                assert ours <= 2 * sdpa + 1e-3, result
+                assert ours <= max(2 * sdpa, BF16_ROUNDING), result
             assert result["errors"][-1] <= 0.02, result  # the table's gradient: bf16 dS summed in fp32
         else:
             assert max(result["errors"]) <= 0.03, result

@@ -10,6 +10,8 @@ reason "needs a CUDA device"). `make gpu-check` runs them after its most importa
 - cached decoding equals recomputing the prefix on CUDA;
 - apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
 - the table gradient's Triton kernel equals the one-hot GEMMs, and each layer's backward uses it;
+- the triton attention backend equals sdpa for every objective (fp32), its bf16 kernels as close to
+  float64 as PyTorch's own, its dropout keeping the fraction it should;
 - tools/bench_train.py runs and reports its figures;
 - nothing of ours waits for the GPU between two log lines, by CUDA's own account
   (`torch.cuda.set_sync_debug_mode`, which also sees blocking host-to-device copies);
@@ -340,10 +342,68 @@ def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_co
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")
+@pytest.mark.parametrize("objective", list(OBJECTIVES))
+def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus, objective, monkeypatch):
+    """`--attention-backend triton` (models/bucket_attention.py) compiled for this GPU: every objective's
+    hidden states, loss and gradients (the relative-bias table's included) as sdpa's in fp32; its
+    bf16 kernels within twice PyTorch's own bf16 error (or 4 bf16 roundings) of a float64 reference on a real layout; with
+    dropout, the kept fraction of the 16-bit threshold."""
+    from megatron_pmlm.models import bucket_attention
+    from megatron_pmlm.models.relative_bias import relative_buckets
+
+    if not bucket_attention.TRITON_INSTALLED:
+        pytest.skip("Triton is not importable here")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32 kernels on both sides
+    samples, _ = gpu_corpus
+    batch = _batch(samples, objective, 4).to(DEVICE)
+    results = {backend: _forward_backward(_model(_vocab_size(samples), objective, backend), batch)
+               for backend in ("sdpa", "triton")}
+    real = batch.roles != PAD
+    (hidden, loss, grads), (want_hidden, want_loss, want_grads) = results["triton"], results["sdpa"]
+    torch.testing.assert_close(hidden[real], want_hidden[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+    for parameter, grad in want_grads.items():
+        assert grad is not None and grads[parameter] is not None, parameter
+        torch.testing.assert_close(grads[parameter], grad, rtol=1e-3, atol=1e-5, msg=parameter)
+    if objective != "ae+par":
+        return
+    # bf16 on a real layout (seq 128 x 8, base heads), against float64, beside SDPA's own bf16 error.
+    layout = _batch(samples, objective, 8).to(DEVICE)
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+
+    allowed = pmlm_attention_allowed(layout.roles, layout.steps)
+    codes = bucket_attention.attention_codes(relative_buckets(layout.position_ids, layout.position_ids, 32, 128),
+                                             allowed)
+    batch_size, width = layout.roles.shape
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16().requires_grad_()
+               for _ in range(3))
+    table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
+    grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
+    out = bucket_attention.bucket_attention(q, k, v, codes, table)
+    ours = [out, *torch.autograd.grad(out, (q, k, v), grad)]
+    exact_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    exact = bucket_attention.reference_attention(*exact_inputs, codes, table.detach().double())
+    exact = [exact, *torch.autograd.grad(exact, exact_inputs, grad.double())]
+    bias = table.detach()[:, codes.long().clamp(max=31)].permute(1, 0, 2, 3)
+    bias = bias.masked_fill(~allowed[:, None], float("-inf")).bfloat16()
+    sdpa_inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*sdpa_inputs, attn_mask=bias)
+    theirs = [sdpa, *torch.autograd.grad(sdpa, sdpa_inputs, grad)]
+    for name, mine, reference, want in zip(("out", "dq", "dk", "dv"), ours, theirs, exact):
+        error = float((mine.double() - want).abs().max() / want.abs().max())
+        sdpa_error = float((reference.double() - want).abs().max() / want.abs().max())
+        assert error <= max(2 * sdpa_error, 4 * 2.0 ** -8), (name, error, sdpa_error)  # or 4 bf16 roundings
+    _, _, seed = bucket_attention.bucket_attention_forward(q, k, v, codes, table, 0.1, 0.125)
+    kept = float(bucket_attention.dropout_keep_mask(seed, batch_size, 12, width, width, 0.1).float().mean())
+    assert abs(kept - (1 - 6554 / 65536)) < 0.01
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
 def test_bench_train_runs_on_cuda(backend, tmp_path):
-    if backend == "flex" and not flex_supported():
-        pytest.skip("flex needs compute capability >= 8.0")
+    if backend in ("flex", "triton") and not flex_supported():
+        pytest.skip(f"{backend} needs compute capability >= 8.0")
     figures_file = tmp_path / "figures.json"
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_train.py"), "--preset", "tiny",
                              "--seq-length", "128", "--micro-batch-size", "8", "--bf16", "--attention-backend", backend,
@@ -356,6 +416,8 @@ def test_bench_train_runs_on_cuda(backend, tmp_path):
     assert figures["memory_source"] == "CUDA max allocated"
     if backend == "flex":
         assert figures["compilations"] >= 1 and figures["padded_width"] % flex_attention.LAYOUT_QUANTUM == 0
+    elif backend == "triton":
+        assert figures["table_gradient"].startswith("each layer's score gradient"), figures["table_gradient"]
     else:
         assert figures["compilations"] == 0 and figures["padded_width"] == figures["layout_width"]
         from megatron_pmlm.models import bucket_sums

@@ -20,7 +20,7 @@ from pmlm_testing import REPO_ROOT, run_module
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import gpu_check  # noqa: E402
-from bench_attention_kernels import VARIANTS  # noqa: E402
+from bench_attention_kernels import TIMED_ONLY, VARIANTS  # noqa: E402
 
 
 def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
@@ -67,6 +67,13 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     (row,) = [spec for spec in accumulated if spec.get("name_suffix") == "-ga8"]
     assert (row["micro_batch"], row["flags"], row["real"], row["traced"], gpu_check.minimum_seconds(row)) == (
         64, ["--deepspeed", "--gradient-accumulation-steps", "8"], True, False, gpu_check.MIN_REAL_STEP_SECONDS)
+    # The triton backend's pretrain step at the large micro batches, right after sdpa's there.
+    kernels = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
+                                   large_batches=gpu_check.LARGE_BATCH_SHAPES, kernel_backends=("triton",))
+    assert [gpu_check.bench_name(spec, "base") for spec in kernels][2:6] == [
+        "base-seq128-bf16-sdpa-mb256", "base-seq512-bf16-sdpa-mb64", "base-seq128-bf16-triton-mb256",
+        "base-seq512-bf16-triton-mb64"]
+    assert all(spec["real"] and spec["flags"] == ["--deepspeed"] for spec in kernels[4:6])
     # Without --compile in bench_train: the large batches eager only.
     no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
                                       large_batches=gpu_check.LARGE_BATCH_SHAPES)
@@ -182,8 +189,12 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     (shape,) = attention["figures"]["shapes"]
     variants = {row["variant"]: row for row in shape["rows"]}
     assert sorted(variants) == sorted(VARIANTS)
-    compared = [name for name in variants if name not in ("sdpa", "flash-no-bias", "sdpa-cudnn")]
+    compared = [name for name in variants if name not in ("sdpa", "sdpa-cudnn", "triton", "triton-dropout")
+                and name not in TIMED_ONLY]
     assert all(variants[name]["same_attention"] for name in compared), variants
+    assert all(variants[name]["ms"] > 0 for name in TIMED_ONLY if not name.startswith("triton")), variants
+    for name in ("triton", "triton-dropout"):  # the triton backend's kernels: CUDA (or Triton's interpreter)
+        assert "runs on CUDA GPUs" in variants[name]["unavailable"], variants[name]
     for name in ("flex-dense-bias", "sdpa-contiguous-bias"):  # the bias's gradient compared too
         assert "grad_bias" in variants[name]["relative_difference"], name
     # a probe that cannot run here says why, and is not a failure of the check

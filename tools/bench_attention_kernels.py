@@ -22,6 +22,12 @@ attention alone, per variant:
   same dense bias, whose gradient comes from the kernel (one add per score, each to its own element);
 - `flex-table`: the model's flex backend (`flex_attention.flex_attention_forward`: the score_mod reads
   the relative-bias table per tile; the table's gradient by atomic adds);
+- `triton`: the model's triton backend (`models/bucket_attention.py`: flash attention in Triton that
+  reads the table per tile from each pair's uint8 bucket code; the table's gradient from the score
+  gradient by `bucket_sums`), compared with sdpa including the table's gradient (sdpa's bias
+  gradient reduced per bucket in float64); CUDA, or Triton's interpreter;
+- `sdpa-dropout`, `triton-dropout`: sdpa and triton with the recipe's attention dropout (0.1), timed
+  only (their outputs are random): what the dropout costs each kernel;
 - `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
@@ -55,9 +61,12 @@ from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positi
 from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
 
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "flex-dense-bias", "flex-table",
-            "flash-no-bias")
+            "triton", "sdpa-dropout", "triton-dropout", "flash-no-bias")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
+TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "triton-dropout")
+"""Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
+RECIPE_ATTENTION_DROPOUT = 0.1
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -107,18 +116,28 @@ def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.
     return config, dense, flex, rel_pos_bias, buckets
 
 
-def run_variant(name: str, query, key, value, bias, flex, grad_out,
+def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_inputs=None,
                 keep: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-    """One forward + backward; (output, gradients: q, k, v[, bias]) when `keep` (the timed runs keep
-    nothing: no copy of a gradient inside the time). `bias`: the dense bias leaf the variant reads."""
+    """One forward + backward; (output, gradients: q, k, v[, bias or table]) when `keep` (the timed
+    runs keep nothing: no copy of a gradient inside the time). `bias`: the dense bias leaf the variant
+    reads; `kernel_inputs`: the triton backend's (codes, table leaf)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from megatron_pmlm.models import bucket_attention
     from megatron_pmlm.models import flex_attention as flex_module
 
-    for tensor in (query, key, value, bias, flex.distance_bias):
+    for tensor in (query, key, value, bias, flex.distance_bias) + ((kernel_inputs.table,) if kernel_inputs else ()):
         tensor.grad = None
-    if name in ("sdpa", "sdpa-contiguous-bias"):
+    if name.startswith("triton"):
+        if not bucket_attention.runs_on(query.device):
+            raise NotImplementedError(bucket_attention.device_problem(query.device))
+        out = bucket_attention.bucket_attention(query, key, value, kernel_inputs.codes, kernel_inputs.table,
+                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0)
+        bias = kernel_inputs.table
+    elif name in ("sdpa", "sdpa-contiguous-bias"):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    elif name == "sdpa-dropout":
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=RECIPE_ATTENTION_DROPOUT)
     elif name == "sdpa-cudnn":
         if query.device.type != "cuda":
             raise NotImplementedError("cuDNN's attention runs on CUDA only")
@@ -163,7 +182,7 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 def measure(shape: tuple[int, int], preset: str, variants: list[str], device: torch.device, dtype: torch.dtype,
             iterations: int, warmup: int) -> dict:
     seq_length, micro_batch = shape
-    config, dense_built, flex, _, buckets = layout_inputs(preset, seq_length, micro_batch, device, dtype)
+    config, dense_built, flex, rel_pos_bias, buckets = layout_inputs(preset, seq_length, micro_batch, device, dtype)
     batch, heads, width, _ = dense_built.shape
     head_size = config.hidden_size // config.num_attention_heads
     generator = torch.Generator(device=device).manual_seed(0)
@@ -175,28 +194,35 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     dense = dense_built.detach().requires_grad_()  # the model's aligned layout (a view of a padded buffer)
     biases = {"sdpa-contiguous-bias": dense_built.detach().contiguous().requires_grad_()}  # else `dense`
     flex = flex.with_distance_bias(flex.distance_bias.detach().requires_grad_())  # a leaf, as dense is
+    kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias)
     flops = attention_flops(batch, heads, width, head_size)
     rows, reference = [], None
     for name in [REFERENCE] + [v for v in variants if v != REFERENCE]:
         row = {"variant": name}
         try:
             for _ in range(max(warmup, 1)):
-                out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out)
+                out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
+                                         kernel_inputs)
             seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
-                                                keep=False),
+                                                kernel_inputs, keep=False),
                             iterations, device)
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-            row["unavailable" if name in PROBES else "error"] = reason
+            unavailable = name in PROBES or isinstance(error, NotImplementedError)  # not on this device
+            row["unavailable" if unavailable else "error"] = reason
             rows.append(row)
             continue
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
         if name == REFERENCE:
             reference = (out, grads)
-        elif reference is not None and name != "flash-no-bias":
+        elif reference is not None and name not in TIMED_ONLY:
             names = ("output", "grad_query", "grad_key", "grad_value", "grad_bias")
-            row["relative_difference"] = {what: relative_difference(got, expected) for what, got, expected in
-                                          zip(names, [out, *grads], [reference[0], *reference[1]])}
+            expected = [reference[0], *reference[1]]
+            if name == "triton":  # the table's gradient: sdpa's bias gradient reduced per bucket, in float64
+                names = names[:4] + ("grad_table",)
+                expected[4] = _reduced_per_bucket(reference[1][3], buckets, config.rel_pos_bins)
+            row["relative_difference"] = {what: relative_difference(got, want) for what, got, want in
+                                          zip(names, [out, *grads], expected)}
             row["same_attention"] = max(row["relative_difference"].values()) <= TOLERANCE[dtype]
         rows.append(row)
     if reference is None:
@@ -206,6 +232,22 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
             "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows,
             "table_gradient": table_gradient_timings(reference[1][3], buckets, config.rel_pos_bins, config.num_layers,
                                                      iterations, device)}
+
+
+def _kernel_inputs(dense: torch.Tensor, buckets: torch.Tensor, rel_pos_bias):
+    """The triton backend's inputs for the same attention: each pair's code (its bucket, or BLOCKED
+    where the dense bias is -inf) and the table the dense bias was built from, as a leaf."""
+    from megatron_pmlm.models.bucket_attention import BucketAttentionInputs, attention_codes
+
+    allowed = torch.isfinite(dense[:, 0])
+    table = rel_pos_bias.weight.detach().float().requires_grad_()
+    return BucketAttentionInputs(attention_codes(buckets, allowed), table)
+
+
+def _reduced_per_bucket(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+    from megatron_pmlm.models.relative_bias import table_gradient
+
+    return table_gradient(bias_grad.double(), buckets, bins, torch.float64)
 
 
 def table_gradient_timings(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int, layers: int, iterations: int,

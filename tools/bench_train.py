@@ -265,8 +265,12 @@ def table_gradient_path(model, device, dtype) -> str:
     that a Triton kernel that failed and handed over to the GEMMs shows."""
     from megatron_pmlm.models import bucket_sums
 
-    if model.config.attention_backend != "sdpa" or not model.config.rel_pos:
-        return "not the sdpa bias's (flex, or no relative bias)"
+    if not model.config.rel_pos:
+        return "none (no relative bias)"
+    if model.config.attention_backend == "triton":
+        return "each layer's score gradient, written by the triton backend's backward, Triton kernel"
+    if model.config.attention_backend != "sdpa":
+        return "not the sdpa bias's (flex: the score_mod's gradient)"
     how = "Triton kernel" if bucket_sums.runs_on(device, dtype) else "one-hot GEMMs"
     if model.bert.table_gradient_per_layer(device, dtype):
         return f"each layer's bias gradient, {how}"

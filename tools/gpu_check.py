@@ -18,7 +18,8 @@ the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
-batches of LARGE_BATCH_SHAPES eager, the attention kernel alone (tools/bench_attention_kernels.py at
+batches of LARGE_BATCH_SHAPES eager, the same with `--attention-backend triton` (our Triton flash
+attention; on SM 8.0+ with Triton importable), the attention kernel alone (tools/bench_attention_kernels.py at
 ATTENTION_KERNEL_SHAPES: sdpa with the bias against FlexAttention with it and without any bias), then
 pretrain's step at the larger micro batches compiled (at the first shapes an H100 waited on the host
 for half of pretrain's step; at these it works), pretrain's step accumulating the micro batches of
@@ -223,7 +224,8 @@ def bench_has_compile() -> bool:
 
 def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], preferred: str,
                compile_rows: bool, large_batches: Sequence[tuple[int, int]] = (),
-               accumulation: Sequence[tuple[int, int, int]] = ()) -> list[dict]:
+               accumulation: Sequence[tuple[int, int, int]] = (),
+               kernel_backends: Sequence[str] = ()) -> list[dict]:
     """Every bench_train process of a check, most important first (the module docstring's order):
     the row at the preferred precision with sdpa also times the real path (pretrain's step, Hugging
     Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
@@ -231,7 +233,8 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     has --compile (traced at the traced length); then pretrain's step with the gradient accumulation
     of each of `accumulation` (seq, micro batch, k; eager, named `-ga<k>`); then the --compile row per
     shape (pretrain's step compiled too); then the other backends at the preferred precision; then the
-    other precisions.
+    other precisions. Each of `kernel_backends` (triton) times pretrain's step at the large micro
+    batches, eager, right after sdpa's rows there: the same step with another attention kernel.
     `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
@@ -258,6 +261,10 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                          "traced": kind == "compile" and seq_length == traced_length,
                          "name_suffix": f"-mb{micro_batch}",
                          "priority": 0.5 if kind == "eager" else 1})
+        for backend in kernel_backends:
+            plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
+                         "backend": backend, "kind": "eager", "real": True, "flags": ["--deepspeed"],
+                         "traced": False, "name_suffix": f"-mb{micro_batch}", "priority": 0.6})
     for seq_length, micro_batch, steps in accumulation:
         plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
                      "kind": "eager", "real": True,
@@ -569,6 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes, precisions, backends, preferred, preset, accelerator = DRY_RUN_SHAPES, ("fp32",), ("sdpa",), "fp32", \
             "tiny", "cpu"
         iterations, warmup, notes = 1, 1, ["--cpu-dry-run: the tooling checked on the CPU; no figure here is a GPU's"]
+        kernel_problem = "--cpu-dry-run"
     else:
         capability = ".".join(map(str, torch.cuda.get_device_capability()))
         device = {"name": torch.cuda.get_device_name(), "capability": capability, "torch": torch.__version__,
@@ -581,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
         preferred, iterations, warmup, notes = "bf16" if bf16 else "fp16", args.iterations, args.warmup, []
         if flex_problem:
             notes.append(f"flex not run: {flex_problem}")
+        from megatron_pmlm.models.bucket_attention import device_problem
+
+        kernel_problem = device_problem(torch.device("cuda"))
+        if kernel_problem:
+            notes.append(f"triton not run: {kernel_problem}")
         if not bf16:
             notes.append("bf16 not run: this GPU has no bf16 support")
     report = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device, "preset": preset,
@@ -614,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "version")
             steps += bench_plan(shapes, precisions, backends, preferred, compile_rows,
                                 () if args.cpu_dry_run else LARGE_BATCH_SHAPES,
-                                () if args.cpu_dry_run else ACCUMULATION_SHAPES)
+                                () if args.cpu_dry_run else ACCUMULATION_SHAPES,
+                                () if args.cpu_dry_run or kernel_problem else ("triton",))
             steps.append({"kind": "attention", "priority": ATTENTION_PRIORITY,
                           "shapes": DRY_RUN_ATTENTION_SHAPES if args.cpu_dry_run else ATTENTION_KERNEL_SHAPES})
         if not args.skip_tests and not args.cpu_dry_run:

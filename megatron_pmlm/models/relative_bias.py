@@ -264,6 +264,16 @@ class _BiasShapedWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func is _bucket_attention_backward():
+            # The triton backend's score gradient (the bias's gradient), written inside its backward
+            # op, which this mode does not see into: the buffer `bucket_attention_backward` allocates.
+            query, key, table_gradient = args[1], args[2], args[11]
+            if table_gradient and args[8] is not None:
+                batch, heads, queries, _ = query.shape
+                padded_keys = -(-key.shape[2] // SDPA_MASK_ALIGNMENT) * SDPA_MASK_ALIGNMENT
+                self.bytes += batch * heads * queries * padded_keys * query.element_size()
+                self.ops["bucket_attention_backward (dS)"] += 1
+            return out
         if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func, args):
             return out
         outputs = out if isinstance(out, (tuple, list)) else (out,)
@@ -275,12 +285,20 @@ class _BiasShapedWrites(TorchDispatchMode):
         return out
 
 
+def _bucket_attention_backward():
+    """The triton backend's backward op where it is registered (models/bucket_attention.py imported)."""
+    namespace = getattr(torch.ops, "megatron_pmlm", None)
+    return namespace.bucket_attention_backward.default if namespace is not None and hasattr(
+        namespace, "bucket_attention_backward") else None
+
+
 def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None = None,
                         width: int | None = None) -> dict:
     """What the dense attention bias costs one forward + backward of `model` on `batch` (a PMLMBatch),
     measured on any device: the bytes ops write into [B, heads or 1, T, >= T] tensors outside SDPA
     (building, casting, copying the bias and its gradient; SDPA's own scores are left out, a GPU's
-    fused kernels never write them), which ops those were, and the bytes SDPA's memory-efficient
+    fused kernels never write them; the triton backend's score gradient, which its backward writes
+    for the table's gradient), which ops those were, and the bytes SDPA's memory-efficient
     kernel would pad per call (each mask not `is_sdpa_aligned`; computed, as a CPU never pads).
     """
     heads = model.config.num_attention_heads
