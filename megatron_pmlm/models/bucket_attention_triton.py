@@ -47,7 +47,7 @@ def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, thresho
     draws = tl.join(tl.join(tl.join(r0 & low, r0 >> 16), tl.join(r1 & low, r1 >> 16)),
                     tl.join(tl.join(r2 & low, r2 >> 16), tl.join(r3 & low, r3 >> 16)))
     draws = tl.reshape(draws, (BLOCK_M, BLOCK_N))
-    return draws >= threshold
+    return draws.to(tl.int32) >= threshold  # draws < 2^16: signed compare, no mixed signedness
 
 
 @triton.jit
@@ -90,7 +90,9 @@ def attention_forward_kernel(
     v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
-    seed = tl.load(seed_ptr) if DROPOUT else 0
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -150,7 +152,9 @@ def attention_backward_key_value_kernel(
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
     stats_base = sequence_head.to(tl.int64) * lse_stride_bh
     table_row = head * table_stride_h
-    seed = tl.load(seed_ptr) if DROPOUT else 0
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     for row_start in range(0, queries, BLOCK_M):
@@ -214,7 +218,9 @@ def attention_backward_query_kernel(
     v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
-    seed = tl.load(seed_ptr) if DROPOUT else 0
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(seed_ptr)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
