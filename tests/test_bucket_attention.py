@@ -197,7 +197,8 @@ def run_interpreted(source: str) -> dict:
 def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     """Output, dQ, dK, dV and the table's gradient against float64 with a dense bias: fp32 within
     1e-5 (relative to the largest value), bf16 within twice what PyTorch's own SDPA loses in bf16 on
-    the same inputs (or 4 bf16 roundings: dS enters its products rounded to bf16, as in FlashAttention); dropout against the reference given the kernels' own mask, the kept fraction
+    the same inputs (or 4 bf16 roundings: dS enters its products rounded to bf16, as in
+    FlashAttention); dropout against the reference given the kernels' own mask, the kept fraction
     that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
     lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks."""
     report = run_interpreted(KERNELS)
@@ -280,9 +281,9 @@ for capability, dtype, dropout, table in ((80, "*bf16", True, True), (90, "*bf16
                                           (90, "*fp16", False, False)):
     constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, HAS_TABLE=table, DROPOUT=dropout, BLOCKED=255,
                      PRECISION="tf32", UPCAST=False)
-    for kernel in (kernels.attention_forward_kernel, kernels.attention_backward_key_value_kernel,
-                   kernels.attention_backward_query_kernel):
-        own = dict(constants, **({"WRITE_DS": table} if "WRITE_DS" in kernel.arg_names else {}))
+    for kernel in (kernels.attention_forward_kernel, kernels.attention_backward_delta_kernel,
+                   kernels.attention_backward_key_value_kernel, kernels.attention_backward_query_kernel):
+        own = {name: value for name, value in dict(constants, WRITE_DS=table).items() if name in kernel.arg_names}
         compiled = triton.compile(ASTSource(fn=kernel, signature=signature(kernel, dtype, own), constexprs=own),
                                   target=GPUTarget("cuda", capability, 32), options={"num_warps": 4})
         report.append({"kernel": kernel.fn.__name__, "capability": capability, "dtype": dtype,
@@ -294,8 +295,8 @@ json.dump(report, sys.stdout)
 @needs_triton
 def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
     """Triton's own compiler, without a GPU, down to SM 8.0 and 9.0 machine code (ptxas ships with
-    Triton): bf16 with dropout and the table (both), fp16 without either (9.0); each kernel's shared memory
-    within an A100's 164 KiB. What the interpreter cannot catch (types the GPU code generator
+    Triton): the four kernels, bf16 with dropout and the table (both), fp16 without either (9.0);
+    each kernel's shared memory within an A100's 164 KiB. What the interpreter cannot catch (types the GPU code generator
     refuses) fails here, not on a lent GPU."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
     env.pop("TRITON_INTERPRET", None)
@@ -305,6 +306,6 @@ def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
         pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
-    assert len(report) == 9
+    assert len(report) == 12
     for entry in report:
         assert entry["cubin"] > 0 and 0 < entry["shared"] <= 164 * 1024, entry

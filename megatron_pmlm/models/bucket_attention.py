@@ -188,12 +188,13 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                               table: torch.Tensor | None, dropout_p: float, scale: float, table_gradient: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, the table's fp32 gradient [heads, bins], empty without `table_gradient`)."""
-    from .bucket_attention_triton import attention_backward_key_value_kernel, attention_backward_query_kernel
+    from .bucket_attention_triton import (attention_backward_delta_kernel, attention_backward_key_value_kernel,
+                                          attention_backward_query_kernel)
 
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    delta = (grad_out.float() * out.float()).sum(-1)  # [B, heads, queries]: rowsum(dO * O)
+    delta = lse.new_empty(batch, heads, queries)  # rowsum(dO * O), fp32
     dq = _heads_last(batch, queries, heads, head_dim, query)
     dk = _heads_last(batch, keys, heads, head_dim, key)
     dv = _heads_last(batch, keys, heads, head_dim, value)
@@ -207,6 +208,9 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     table_stride = table.stride(0) if table is not None else 0
     if batch * heads and queries and keys:
         block_m, block_n = BACKWARD_BLOCK
+        attention_backward_delta_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+            out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=NUM_WARPS)
         attention_backward_key_value_kernel[(batch * heads, triton_cdiv(keys, block_n))](
             query, key, value, grad_out, codes, table_arg, seed, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),

@@ -9,6 +9,7 @@ eight 16-bit draws, so a tile needs one call per eight pairs.
 
 - `attention_forward_kernel`: one program per (sequence x head, block of queries); writes the
   output and each row's log-sum-exp (+inf for a row that sees no key: its output is 0).
+- `attention_backward_delta_kernel`: rowsum(dO * O) per query, for both backward kernels.
 - `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over
   every block of queries: dK, dV and, when asked, dS (the bias's gradient) for its tiles.
 - `attention_backward_query_kernel`: one program per (sequence x head, block of queries): dQ.
@@ -119,6 +120,25 @@ def attention_forward_kernel(
     tl.store(out_ptr + sequence * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_t + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
+
+
+@triton.jit
+def attention_backward_delta_kernel(out_ptr, do_ptr, delta_ptr, heads, queries,
+                                    o_stride_b, o_stride_h, o_stride_t, do_stride_b, do_stride_h, do_stride_t,
+                                    delta_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32, [B x heads, queries]: the softmax backward's per-row term, read
+    by both backward kernels (one pass over O and dO, no fp32 copies of them)."""
+    sequence_head = tl.program_id(0)
+    sequence = (sequence_head // heads).to(tl.int64)
+    head = (sequence_head % heads).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_valid = rows < queries
+    out = tl.load(out_ptr + sequence * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_t + dims[None, :],
+                  mask=row_valid[:, None], other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + sequence * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_t + dims[None, :],
+                 mask=row_valid[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + sequence_head.to(tl.int64) * delta_stride_bh + rows, tl.sum(out * do, 1), mask=row_valid)
 
 
 @triton.jit
