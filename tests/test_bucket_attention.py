@@ -296,8 +296,8 @@ json.dump(report, sys.stdout)
 def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
     """Triton's own compiler, without a GPU, down to SM 8.0 and 9.0 machine code (ptxas ships with
     Triton): the four kernels, bf16 with dropout and the table (both), fp16 without either (9.0);
-    each kernel's shared memory within an A100's 164 KiB. What the interpreter cannot catch (types the GPU code generator
-    refuses) fails here, not on a lent GPU."""
+    each kernel's shared memory within an A100's 164 KiB. What the interpreter cannot catch (types
+    the GPU code generator refuses) fails here, not on a lent GPU."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
     env.pop("TRITON_INTERPRET", None)
     result = subprocess.run([sys.executable, "-c", COMPILED_FOR_GPUS], cwd=REPO_ROOT, env=env, capture_output=True,
