@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..config import ConfigError
 from . import bucket_sums
 from .relative_bias import aligned_bias_buffer
 
@@ -271,6 +272,8 @@ def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
     (-inf where codes is BLOCKED): [B, heads, queries, head_dim] (a view of [B, queries, heads,
     head_dim] memory), differentiable in q, k, v and the table."""
+    if not runs_on(query.device):
+        raise ConfigError(device_problem(query.device))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     return bucket_attention_forward(query, key, value, codes, table, float(dropout_p), float(scale))[0]
 
