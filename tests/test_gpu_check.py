@@ -249,6 +249,23 @@ def test_a_spent_budget_runs_nothing_and_says_so(tmp_path):
     assert not list(tmp_path.glob("*.partial"))
 
 
+def test_only_runs_the_named_steps_and_refuses_a_pattern_that_names_none(tmp_path):
+    """--only 'attention kernels': that step alone, the others neither run nor listed as not run;
+    a pattern matching no step: exit 2 naming the steps there are, no results folder left."""
+    result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path / "out"),
+                        "--only", "attention kernels", timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (run,) = (tmp_path / "out").iterdir()
+    report = json.loads((run / "gpu-check.json").read_text())
+    assert report["bench"] == [] and report["attention"]["ok"] and report["not_run"] == []
+    notes = report["notes"]
+    assert any(note.startswith("--only attention kernels: 1 of 3 steps (attention kernels)") for note in notes), notes
+    result = run_module("tools.gpu_check", "--cpu-dry-run", "--output-dir", str(tmp_path / "none"),
+                        "--only", "*-triton-*", timeout=300)
+    assert result.returncode == 2 and "matches none of: tiny-seq64-fp32-sdpa" in result.stderr, result.stderr
+    assert not any((tmp_path / "none").iterdir())
+
+
 def _children(pid: int) -> list[str]:
     """The command lines of `pid`'s direct children."""
     found = []

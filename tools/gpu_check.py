@@ -44,6 +44,7 @@ named in the report).
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import signal
@@ -549,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--archive", metavar="FILE.tar.gz",
                         help="also pack the results folder into this one file at the end (also when stopped by "
                              "SIGTERM/SIGINT)")
+    parser.add_argument("--only", metavar="PATTERNS",
+                        help="run only the steps whose names match one of these comma-separated shell patterns, in "
+                             "the usual order (names as in gpu-check.md: 'attention kernels', 'gpu tests', "
+                             "'base-seq512-bf16-triton-mb64', ...), e.g. --only 'attention kernels,*-mb*': "
+                             "a short lease spent on what is new")
     parser.add_argument("--cpu-dry-run", action="store_true",
                         help="no GPU needed: the benchmark part only, on the CPU at the tiny preset (seq 64, micro "
                              "batch 4, fp32, one warm-up and one timed step), to check the tooling and the report")
@@ -634,6 +640,20 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_tests and not args.cpu_dry_run:
             steps.append({"kind": "tests", "priority": TESTS_PRIORITY})
         steps.sort(key=lambda step: step["priority"])
+        if args.only:
+            patterns = [pattern.strip() for pattern in args.only.split(",") if pattern.strip()]
+            kept = [step for step in steps if any(fnmatch.fnmatchcase(step_name(step), p) for p in patterns)]
+            report["notes"].append(f"--only {args.only}: {len(kept)} of {len(steps)} steps ("
+                                   + ", ".join(map(step_name, kept)) + ")")
+            print(f"gpu-check: --only {args.only}: " + (", ".join(map(step_name, kept)) or "no step matches"),
+                  flush=True)
+            if not kept:
+                print(f"gpu-check: --only {args.only} matches none of: " + ", ".join(map(step_name, steps)),
+                      file=sys.stderr)
+                if not any(output_dir.iterdir()):
+                    output_dir.rmdir()  # nothing ran: no empty results folder left behind
+                return 2
+            steps = kept
         for step in steps:
             name, left = step_name(step), seconds_left()
             if left < minimum_seconds(step):
