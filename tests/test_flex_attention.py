@@ -134,7 +134,7 @@ def test_flex_refuses_attention_dropout_and_unknown_backends():
     config = model_config_from_preset("tiny", vocab_size=VOCAB, attention_backend="flex")
     with pytest.raises(ConfigError, match="flex has no attention dropout: set --attention-dropout 0"):
         PMLMForPreTraining(config)
-    with pytest.raises(ConfigError, match="attention_backend must be one of sdpa, flex, got 'xla'"):
+    with pytest.raises(ConfigError, match="attention_backend must be one of sdpa, flex, triton, got 'xla'"):
         PMLMForPreTraining(model_config_from_preset("tiny", vocab_size=VOCAB, attention_backend="xla"))
 
 
