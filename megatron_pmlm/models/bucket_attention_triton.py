@@ -52,6 +52,30 @@ def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, thresho
 
 
 @triton.jit
+def rows_of(ptr, sequence, head, stride_b, stride_h, stride_t, rows, dims, count):
+    """The [rows, head size] tile of one (sequence, head) of a [B, heads, T, head size] tensor
+    (any strides, the last 1), zeros past `count` rows."""
+    return tl.load(ptr + sequence * stride_b + head * stride_h + rows[:, None] * stride_t + dims[None, :],
+                   mask=(rows < count)[:, None], other=0.0)
+
+
+@triton.jit
+def store_rows(ptr, value, sequence, head, stride_b, stride_h, stride_t, rows, dims, count):
+    """`rows_of`'s inverse: `value` stored in the tensor's dtype, rows past `count` left alone."""
+    tl.store(ptr + sequence * stride_b + head * stride_h + rows[:, None] * stride_t + dims[None, :],
+             value.to(ptr.dtype.element_ty), mask=(rows < count)[:, None])
+
+
+@triton.jit
+def program_tile(heads, BLOCK: tl.constexpr):
+    """(sequence x head index, sequence, head, this program's BLOCK rows or keys) of a grid
+    (B x heads, blocks)."""
+    sequence_head = tl.program_id(0)
+    index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    return sequence_head, (sequence_head // heads).to(tl.int64), (sequence_head % heads).to(tl.int64), index
+
+
+@triton.jit
 def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, queries, keys, code_stride_query,
                   scale, HAS_TABLE: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -78,17 +102,10 @@ def attention_forward_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
-    sequence_head = tl.program_id(0)
-    query_block = tl.program_id(1)
-    sequence = (sequence_head // heads).to(tl.int64)
-    head = (sequence_head % heads).to(tl.int64)
-    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
-    q = tl.load(q_ptr + sequence * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_t + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
-    k_base = k_ptr + sequence * k_stride_b + head * k_stride_h
-    v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
+    q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
     seed = 0
@@ -99,9 +116,8 @@ def attention_forward_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
-        col_valid = cols < keys
-        k = tl.load(k_base + cols[:, None] * k_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
-        v = tl.load(v_base + cols[:, None] * v_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
+        v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
                                         code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
@@ -117,8 +133,7 @@ def attention_forward_kernel(
     seen = row_sum > 0
     out = acc / tl.where(seen, row_sum, 1.0)[:, None]
     lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("inf"))
-    tl.store(out_ptr + sequence * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_t + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    store_rows(out_ptr, out, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries)
     tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
 
 
@@ -128,16 +143,11 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, delta_ptr, heads, queries,
                                     delta_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """delta = rowsum(dO * O) in fp32, [B x heads, queries]: the softmax backward's per-row term, read
     by both backward kernels (one pass over O and dO, no fp32 copies of them)."""
-    sequence_head = tl.program_id(0)
-    sequence = (sequence_head // heads).to(tl.int64)
-    head = (sequence_head % heads).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
-    out = tl.load(out_ptr + sequence * o_stride_b + head * o_stride_h + rows[:, None] * o_stride_t + dims[None, :],
-                  mask=row_valid[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + sequence * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_t + dims[None, :],
-                 mask=row_valid[:, None], other=0.0).to(tl.float32)
+    out = rows_of(out_ptr, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries).to(tl.float32)
+    do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries).to(tl.float32)
     tl.store(delta_ptr + sequence_head.to(tl.int64) * delta_stride_bh + rows, tl.sum(out * do, 1), mask=row_valid)
 
 
@@ -155,19 +165,11 @@ def attention_backward_key_value_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, BLOCKED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    sequence_head = tl.program_id(0)
-    key_block = tl.program_id(1)
-    sequence = (sequence_head // heads).to(tl.int64)
-    head = (sequence_head % heads).to(tl.int64)
-    cols = key_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     col_valid = cols < keys
-    k = tl.load(k_ptr + sequence * k_stride_b + head * k_stride_h + cols[:, None] * k_stride_t + dims[None, :],
-                mask=col_valid[:, None], other=0.0)
-    v = tl.load(v_ptr + sequence * v_stride_b + head * v_stride_h + cols[:, None] * v_stride_t + dims[None, :],
-                mask=col_valid[:, None], other=0.0)
-    q_base = q_ptr + sequence * q_stride_b + head * q_stride_h
-    do_base = do_ptr + sequence * do_stride_b + head * do_stride_h
+    k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
+    v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
     codes_base = codes_ptr + sequence * code_stride_b
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
     stats_base = sequence_head.to(tl.int64) * lse_stride_bh
@@ -180,8 +182,8 @@ def attention_backward_key_value_kernel(
     for row_start in range(0, queries, BLOCK_M):
         rows = row_start + tl.arange(0, BLOCK_M)
         row_valid = rows < queries
-        q = tl.load(q_base + rows[:, None] * q_stride_t + dims[None, :], mask=row_valid[:, None], other=0.0)
-        do = tl.load(do_base + rows[:, None] * do_stride_t + dims[None, :], mask=row_valid[:, None], other=0.0)
+        q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
+        do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
         lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
         scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
@@ -189,7 +191,7 @@ def attention_backward_key_value_kernel(
         p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
-            keep = dropout_keep(seed, sequence_head, rows, key_block * BLOCK_N, queries, keys, threshold,
+            keep = dropout_keep(seed, sequence_head, rows, tl.program_id(1) * BLOCK_N, queries, keys, threshold,
                                 BLOCK_M, BLOCK_N)
             p_dropped = tl.where(keep, p * keep_scale, 0.0)
             dp = tl.where(keep, dp * keep_scale, 0.0)
@@ -202,10 +204,8 @@ def attention_backward_key_value_kernel(
                      mask=row_valid[:, None] & col_valid[None, :])
         dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
     dk *= scale
-    tl.store(dk_ptr + sequence * dk_stride_b + head * dk_stride_h + cols[:, None] * dk_stride_t + dims[None, :],
-             dk.to(dk_ptr.dtype.element_ty), mask=col_valid[:, None])
-    tl.store(dv_ptr + sequence * dv_stride_b + head * dv_stride_h + cols[:, None] * dv_stride_t + dims[None, :],
-             dv.to(dv_ptr.dtype.element_ty), mask=col_valid[:, None])
+    store_rows(dk_ptr, dk, sequence, head, dk_stride_b, dk_stride_h, dk_stride_t, cols, dims, keys)
+    store_rows(dv_ptr, dv, sequence, head, dv_stride_b, dv_stride_h, dv_stride_t, cols, dims, keys)
 
 
 @triton.jit
@@ -220,22 +220,14 @@ def attention_backward_query_kernel(
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
-    sequence_head = tl.program_id(0)
-    query_block = tl.program_id(1)
-    sequence = (sequence_head // heads).to(tl.int64)
-    head = (sequence_head % heads).to(tl.int64)
-    rows = query_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
-    q = tl.load(q_ptr + sequence * q_stride_b + head * q_stride_h + rows[:, None] * q_stride_t + dims[None, :],
-                mask=row_valid[:, None], other=0.0)
-    do = tl.load(do_ptr + sequence * do_stride_b + head * do_stride_h + rows[:, None] * do_stride_t + dims[None, :],
-                 mask=row_valid[:, None], other=0.0)
+    q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
+    do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
     stats_base = sequence_head.to(tl.int64) * lse_stride_bh
     lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
     delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
-    k_base = k_ptr + sequence * k_stride_b + head * k_stride_h
-    v_base = v_ptr + sequence * v_stride_b + head * v_stride_h
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
     seed = 0
@@ -244,9 +236,8 @@ def attention_backward_query_kernel(
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
-        col_valid = cols < keys
-        k = tl.load(k_base + cols[:, None] * k_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
-        v = tl.load(v_base + cols[:, None] * v_stride_t + dims[None, :], mask=col_valid[:, None], other=0.0)
+        k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
+        v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
                                         code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
         p = tl.exp(scores - lse[:, None])
@@ -257,8 +248,7 @@ def attention_backward_query_kernel(
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, PRECISION, UPCAST)
     dq *= scale
-    tl.store(dq_ptr + sequence * dq_stride_b + head * dq_stride_h + rows[:, None] * dq_stride_t + dims[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=row_valid[:, None])
+    store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
 
 
 @triton.jit
