@@ -20,7 +20,7 @@ import pytest
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.models import bucket_attention
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT
+from pmlm_testing import REPO_ROOT, torchrun
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -237,6 +237,18 @@ def test_the_triton_backend_trains_as_sdpa_does():
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
     assert report["dropout"]["other_seed_changes_loss"] > 1e-4, report["dropout"]
     assert report["compiled"]["calls"] == 6 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
+
+
+@needs_triton
+def test_tensor_parallel_2_with_the_triton_backend_equals_tensor_parallel_1_sdpa():
+    """TP=2 (megatron-core layers, gloo): each rank's kernels take its heads and its rows of the
+    table; loss and every merged gradient equal one process's sdpa model's."""
+    script = REPO_ROOT / "tests" / "distributed" / "tp_flex_equivalence.py"
+    result = subprocess.run([*torchrun(2), str(script), "triton"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+                                 "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "TP=2 triton matches TP=1 sdpa" in result.stdout
 
 
 def test_the_triton_backend_is_refused_where_it_cannot_run():

@@ -1,6 +1,7 @@
-"""torchrun --nproc-per-node 2 tests/distributed/tp_flex_equivalence.py: with the flex attention
-backend, TP=2 (heads and the relative-bias table split) gives TP=1's loss and gradients, and TP=1
-flex gives the sdpa backend's (run by tests/test_flex_attention.py)."""
+"""torchrun --nproc-per-node 2 tests/distributed/tp_flex_equivalence.py [BACKEND]: with the flex
+attention backend (or BACKEND: triton, in Triton's interpreter), TP=2 (heads and the relative-bias
+table split) gives TP=1 sdpa's loss and gradients (run by tests/test_flex_attention.py and
+tests/test_bucket_attention.py)."""
 
 import sys
 
@@ -20,8 +21,9 @@ from megatron_pmlm.parallel.layers import MegatronCoreLayers, merge_state_dicts
 def main() -> int:
     initialize_model_parallel(tensor_parallel_size=2)
     rank = dist.get_rank()
+    backend = sys.argv[1] if len(sys.argv) > 1 else "flex"
     flex = model_config_from_preset("tiny", vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0,
-                                    attention_backend="flex")
+                                    attention_backend=backend)
     sdpa = model_config_from_preset("tiny", vocab_size=256, hidden_dropout=0.0, attention_dropout=0.0)
     reference = PMLMForPreTraining(sdpa, "ae+par", init_seed=3)  # TP=1, sdpa, on every rank
     parallel = PMLMForPreTraining(flex, "ae+par", layers=MegatronCoreLayers(), init_seed=3)
@@ -50,7 +52,7 @@ def main() -> int:
         torch.testing.assert_close(merged[name], param.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert parallel.bert.rel_pos_bias.weight.shape == (2, 32)  # each rank scores its own heads
     if rank == 0:
-        print(f"TP=2 flex matches TP=1 sdpa: loss {out_tp.loss.item():.6f} vs {out_ref.loss.item():.6f}, "
+        print(f"TP=2 {backend} matches TP=1 sdpa: loss {out_tp.loss.item():.6f} vs {out_ref.loss.item():.6f}, "
               f"{len(merged)} gradients equal")
     return 0
 
