@@ -634,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
             steps += bench_plan(shapes, precisions, backends, preferred, compile_rows,
                                 () if args.cpu_dry_run else LARGE_BATCH_SHAPES,
                                 () if args.cpu_dry_run else ACCUMULATION_SHAPES,
-                                () if args.cpu_dry_run or kernel_problem else ("triton",))
+                                () if kernel_problem else ("triton",))
             steps.append({"kind": "attention", "priority": ATTENTION_PRIORITY,
                           "shapes": DRY_RUN_ATTENTION_SHAPES if args.cpu_dry_run else ATTENTION_KERNEL_SHAPES})
         if not args.skip_tests and not args.cpu_dry_run:

@@ -94,12 +94,11 @@ def head_dim_problem(head_dim: int) -> str | None:
 def attention_codes(buckets: torch.Tensor | None, allowed: torch.Tensor) -> torch.Tensor:
     """uint8 [B, queries, keys]: each pair's relative-distance bucket (0 without a relative bias)
     where `allowed`, BLOCKED elsewhere; one pass over the pairs per batch, shared by every layer."""
-    blocked = torch.tensor(BLOCKED, dtype=torch.uint8, device=allowed.device)
-    if buckets is None:
-        return torch.where(allowed, torch.zeros((), dtype=torch.uint8, device=allowed.device), blocked)
+    if buckets is None:  # no relative bias: code 0 (never read) or BLOCKED
+        return (~allowed).to(torch.uint8).mul_(BLOCKED)
     if buckets.dtype != torch.uint8:
         raise ValueError(f"attention_codes: buckets must be uint8 (at most {BLOCKED} bins), got {buckets.dtype}")
-    return torch.where(allowed, buckets, blocked)
+    return buckets.masked_fill(~allowed, BLOCKED)  # a Python scalar: no tensor copied to the device
 
 
 def dropout_threshold(dropout_p: float) -> tuple[int, float]:
@@ -119,6 +118,11 @@ def _heads_last(batch: int, length: int, heads: int, head_dim: int, like: torch.
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs keep fp32 products (IEEE); half-precision inputs go to the tensor cores as they are."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _blocks(size: int, block: int) -> int:
+    """Tiles of `block` covering `size` (a grid dimension)."""
+    return -(-size // block)
 
 
 def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
@@ -162,7 +166,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     threshold, keep_scale = dropout_threshold(dropout_p)
     block_m, block_n = FORWARD_BLOCK
     table_arg = table if table is not None else lse  # never read without a table
-    grid = (batch * heads, triton_cdiv(queries, block_m))
+    grid = (batch * heads, _blocks(queries, block_m))
     if batch * heads and queries:
         attention_forward_kernel[grid](
             query, key, value, codes, table_arg, seed, out, lse, heads, queries, keys,
@@ -209,16 +213,16 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     table_stride = table.stride(0) if table is not None else 0
     if batch * heads and queries and keys:
         block_m, block_n = BACKWARD_BLOCK
-        attention_backward_delta_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+        attention_backward_delta_kernel[(batch * heads, _blocks(queries, block_m))](
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
             HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=NUM_WARPS)
-        attention_backward_key_value_kernel[(batch * heads, triton_cdiv(keys, block_n))](
+        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, block_n))](
             query, key, value, grad_out, codes, table_arg, seed, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad),
             codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
             BLOCK_M=block_m, BLOCK_N=block_n, WRITE_DS=write_scores, **common)
-        attention_backward_query_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+        attention_backward_query_kernel[(batch * heads, _blocks(queries, block_m))](
             query, key, value, grad_out, codes, table_arg, seed, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dq), codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
@@ -263,10 +267,6 @@ def _backward(ctx, grad_out, grad_lse, grad_seed):
 bucket_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def triton_cdiv(size: int, block: int) -> int:
-    return -(-size // block)
-
-
 def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
                      table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
@@ -287,7 +287,7 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, 
     keep = torch.empty(batch, heads, queries, keys, dtype=torch.int8, device=seed.device)
     block_m, block_n = FORWARD_BLOCK
     if keep.numel():
-        dropout_keep_kernel[(batch * heads, triton_cdiv(queries, block_m))](
+        dropout_keep_kernel[(batch * heads, _blocks(queries, block_m))](
             seed, keep, heads, queries, keys, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
     return keep.bool()
 

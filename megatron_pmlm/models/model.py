@@ -26,7 +26,7 @@ from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad
 from .objectives import Objective, get_objective
 from . import bucket_attention, bucket_sums
 from .bucket_attention import BucketAttentionInputs
-from .relative_bias import (LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias,
+from .relative_bias import (LayerBiasUse, PerLayerBias, blocked_bias, query_dtype, relative_attention_bias,
                             relative_buckets, relative_position_bucket)
 from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
 
@@ -50,7 +50,7 @@ class RelativePositionBias(nn.Module):
     def forward(self, position_ids: torch.Tensor | None = None, key_position_ids: torch.Tensor | None = None,
                 allowed: torch.Tensor | None = None, dtype: torch.dtype | None = None,
                 per_layer_gradient: bool = False, kernel_inputs: bool = False
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | BucketAttentionInputs:
+                ) -> torch.Tensor | PerLayerBias | BucketAttentionInputs:
         """[B, heads, queries, keys] from position ids, so appended tokens get their twins' distances
         (keys default to the queries; decoding passes cached + new slots as keys), -inf where the
         boolean [B, queries, keys] `allowed` is False, in `dtype` (default: the table's): built
@@ -192,10 +192,10 @@ class BertEncoder(nn.Module):
 
     def forward(self, hidden, attention_bias, table=None):
         """`attention_bias`: what every layer's attention takes (`attention_inputs`), or, with the
-        relative-bias `table`, the (bias, buckets) of `BertModel.table_gradient_per_layer`: each
+        relative-bias `table`, the `PerLayerBias` of `BertModel.table_gradient_per_layer`: each
         layer then gets the bias through `LayerBiasUse`, which reduces that layer's bias gradient."""
         if table is not None:
-            bias, buckets = attention_bias  # (bias, buckets) of table_gradient_per_layer
+            bias, buckets = attention_bias  # the PerLayerBias of table_gradient_per_layer
             table = table.float()  # the layers' tables are summed in fp32, then cast back once
         for layer in self.layer:
             attention = attention_bias if table is None else LayerBiasUse.apply(table, bias, buckets)
@@ -258,7 +258,7 @@ class BertModel(nn.Module):
 
     def embed(self, input_ids, position_ids, token_type_ids, roles, steps):
         """Embeddings and the attention bias every layer shares (in the queries' dtype: autocast's
-        if on, so no layer casts it); under `table_gradient_per_layer`, (bias, buckets) instead."""
+        if on, so no layer casts it); under `table_gradient_per_layer`, a `PerLayerBias` instead."""
         hidden = self.embeddings(input_ids, position_ids, token_type_ids)
         return hidden, attention_inputs(self.config.attention_backend, self.rel_pos_bias, self.attention_rule,
                                         position_ids, roles, steps, query_dtype(hidden),
@@ -274,8 +274,8 @@ class BertModel(nn.Module):
         """The final hidden states at the padded width (`pad_layout`): the models' losses read the
         real slots from it (`layout.gather_slots` with the layout width), so no cut is made."""
         hidden, attention = self.embed(*self.pad_layout(input_ids, position_ids, token_type_ids, roles, steps))
-        per_layer = isinstance(attention, tuple) and not isinstance(attention, BucketAttentionInputs)
-        return self.encoder(hidden, attention, self.rel_pos_bias.weight if per_layer else None)
+        return self.encoder(hidden, attention,
+                            self.rel_pos_bias.weight if isinstance(attention, PerLayerBias) else None)
 
     def forward(self, input_ids, position_ids, token_type_ids, roles, steps) -> torch.Tensor:
         width = input_ids.shape[1]
@@ -365,8 +365,10 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")
-    problem = flex_capability_problem(device_type) if config.attention_backend == "flex" and device_type else None
-    if config.attention_backend == "triton":
+    problem = None
+    if config.attention_backend == "flex" and device_type:
+        problem = flex_capability_problem(device_type)
+    elif config.attention_backend == "triton":
         problem = bucket_attention.head_dim_problem(config.head_dim) or (
             bucket_attention.device_problem(torch.device(device_type)) if device_type else None)
     if problem:
@@ -375,11 +377,11 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
 
 def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
                      position_ids, roles, steps, dtype, per_layer_gradient: bool = False
-                     ) -> "torch.Tensor | FlexAttentionMask | tuple[torch.Tensor, torch.Tensor]":
+                     ) -> "torch.Tensor | FlexAttentionMask | PerLayerBias | BucketAttentionInputs":
     """What every layer's attention takes for one batch: the dense additive bias (sdpa), the block
     mask and relative-bias score_mod (flex), or each pair's bucket code and the table (triton), all
     from the same rule and bias table; with
-    `per_layer_gradient` (sdpa, `BertModel.table_gradient_per_layer`), (bias, buckets)."""
+    `per_layer_gradient` (sdpa, `BertModel.table_gradient_per_layer`), a `PerLayerBias`."""
     if backend == "triton":
         allowed = attention_rule(roles, steps)
         if rel_pos_bias is None:
@@ -395,7 +397,7 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
                    position_ids, roles, steps, dtype, key_position_ids=None, key_roles=None,
-                   key_steps=None, per_layer_gradient: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   key_steps=None, per_layer_gradient: bool = False) -> torch.Tensor | PerLayerBias:
     """Additive [B, heads or 1, queries, keys] bias: relative positions plus -inf where attention is
     not allowed, in `dtype` (the queries'). Keys default to the queries (a full forward). With
     `per_layer_gradient` (a relative bias is there): (that bias without a gradient, its buckets).

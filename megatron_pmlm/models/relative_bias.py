@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -170,16 +171,25 @@ class LayerBiasUse(torch.autograd.Function):
         return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, ctx.bins), None, None
 
 
+class PerLayerBias(NamedTuple):
+    """The sdpa bias when each layer reduces its own bias gradient (`LayerBiasUse`)."""
+
+    bias: torch.Tensor
+    """[B, heads, queries, keys], built without a gradient."""
+    buckets: torch.Tensor
+    """[B, queries, keys]: each pair's distance bucket, for the table's gradient."""
+
+
 def relative_attention_bias(table: torch.Tensor, position_ids: torch.Tensor, key_position_ids: torch.Tensor,
                             num_buckets: int, max_distance: int, allowed: torch.Tensor | None,
                             dtype: torch.dtype, per_layer_gradient: bool = False
-                            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                            ) -> torch.Tensor | PerLayerBias:
     """The [B, heads, queries, keys] relative-position bias (-inf where `allowed` is False) in `dtype`,
-    an aligned view, differentiable in `table`; with `per_layer_gradient`, (the bias without a
-    gradient, its [B, queries, keys] buckets) for `LayerBiasUse` to hand to each layer."""
+    an aligned view, differentiable in `table`; with `per_layer_gradient`, a `PerLayerBias` (the bias
+    without a gradient, its [B, queries, keys] buckets) for `LayerBiasUse` to hand to each layer."""
     buckets = relative_buckets(position_ids, key_position_ids, num_buckets, max_distance)
     if per_layer_gradient:
-        return RelativeBiasGather.apply(table.detach(), buckets, allowed, dtype), buckets
+        return PerLayerBias(RelativeBiasGather.apply(table.detach(), buckets, allowed, dtype), buckets)
     return RelativeBiasGather.apply(table, buckets, allowed, dtype)
 
 
@@ -242,6 +252,7 @@ class _BiasShapedWrites(TorchDispatchMode):
         self.graphs, self.batch, self.heads, self.width = graphs, batch, heads, width
         self.bytes = 0
         self.ops: Counter = Counter()
+        self.kernel_backward = _bucket_attention_backward()
 
     def _bias_shaped(self, tensor) -> bool:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
@@ -264,14 +275,14 @@ class _BiasShapedWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is _bucket_attention_backward():
+        if func is self.kernel_backward:
             # The triton backend's score gradient (the bias's gradient), written inside its backward
-            # op, which this mode does not see into: the buffer `bucket_attention_backward` allocates.
-            query, key, table_gradient = args[1], args[2], args[11]
-            if table_gradient and args[8] is not None:
-                batch, heads, queries, _ = query.shape
-                padded_keys = -(-key.shape[2] // SDPA_MASK_ALIGNMENT) * SDPA_MASK_ALIGNMENT
-                self.bytes += batch * heads * queries * padded_keys * query.element_size()
+            # op, which this mode does not see into: the aligned buffer `bucket_attention_backward` allocates.
+            named = dict(zip((argument.name for argument in func._schema.arguments), args))
+            if named["table_gradient"] and named["table"] is not None:
+                query = named["query"]
+                self.bytes += aligned_bias_buffer(*query.shape[:3], named["key"].shape[2], query.dtype,
+                                                  torch.device("meta")).untyped_storage().nbytes()
                 self.ops["bucket_attention_backward (dS)"] += 1
             return out
         if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func, args):
