@@ -33,15 +33,20 @@ from megatron_pmlm.models import bucket_attention as ba
 def errors(ours, exact):
     return [float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-12)) for a, b in zip(ours, exact)]
 
-def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table, generator):
+def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table, generator, blocked_tiles=False):
     q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
                for length in (queries, keys, keys))
     allowed = torch.rand(batch, queries, keys, generator=generator) > 0.3
     allowed[0, queries // 2] = False  # a row that sees no key
+    if blocked_tiles:  # whole tiles nobody sees, as PMLM's layout and padding make them
+        allowed[:, :64, 64:128] = False  # context queries, pseudo tokens' keys
+        allowed[:, 128:] = False  # a block of padded queries
+        allowed[1, :, 128:] = False  # a block of keys nobody sees
     codes = ba.attention_codes(torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8,
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
-    out, lse, seed = ba.bucket_attention_forward(q, k, v, codes, table, dropout, head_dim ** -0.5)
+    tiles = ba.tile_lists(codes)
+    out, lse, seed = ba.bucket_attention_forward(q, k, v, codes, *tiles, table, dropout, head_dim ** -0.5)
     keep = ba.dropout_keep_mask(seed, batch, heads, queries, keys, dropout) if dropout else None
     grad = torch.randn(out.shape, generator=generator).to(dtype)
     inputs = [q, k, v] + ([table] if with_table else [])
@@ -54,7 +59,8 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
               "table": with_table, "errors": errors(ours, exact),
               "empty_row": float(out[0, :, queries // 2].abs().max()),
               "finite": all(bool(torch.isfinite(t).all()) for t in ours),
-              "out_strides": list(out.stride())}
+              "out_strides": list(out.stride()),
+              "skipped_tiles": int((tiles.key_tiles[..., 1:].shape[-1] - tiles.key_tiles[..., 0]).sum())}
     if dtype != torch.float32 and not dropout:
         # What PyTorch's own attention loses in this dtype, same inputs, same reference.
         bias = (table.detach()[:, codes.long().clamp(max=bins - 1)].permute(1, 0, 2, 3) if with_table
@@ -78,21 +84,44 @@ for shape in [(2, 3, 40, 37, 16, 8), (1, 2, 70, 130, 32, 32), (2, 12, 17, 17, 64
     results.append(case(*shape, torch.float32, 0.1, True, generator))
 results.append(case(2, 3, 40, 37, 16, 8, torch.float32, 0.0, False, generator))
 results.append(case(2, 3, 40, 37, 16, 8, torch.bfloat16, 0.25, False, generator))
+# Tiles with no pair to compute are skipped: the same results.
+for dtype, dropout in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
+    results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
 codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
-seeds = [ba.bucket_attention_forward(q, q, q, codes, None, 0.1, 0.25)[2] for _ in range(2)]
+seeds = [ba.bucket_attention_forward(q, q, q, codes, *ba.tile_lists(codes), None, 0.1, 0.25)[2] for _ in range(2)]
 masks = [ba.dropout_keep_mask(seed, 1, 2, 64, 64, 0.1) for seed in (seeds[0], seeds[0], seeds[1])]
 report = {"results": results, "seeds_differ": bool(seeds[0] != seeds[1]),
           "same_seed_same_mask": bool(torch.equal(masks[0], masks[1])),
           "other_seed_other_mask": not bool(torch.equal(masks[0], masks[2]))}
+# The kernels compute the listed tiles and no others: a list that leaves out a tile with work in it
+# changes exactly the outputs (forward) or key gradients (backward) of that tile.
+q, k, v = (torch.randn(2, 2, 130, 16, generator=generator).requires_grad_() for _ in range(3))
+codes = torch.randint(0, 8, (2, 130, 130), dtype=torch.uint8, generator=generator)
+table = torch.randn(2, 8, generator=generator)
+tiles = ba.tile_lists(codes)
+out = ba.bucket_attention(q, k, v, codes, table, tiles=tiles)
+dk = torch.autograd.grad(out.sum(), k)[0]
+fewer = ba.TileLists(tiles.key_tiles.clone(), tiles.query_tiles.clone())
+fewer.key_tiles[0, 1, 0] -= 1  # sequence 0, queries 64-127: key block 2 (keys 128-129) left out
+fewer.query_tiles[1, 0, 0] -= 1  # sequence 1, keys 0-63: query block 2 (queries 128-129) left out
+changed_out = ba.bucket_attention(q, k, v, codes, table, tiles=fewer)
+changed_dk = torch.autograd.grad(changed_out.sum(), k)[0]
+out_moved = (changed_out - out).abs().amax(dim=(1, 3)) > 0  # [B, queries]
+dk_moved = (changed_dk - dk).abs().amax(dim=(1, 3)) > 0  # [B, keys]
+report["listed_tiles_only"] = {
+    "out_rows": [int(i) for i in out_moved.nonzero()[:, 0] * 1000 + out_moved.nonzero()[:, 1]],  # 1000 x sequence + row
+    "out_rows_expected": [64 + i for i in range(64)],
+    "dk_moved_in_sequence_1_past_key_63": bool(dk_moved[1, 64:].any()),
+    "dk_rows_sequence_1": int(dk_moved[1].sum())}
 # Schema, fake tensors and AOT autograd: torch.library's own checks (no dropout: deterministic).
 k = torch.randn(2, 3, 20, 16)
 table = torch.randn(3, 8, requires_grad=True)
 codes = ba.attention_codes(torch.randint(0, 8, (2, 20, 20), dtype=torch.uint8), torch.rand(2, 20, 20) > 0.2)
 torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
                       (k.clone().requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_(), codes,
-                       table, 0.0, 0.25),
+                       *ba.tile_lists(codes), table, 0.0, 0.25),
                       test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 json.dump(report, sys.stdout)
 """
@@ -202,7 +231,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
     lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks."""
     report = run_interpreted(KERNELS)
-    assert len(report["results"]) == 11
+    assert len(report["results"]) == 14
     for result in report["results"]:
         assert result["finite"] and result["empty_row"] == 0.0, result
         batch, heads, queries, _, head_dim, _ = result["shape"]
@@ -218,6 +247,10 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
         if result["dropout"]:
             assert abs(result["kept"] - result["kept_fraction"]) <= 0.03, result
     assert report["seeds_differ"] and report["same_seed_same_mask"] and report["other_seed_other_mask"]
+    assert all(result["skipped_tiles"] >= 4 for result in report["results"][-3:]), report["results"][-3:]
+    listed = report["listed_tiles_only"]
+    assert listed["out_rows"] == listed["out_rows_expected"], listed
+    assert listed["dk_rows_sequence_1"] > 0 and not listed["dk_moved_in_sequence_1_past_key_63"], listed
 
 
 @needs_triton
@@ -251,6 +284,53 @@ def test_tensor_parallel_2_with_the_triton_backend_equals_tensor_parallel_1_sdpa
     assert "TP=2 triton matches TP=1 sdpa" in result.stdout
 
 
+def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
+    """`tile_lists`: per block of queries (keys), the count of key (query) blocks holding a pair that
+    is not BLOCKED, those blocks ascending, then the rest; ragged edges count only real pairs."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 32, (3, 150, 200), dtype=torch.uint8, generator=generator)
+    codes[:, :64, 64:128] = bucket_attention.BLOCKED
+    codes[1, 128:] = bucket_attention.BLOCKED
+    codes[2, :, 192:] = bucket_attention.BLOCKED  # the last key block's only real keys
+    codes[0, 64:128, 128:192] = bucket_attention.BLOCKED
+    codes[0, 70, 130] = 5  # a lone pair keeps its tile
+    tiles = bucket_attention.tile_lists(codes)
+    tile = bucket_attention.TILE
+    assert tiles.key_tiles.dtype == tiles.query_tiles.dtype == torch.int32
+    assert tiles.key_tiles.shape == (3, 3, 5) and tiles.query_tiles.shape == (3, 4, 4)
+    for sequence in range(3):
+        nonempty = [[bool((codes[sequence, i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
+                           != bucket_attention.BLOCKED).any()) for j in range(4)] for i in range(3)]
+        for lists, grid in ((tiles.key_tiles, nonempty), (tiles.query_tiles, [list(c) for c in zip(*nonempty)])):
+            for block, row in enumerate(grid):
+                listed = [j for j, has in enumerate(row) if has]
+                expected = [len(listed)] + listed + [j for j, has in enumerate(row) if not has]
+                assert lists[sequence, block].tolist() == expected, (sequence, block, lists[sequence, block])
+    assert tiles.key_tiles[0, 0].tolist() == [3, 0, 2, 3, 1] and tiles.key_tiles[1, 2, 0] == 0
+    assert tiles.key_tiles[0, 1, 0] == 4 and tiles.query_tiles[2, 3].tolist() == [0, 0, 1, 2]
+
+
+def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):
+    """`tools/bench_padding.py --attention-tiles` on real samples (seq 64: T up to ~80, 2 x 2 tiles):
+    PMLM's context rows never see the pseudo tokens, so some tiles are skipped (fewer than all, more
+    than the allowed pairs' share); UniLM v1 appends nothing: one tile per sequence, all computed."""
+    shares = {}
+    for objective in ("ae+par", "unilm"):
+        result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_padding.py"), str(pretraining_samples),
+                                 "--micro-batch-sizes", "8", "--global-batch-sizes", "16", "--attention-tiles",
+                                 "--objective", objective], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        row = [line for line in result.stdout.splitlines() if line.startswith("| 8 |")]
+        assert len(row) == 1, result.stdout
+        cells = [cell.strip() for cell in row[0].strip("|").split("|")]
+        shares[objective] = (float(cells[3].rstrip("%")), float(cells[4].rstrip("%")))
+    allowed, computed = shares["ae+par"]
+    assert 0 < allowed < computed < 100, shares
+    assert shares["unilm"][1] == 100.0, shares
+
+
 def test_the_triton_backend_is_refused_where_it_cannot_run():
     """One line naming the culprit: a head size the kernels do not take; the CPU outside Triton's
     interpreter."""
@@ -270,8 +350,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megatron_pmlm.models import bucket_attention_triton as kernels
 
-POINTER_TYPES = {"codes_ptr": "*u8", "table_ptr": "*fp32", "seed_ptr": "*i64", "lse_ptr": "*fp32",
-                 "delta_ptr": "*fp32", "keep_ptr": "*i8"}
+POINTER_TYPES = {"codes_ptr": "*u8", "key_tiles_ptr": "*i32", "query_tiles_ptr": "*i32", "table_ptr": "*fp32",
+                 "seed_ptr": "*i64", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8"}
 FLOATS = ("scale", "keep_scale")
 
 

@@ -395,7 +395,8 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
         error = float((mine.double() - want).abs().max() / want.abs().max())
         sdpa_error = float((reference.double() - want).abs().max() / want.abs().max())
         assert error <= max(2 * sdpa_error, 4 * 2.0 ** -8), (name, error, sdpa_error)  # or 4 bf16 roundings
-    _, _, seed = bucket_attention.bucket_attention_forward(q, k, v, codes, table, 0.1, 0.125)
+    _, _, seed = bucket_attention.bucket_attention_forward(q, k, v, codes, *bucket_attention.tile_lists(codes), table,
+                                                           0.1, 0.125)
     kept = float(bucket_attention.dropout_keep_mask(seed, batch_size, 12, width, width, 0.1).float().mean())
     assert abs(kept - (1 - 6554 / 65536)) < 0.01
 

@@ -132,7 +132,8 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
         if not bucket_attention.runs_on(query.device):
             raise NotImplementedError(bucket_attention.device_problem(query.device))
         out = bucket_attention.bucket_attention(query, key, value, kernel_inputs.codes, kernel_inputs.table,
-                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0)
+                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0,
+                                                tiles=kernel_inputs.tiles)
         bias = kernel_inputs.table
     elif name in ("sdpa", "sdpa-contiguous-bias"):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
@@ -237,11 +238,11 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
 def _kernel_inputs(dense: torch.Tensor, buckets: torch.Tensor, rel_pos_bias):
     """The triton backend's inputs for the same attention: each pair's code (its bucket, or BLOCKED
     where the dense bias is -inf) and the table the dense bias was built from, as a leaf."""
-    from megatron_pmlm.models.bucket_attention import BucketAttentionInputs, attention_codes
+    from megatron_pmlm.models.bucket_attention import attention_codes, kernel_inputs
 
     allowed = torch.isfinite(dense[:, 0])
     table = rel_pos_bias.weight.detach().float().requires_grad_()
-    return BucketAttentionInputs(attention_codes(buckets, allowed), table)
+    return kernel_inputs(attention_codes(buckets, allowed), table)
 
 
 def _reduced_per_bucket(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:

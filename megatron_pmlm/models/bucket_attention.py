@@ -13,6 +13,9 @@ BLOCKED where the rule forbids the pair), 1 byte a pair for all heads, and the k
 - attention dropout is drawn in the kernel (Philox, 16 bits a draw, so the probability is rounded to
   a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact inverse of
   the kept fraction), and redrawn in the backward from the same seed instead of being stored;
+- a tile (TILE x TILE pairs) whose pairs are all BLOCKED is skipped: on real PMLM batches ~25% of
+  the tiles (the context's queries never see the pseudo tokens, nobody sees padding), listed once
+  per micro batch (`tile_lists`) and walked by every layer's kernels;
 - the backward writes the score gradient dS (the bias's gradient) once, in the queries' dtype, and
   reduces it into the [heads, bins] table gradient with `bucket_sums` (one pass): the same sums as the
   sdpa path's.
@@ -39,10 +42,8 @@ BLOCKED = 255
 """The code of a query-key pair the attention rule forbids (its score is -inf)."""
 DROPOUT_RESOLUTION = 1 << 16
 """Dropout compares a 16-bit draw per pair with round(probability x this)."""
-FORWARD_BLOCK = (64, 64)
-"""(queries, keys) per tile of the forward kernel (untuned: the next GPU run says)."""
-BACKWARD_BLOCK = (64, 64)
-"""(queries, keys) per tile of both backward kernels."""
+TILE = 64
+"""Queries and keys per tile, in every kernel: the granularity of `tile_lists`."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
 NUM_WARPS = 4
@@ -50,6 +51,16 @@ NUM_WARPS = 4
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels on CPU tensors (the tests)."""
+
+
+class TileLists(NamedTuple):
+    """Which TILE x TILE tiles of a micro batch hold a pair that is not BLOCKED (`tile_lists`)."""
+
+    key_tiles: torch.Tensor
+    """int32 [B, query blocks, 1 + key blocks]: per block of queries, how many key blocks hold a pair
+    it sees, then those blocks (ascending), then the others (what the forward and dQ kernels walk)."""
+    query_tiles: torch.Tensor
+    """int32 [B, key blocks, 1 + query blocks]: the same per block of keys (the dK, dV kernel's)."""
 
 
 class BucketAttentionInputs(NamedTuple):
@@ -60,6 +71,13 @@ class BucketAttentionInputs(NamedTuple):
     table: torch.Tensor | None
     """fp32 [heads, bins]: the relative-bias table as the layers read it (a differentiable copy made
     inside the bias module's forward, so ZeRO-3 has it gathered), or None without a relative bias."""
+    tiles: TileLists
+    """The tiles the kernels compute (`tile_lists` of the codes)."""
+
+
+def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None) -> BucketAttentionInputs:
+    """The codes, the table and the codes' tile lists: what the model builds once per micro batch."""
+    return BucketAttentionInputs(codes, table, tile_lists(codes))
 
 
 def runs_on(device: torch.device) -> bool:
@@ -101,6 +119,25 @@ def attention_codes(buckets: torch.Tensor | None, allowed: torch.Tensor) -> torc
     return buckets.masked_fill(~allowed, BLOCKED)  # a Python scalar: no tensor copied to the device
 
 
+def tile_lists(codes: torch.Tensor) -> TileLists:
+    """The TILE x TILE tiles of uint8 [B, queries, keys] `codes` that hold a pair that is not
+    BLOCKED, as lists each kernel program walks: a few small tensor ops per micro batch, on the
+    codes' device, no host synchronisation."""
+    batch, queries, keys = codes.shape
+    query_blocks, key_blocks = _blocks(queries, TILE), _blocks(keys, TILE)
+    seen = torch.zeros(batch, query_blocks * TILE, key_blocks * TILE, dtype=torch.bool, device=codes.device)
+    seen[:, :queries, :keys] = codes != BLOCKED
+    nonempty = seen.view(batch, query_blocks, TILE, key_blocks, TILE).any(4).any(2)  # [B, query blocks, key blocks]
+    return TileLists(_listed(nonempty), _listed(nonempty.transpose(1, 2)))
+
+
+def _listed(nonempty: torch.Tensor) -> torch.Tensor:
+    """[..., 1 + n] int32 from bool [..., n]: the count of True, then their indices, then the others'."""
+    counts = nonempty.sum(-1, dtype=torch.int32)
+    order = torch.sort((~nonempty).to(torch.uint8), dim=-1, stable=True).indices.to(torch.int32)
+    return torch.cat([counts[..., None], order], -1)
+
+
 def dropout_threshold(dropout_p: float) -> tuple[int, float]:
     """(the 16-bit threshold below which a draw drops its pair, the scale of the kept values)."""
     if not 0.0 <= dropout_p < 1.0:
@@ -131,7 +168,7 @@ def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
     return tensor.stride(0), tensor.stride(1), tensor.stride(2)
 
 
-def _check(query, key, value, codes, table) -> None:
+def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     if key.shape != (batch, heads, keys, head_dim) or value.shape != key.shape:
@@ -140,6 +177,12 @@ def _check(query, key, value, codes, table) -> None:
     if codes.shape != (batch, queries, keys) or codes.dtype != torch.uint8:
         raise ValueError(f"bucket_attention: codes must be uint8 [{batch}, {queries}, {keys}], got "
                          f"{codes.dtype} {tuple(codes.shape)}")
+    query_blocks, key_blocks = _blocks(queries, TILE), _blocks(keys, TILE)
+    for name, tiles, shape in (("key_tiles", key_tiles, (batch, query_blocks, 1 + key_blocks)),
+                               ("query_tiles", query_tiles, (batch, key_blocks, 1 + query_blocks))):
+        if tiles.shape != shape or tiles.dtype != torch.int32 or tiles.stride(-1) != 1:
+            raise ValueError(f"bucket_attention: {name} must be int32 {list(shape)} (tile_lists of the codes), "
+                             f"got {tiles.dtype} {tuple(tiles.shape)}")
     if table is not None and (table.dim() != 2 or table.shape[0] != heads or table.shape[1] >= BLOCKED):
         raise ValueError(f"bucket_attention: table must be [{heads}, bins < {BLOCKED}], got {tuple(table.shape)}")
     problem = head_dim_problem(head_dim)
@@ -149,14 +192,14 @@ def _check(query, key, value, codes, table) -> None:
 
 @torch.library.custom_op("megatron_pmlm::bucket_attention", mutates_args=())
 def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
-                             table: torch.Tensor | None, dropout_p: float, scale: float
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
+                             dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [B, heads, queries, head_dim] in [B, queries, heads, head_dim] memory, fp32 log-sum-exp
     [B, heads, queries], the int64 dropout seed [1]) of softmax(scale x q k^T + table[h, codes]) v with
     dropout; the seed is drawn from the device's generator (activation checkpointing restores it)."""
     from .bucket_attention_triton import attention_forward_kernel
 
-    _check(query, key, value, codes, table)
+    _check(query, key, value, codes, key_tiles, query_tiles, table)
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     out = _heads_last(batch, queries, heads, head_dim, query)
@@ -164,23 +207,22 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     seed = (torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=query.device) if dropout_p > 0
             else torch.zeros(1, dtype=torch.int64, device=query.device))
     threshold, keep_scale = dropout_threshold(dropout_p)
-    block_m, block_n = FORWARD_BLOCK
     table_arg = table if table is not None else lse  # never read without a table
-    grid = (batch * heads, _blocks(queries, block_m))
+    grid = (batch * heads, _blocks(queries, TILE))
     if batch * heads and queries:
         attention_forward_kernel[grid](
-            query, key, value, codes, table_arg, seed, out, lse, heads, queries, keys,
+            query, key, value, codes, key_tiles, table_arg, seed, out, lse, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
-            codes.stride(0), codes.stride(1), table.stride(0) if table is not None else 0, queries,
-            scale, threshold, keep_scale,
-            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, HAS_TABLE=table is not None,
+            codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
+            table.stride(0) if table is not None else 0, queries, scale, threshold, keep_scale,
+            HEAD_DIM=head_dim, BLOCK_M=TILE, BLOCK_N=TILE, HAS_TABLE=table is not None,
             DROPOUT=threshold > 0, BLOCKED=BLOCKED, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
             num_warps=NUM_WARPS)
     return out, lse, seed
 
 
 @bucket_attention_forward.register_fake
-def _(query, key, value, codes, table, dropout_p, scale):
+def _(query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale):
     batch, heads, queries, head_dim = query.shape
     return (_heads_last(batch, queries, heads, head_dim, query),
             query.new_empty(batch, heads, queries, dtype=torch.float32),
@@ -190,7 +232,8 @@ def _(query, key, value, codes, table, dropout_p, scale):
 @torch.library.custom_op("megatron_pmlm::bucket_attention_backward", mutates_args=())
 def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, codes: torch.Tensor,
-                              table: torch.Tensor | None, dropout_p: float, scale: float, table_gradient: bool
+                              key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
+                              dropout_p: float, scale: float, table_gradient: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, the table's fp32 gradient [heads, bins], empty without `table_gradient`)."""
     from .bucket_attention_triton import (attention_backward_delta_kernel, attention_backward_key_value_kernel,
@@ -212,21 +255,20 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                   PRECISION=_precision(query.dtype), UPCAST=INTERPRETED, num_warps=NUM_WARPS)
     table_stride = table.stride(0) if table is not None else 0
     if batch * heads and queries and keys:
-        block_m, block_n = BACKWARD_BLOCK
-        attention_backward_delta_kernel[(batch * heads, _blocks(queries, block_m))](
+        attention_backward_delta_kernel[(batch * heads, _blocks(queries, TILE))](
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
-            HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=NUM_WARPS)
-        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, block_n))](
-            query, key, value, grad_out, codes, table_arg, seed, lse, delta, dk, dv, score_grad,
+            HEAD_DIM=head_dim, BLOCK_M=TILE, num_warps=NUM_WARPS)
+        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, TILE))](
+            query, key, value, grad_out, codes, query_tiles, table_arg, seed, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-            *_strides(dk), *_strides(dv), *_strides(score_grad),
-            codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
-            BLOCK_M=block_m, BLOCK_N=block_n, WRITE_DS=write_scores, **common)
-        attention_backward_query_kernel[(batch * heads, _blocks(queries, block_m))](
-            query, key, value, grad_out, codes, table_arg, seed, lse, delta, dq,
+            *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
+            query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, scale, threshold, keep_scale,
+            BLOCK_M=TILE, BLOCK_N=TILE, WRITE_DS=write_scores, **common)
+        attention_backward_query_kernel[(batch * heads, _blocks(queries, TILE))](
+            query, key, value, grad_out, codes, key_tiles, table_arg, seed, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-            *_strides(dq), codes.stride(0), codes.stride(1), table_stride, queries, scale, threshold, keep_scale,
-            BLOCK_M=block_m, BLOCK_N=block_n, **common)
+            *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
+            table_stride, queries, scale, threshold, keep_scale, BLOCK_M=TILE, BLOCK_N=TILE, **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
@@ -240,7 +282,8 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 @bucket_attention_backward.register_fake
-def _(grad_out, query, key, value, out, lse, seed, codes, table, dropout_p, scale, table_gradient):
+def _(grad_out, query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table, dropout_p, scale,
+      table_gradient):
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     bins = table.shape[1] if table is not None and table_gradient else None
@@ -250,32 +293,37 @@ def _(grad_out, query, key, value, out, lse, seed, codes, table, dropout_p, scal
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, codes, table, dropout_p, scale = inputs
+    query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale = inputs
     out, lse, seed = output
-    ctx.save_for_backward(query, key, value, out, lse, seed, codes, table)
+    ctx.save_for_backward(query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table)
     ctx.dropout_p, ctx.scale = dropout_p, scale
 
 
 def _backward(ctx, grad_out, grad_lse, grad_seed):
-    query, key, value, out, lse, seed, codes, table = ctx.saved_tensors
-    table_gradient = table is not None and ctx.needs_input_grad[4]
+    query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table = ctx.saved_tensors
+    table_gradient = table is not None and ctx.needs_input_grad[6]
     dq, dk, dv, table_grad = torch.ops.megatron_pmlm.bucket_attention_backward(
-        grad_out, query, key, value, out, lse, seed, codes, table, ctx.dropout_p, ctx.scale, table_gradient)
-    return dq, dk, dv, None, table_grad.to(table.dtype) if table_gradient else None, None, None
+        grad_out, query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table, ctx.dropout_p, ctx.scale,
+        table_gradient)
+    return (dq, dk, dv, None, None, None, table_grad.to(table.dtype) if table_gradient else None, None, None)
 
 
 bucket_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
 def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
-                     table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+                     table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None,
+                     tiles: TileLists | None = None) -> torch.Tensor:
     """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
     (-inf where codes is BLOCKED): [B, heads, queries, head_dim] (a view of [B, queries, heads,
-    head_dim] memory), differentiable in q, k, v and the table."""
+    head_dim] memory), differentiable in q, k, v and the table. `tiles`: `tile_lists(codes)`, made
+    here if not given (the model makes them once per micro batch)."""
     if not runs_on(query.device):
         raise ConfigError(device_problem(query.device))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    return bucket_attention_forward(query, key, value, codes, table, float(dropout_p), float(scale))[0]
+    tiles = tile_lists(codes) if tiles is None else tiles
+    return bucket_attention_forward(query, key, value, codes, tiles.key_tiles, tiles.query_tiles, table,
+                                    float(dropout_p), float(scale))[0]
 
 
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,
@@ -285,10 +333,9 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, 
 
     threshold, _ = dropout_threshold(dropout_p)
     keep = torch.empty(batch, heads, queries, keys, dtype=torch.int8, device=seed.device)
-    block_m, block_n = FORWARD_BLOCK
     if keep.numel():
-        dropout_keep_kernel[(batch * heads, _blocks(queries, block_m))](
-            seed, keep, heads, queries, keys, threshold, BLOCK_M=block_m, BLOCK_N=block_n)
+        dropout_keep_kernel[(batch * heads, _blocks(queries, TILE))](
+            seed, keep, heads, queries, keys, threshold, BLOCK_M=TILE, BLOCK_N=TILE)
     return keep.bool()
 
 

@@ -5,14 +5,18 @@ per tile from a uint8 code per query-key pair: the pair's relative-distance buck
 `table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). Attention
 dropout is drawn in the kernel from Philox, keyed by a seed tensor and the pair's index, so the
 backward redraws the same mask instead of storing it; each Philox call gives 128 bits, cut into
-eight 16-bit draws, so a tile needs one call per eight pairs.
+eight 16-bit draws, so a tile needs one call per eight pairs. A tile whose pairs are all BLOCKED
+(PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the tiles on real data) is
+skipped: each program walks a list of the tiles it has work in (`bucket_attention.tile_lists`).
 
-- `attention_forward_kernel`: one program per (sequence x head, block of queries); writes the
-  output and each row's log-sum-exp (+inf for a row that sees no key: its output is 0).
+- `attention_forward_kernel`: one program per (sequence x head, block of queries), over its listed
+  blocks of keys; writes the output and each row's log-sum-exp (+inf for a row that sees no key:
+  its output is 0).
 - `attention_backward_delta_kernel`: rowsum(dO * O) per query, for both backward kernels.
-- `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over
-  every block of queries: dK, dV and, when asked, dS (the bias's gradient) for its tiles.
-- `attention_backward_query_kernel`: one program per (sequence x head, block of queries): dQ.
+- `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over its
+  listed blocks of queries: dK, dV and, when asked, dS (the bias's gradient; 0 in skipped tiles).
+- `attention_backward_query_kernel`: one program per (sequence x head, block of queries), over its
+  listed blocks of keys: dQ.
 """
 
 from __future__ import annotations
@@ -93,11 +97,11 @@ def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, queries, ke
 
 @triton.jit
 def attention_forward_kernel(
-        q_ptr, k_ptr, v_ptr, codes_ptr, table_ptr, seed_ptr, out_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, codes_ptr, key_tiles_ptr, table_ptr, seed_ptr, out_ptr, lse_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, o_stride_b, o_stride_h, o_stride_t,
-        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
@@ -105,6 +109,7 @@ def attention_forward_kernel(
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
@@ -114,7 +119,8 @@ def attention_forward_kernel(
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for column_start in range(0, keys, BLOCK_N):
+    for tile in range(0, tl.load(tiles)):  # the key blocks holding a pair this block's queries see
+        column_start = tl.load(tiles + 1 + tile) * BLOCK_N
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
@@ -153,14 +159,14 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, delta_ptr, heads, queries,
 
 @triton.jit
 def attention_backward_key_value_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr,
         dk_ptr, dv_ptr, ds_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
         ds_stride_b, ds_stride_h, ds_stride_t,
-        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, BLOCKED: tl.constexpr,
@@ -168,6 +174,8 @@ def attention_backward_key_value_kernel(
     sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     col_valid = cols < keys
+    tiles = query_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
+    tile_count = tl.load(tiles)
     k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
     v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
     codes_base = codes_ptr + sequence * code_stride_b
@@ -179,8 +187,8 @@ def attention_backward_key_value_kernel(
         seed = tl.load(seed_ptr)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    for row_start in range(0, queries, BLOCK_M):
-        rows = row_start + tl.arange(0, BLOCK_M)
+    for tile in range(0, tile_count):  # the query blocks holding a pair that sees one of these keys
+        rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_valid = rows < queries
         q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
         do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
@@ -203,6 +211,12 @@ def attention_backward_key_value_kernel(
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty),
                      mask=row_valid[:, None] & col_valid[None, :])
         dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+    if WRITE_DS:  # the skipped tiles' dS is 0 (every pair blocked): written, as the table's sums read it
+        for tile in range(tile_count, tl.cdiv(queries, BLOCK_M)):
+            rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty),
+                     mask=(rows < queries)[:, None] & col_valid[None, :])
     dk *= scale
     store_rows(dk_ptr, dk, sequence, head, dk_stride_b, dk_stride_h, dk_stride_t, cols, dims, keys)
     store_rows(dv_ptr, dv, sequence, head, dv_stride_b, dv_stride_h, dv_stride_t, cols, dims, keys)
@@ -210,12 +224,12 @@ def attention_backward_key_value_kernel(
 
 @triton.jit
 def attention_backward_query_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr, dq_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dq_stride_b, dq_stride_h, dq_stride_t,
-        code_stride_b, code_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
@@ -233,8 +247,10 @@ def attention_backward_query_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(seed_ptr)
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    for column_start in range(0, keys, BLOCK_N):
+    for tile in range(0, tl.load(tiles)):
+        column_start = tl.load(tiles + 1 + tile) * BLOCK_N
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)

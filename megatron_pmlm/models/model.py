@@ -63,13 +63,14 @@ class RelativePositionBias(nn.Module):
         here, in forward, so that ZeRO-3 gathers the table and gradients reach it.
 
         With `kernel_inputs` (the triton backend): no bias, but `BucketAttentionInputs`, each pair's
-        bucket (or BLOCKED) and an fp32 copy of the table, made here for the same reason.
+        bucket (or BLOCKED), the tiles the kernels compute, and an fp32 copy of the table, made here
+        for the same reason.
         """
         if kernel_inputs:
             key_position_ids = position_ids if key_position_ids is None else key_position_ids
             buckets = relative_buckets(position_ids, key_position_ids, self.num_buckets, self.max_distance)
-            return BucketAttentionInputs(bucket_attention.attention_codes(buckets, allowed),
-                                         self.weight.to(torch.float32, copy=True))
+            return bucket_attention.kernel_inputs(bucket_attention.attention_codes(buckets, allowed),
+                                                  self.weight.to(torch.float32, copy=True))
         if position_ids is None:
             distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
@@ -130,7 +131,8 @@ class BertSelfAttention(nn.Module):
             context = flex_attention_forward(query, key, value, attention)
         elif isinstance(attention, BucketAttentionInputs):
             context = bucket_attention.bucket_attention(query, key, value, attention.codes, attention.table,
-                                                        self.dropout_p if self.training else 0.0)
+                                                        self.dropout_p if self.training else 0.0,
+                                                        tiles=attention.tiles)
         else:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention,
@@ -385,7 +387,7 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
     if backend == "triton":
         allowed = attention_rule(roles, steps)
         if rel_pos_bias is None:
-            return BucketAttentionInputs(bucket_attention.attention_codes(None, allowed), None)
+            return bucket_attention.kernel_inputs(bucket_attention.attention_codes(None, allowed), None)
         return rel_pos_bias(position_ids, None, allowed, kernel_inputs=True)
     if backend == "flex":
         return build_flex_attention_mask(
