@@ -22,6 +22,9 @@ import bench_attention_kernels  # noqa: E402
     (["--shapes", "4x2"], "sequence length >= 8"),
     (["--variants", "sdpa,fast"], "--variants sdpa,fast: unknown fast"),
     (["--preset", "huge"], "--preset huge:"),
+    (["--triton-shapes", "64x64w4s3"], "entry '64x64w4s3': give FORWARD/KEY_VALUE"),
+    (["--triton-shapes", "64x64/64x64w4s3"], "kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES"),
+    (["--triton-shapes", "48x64w4s3/64x64w4s3"], "kernel shape 48x64w4s3: tile sides must be among 32, 64, 128"),
 ])
 def test_bad_arguments_are_refused_in_one_line(args, message, tmp_path):
     result = run_module("tools.bench_attention_kernels", *args, "--json", str(tmp_path / "out.json"), timeout=120)
@@ -60,20 +63,23 @@ def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
 def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table_gradient(tmp_path):
     """In Triton's interpreter (a fresh process: it is read when the kernels are defined) the
     triton variant is the same attention as sdpa, the table's gradient compared with sdpa's bias
-    gradient reduced per bucket; its dropout row and sdpa's are timed only."""
+    gradient reduced per bucket, launched as the model does and with other tiles (--triton-shapes);
+    its dropout row and sdpa's are timed only."""
     import os
     import subprocess
 
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
-         "sdpa,triton,sdpa-dropout,triton-dropout", "--iterations", "1", "--warmup", "1", "--json", str(out)],
+         "sdpa,triton,sdpa-dropout,triton-dropout", "--triton-shapes", "32x32w2s1/32x64w4s2", "--iterations", "1",
+         "--warmup", "1", "--json", str(out)],
         cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
         text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
-    assert rows["triton"]["same_attention"], rows["triton"]
-    assert rows["triton"]["relative_difference"]["grad_table"] < 1e-5, rows["triton"]
+    for name in ("triton", "triton[32x32w2s1/32x64w4s2]"):
+        assert rows[name]["same_attention"], rows[name]
+        assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
     for name in ("sdpa-dropout", "triton-dropout"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 

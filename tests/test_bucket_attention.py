@@ -87,6 +87,9 @@ results.append(case(2, 3, 40, 37, 16, 8, torch.bfloat16, 0.25, False, generator)
 # Tiles with no pair to compute are skipped: the same results.
 for dtype, dropout in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
     results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
+# Other tiles and launch options (what the attention tool times): the same attention, the same dropout.
+with ba.kernel_shapes(ba.KernelShape(128, 32, 8, 2), ba.KernelShape(32, 128, 2, 1)):
+    results.append(case(2, 2, 150, 140, 16, 8, torch.float32, 0.1, True, generator, blocked_tiles=True))
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
 codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
@@ -231,7 +234,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
     lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks."""
     report = run_interpreted(KERNELS)
-    assert len(report["results"]) == 14
+    assert len(report["results"]) == 15
     for result in report["results"]:
         assert result["finite"] and result["empty_row"] == 0.0, result
         batch, heads, queries, _, head_dim, _ = result["shape"]
@@ -247,7 +250,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
         if result["dropout"]:
             assert abs(result["kept"] - result["kept_fraction"]) <= 0.03, result
     assert report["seeds_differ"] and report["same_seed_same_mask"] and report["other_seed_other_mask"]
-    assert all(result["skipped_tiles"] >= 4 for result in report["results"][-3:]), report["results"][-3:]
+    assert all(result["skipped_tiles"] >= 4 for result in report["results"][-4:]), report["results"][-4:]
     listed = report["listed_tiles_only"]
     assert listed["out_rows"] == listed["out_rows_expected"], listed
     assert listed["dk_rows_sequence_1"] > 0 and not listed["dk_moved_in_sequence_1_past_key_63"], listed
@@ -284,9 +287,26 @@ def test_tensor_parallel_2_with_the_triton_backend_equals_tensor_parallel_1_sdpa
     assert "TP=2 triton matches TP=1 sdpa" in result.stdout
 
 
+def _listed_by_loop(codes, rows: int, columns: int) -> list:
+    """[sequence][block of queries] -> [count, non-empty key blocks..., the others...], by loops."""
+    _, queries, keys = codes.shape
+    query_blocks, key_blocks = -(-queries // rows), -(-keys // columns)
+    lists = []
+    for sequence in codes:
+        per_block = []
+        for i in range(query_blocks):
+            has = [bool((sequence[i * rows:(i + 1) * rows, j * columns:(j + 1) * columns] != bucket_attention.BLOCKED).any())
+                   for j in range(key_blocks)]
+            listed = [j for j in range(key_blocks) if has[j]]
+            per_block.append([len(listed)] + listed + [j for j in range(key_blocks) if not has[j]])
+        lists.append(per_block)
+    return lists
+
+
 def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
     """`tile_lists`: per block of queries (keys), the count of key (query) blocks holding a pair that
-    is not BLOCKED, those blocks ascending, then the rest; ragged edges count only real pairs."""
+    is not BLOCKED, those blocks ascending, then the rest; ragged edges count only real pairs; in the
+    tiles of the kernels' shapes (other shapes through `kernel_shapes`, as the attention tool times them)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -297,19 +317,21 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
     codes[0, 64:128, 128:192] = bucket_attention.BLOCKED
     codes[0, 70, 130] = 5  # a lone pair keeps its tile
     tiles = bucket_attention.tile_lists(codes)
-    tile = bucket_attention.TILE
     assert tiles.key_tiles.dtype == tiles.query_tiles.dtype == torch.int32
     assert tiles.key_tiles.shape == (3, 3, 5) and tiles.query_tiles.shape == (3, 4, 4)
-    for sequence in range(3):
-        nonempty = [[bool((codes[sequence, i * tile:(i + 1) * tile, j * tile:(j + 1) * tile]
-                           != bucket_attention.BLOCKED).any()) for j in range(4)] for i in range(3)]
-        for lists, grid in ((tiles.key_tiles, nonempty), (tiles.query_tiles, [list(c) for c in zip(*nonempty)])):
-            for block, row in enumerate(grid):
-                listed = [j for j, has in enumerate(row) if has]
-                expected = [len(listed)] + listed + [j for j, has in enumerate(row) if not has]
-                assert lists[sequence, block].tolist() == expected, (sequence, block, lists[sequence, block])
+    assert tiles.key_tiles.tolist() == _listed_by_loop(codes, 64, 64)
+    assert tiles.query_tiles.tolist() == _listed_by_loop(codes.transpose(1, 2), 64, 64)
     assert tiles.key_tiles[0, 0].tolist() == [3, 0, 2, 3, 1] and tiles.key_tiles[1, 2, 0] == 0
     assert tiles.key_tiles[0, 1, 0] == 4 and tiles.query_tiles[2, 3].tolist() == [0, 0, 1, 2]
+    shape = bucket_attention.KernelShape
+    with bucket_attention.kernel_shapes(shape(128, 32, 8, 2), shape(32, 128)):
+        other = bucket_attention.tile_lists(codes)
+    assert other.key_tiles.tolist() == _listed_by_loop(codes, 128, 32)
+    assert other.query_tiles.tolist() == _listed_by_loop(codes.transpose(1, 2), 128, 32)
+    assert bucket_attention.FORWARD_SHAPE == shape(64, 64, 4, 3)  # restored
+    with pytest.raises(ValueError, match="kernel shape 48x64w4s3: tile sides must be among 32, 64, 128"):
+        with bucket_attention.kernel_shapes(shape(48, 64), shape(64, 64)):
+            pass
 
 
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):

@@ -26,6 +26,11 @@ attention alone, per variant:
   reads the table per tile from each pair's uint8 bucket code; the table's gradient from the score
   gradient by `bucket_sums`), compared with sdpa including the table's gradient (sdpa's bias
   gradient reduced per bucket in float64); CUDA, or Triton's interpreter;
+- `triton[FORWARD/KEY_VALUE]` (one per `--triton-shapes` entry, e.g. `128x64w8s3/64x128w8s2`): the
+  triton variant launched with other tiles (queries x keys) and Triton options (warps, pipeline
+  stages) for its forward and dQ kernels / its dK, dV, dS kernel (`bucket_attention.kernel_shapes`),
+  compared with sdpa as `triton` is; a shape the GPU cannot hold (shared memory) is reported as not
+  available: which launch to make the default;
 - `sdpa-dropout`, `triton-dropout`: sdpa and triton with the recipe's attention dropout (0.1), timed
   only (their outputs are random): what the dropout costs each kernel;
 - `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
@@ -45,8 +50,10 @@ every variant alike, masked pairs included. Nothing here is a test; figures go t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -64,11 +71,11 @@ VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "f
             "triton", "sdpa-dropout", "triton-dropout", "flash-no-bias")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
+"""Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
+refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "triton-dropout")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
-"""Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
-refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
 """Largest relative difference (norm of the difference over the reference's norm) from `sdpa`'s
 output and gradients that a variant may show and still compute the same attention."""
@@ -86,6 +93,31 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"shape {part!r}: sequence length >= 8 and micro batch >= 1")
         shapes.append((seq_length, micro_batch))
     return shapes
+
+
+def parse_triton_shapes(text: str) -> dict:
+    """'128x64w8s3/64x64w4s3,...' -> {variant name: (forward shape, key/value shape)}."""
+    from megatron_pmlm.models.bucket_attention import KernelShape, shape_problem
+
+    def one(part: str) -> KernelShape:
+        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", part.strip())
+        if not match:
+            raise argparse.ArgumentTypeError(f"kernel shape {part!r}: give QUERIESxKEYSwWARPSsSTAGES, e.g. 128x64w8s3")
+        shape = KernelShape(*(int(value) for value in match.groups()))
+        problem = shape_problem(shape)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
+        return shape
+
+    variants = {}
+    for entry in filter(None, (entry.strip() for entry in text.split(","))):
+        halves = entry.split("/")
+        if len(halves) != 2:
+            raise argparse.ArgumentTypeError(f"--triton-shapes entry {entry!r}: give FORWARD/KEY_VALUE, e.g. "
+                                             "128x64w8s3/64x64w4s3")
+        forward, key_value = one(halves[0]), one(halves[1])
+        variants[f"triton[{forward}/{key_value}]"] = (forward, key_value)
+    return variants
 
 
 def attention_flops(batch: int, heads: int, width: int, head_size: int) -> float:
@@ -128,7 +160,7 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
 
     for tensor in (query, key, value, bias, flex.distance_bias) + ((kernel_inputs.table,) if kernel_inputs else ()):
         tensor.grad = None
-    if name.startswith("triton"):
+    if name.startswith("triton"):  # triton, triton-dropout, triton[shapes] (launched by the caller)
         if not bucket_attention.runs_on(query.device):
             raise NotImplementedError(bucket_attention.device_problem(query.device))
         out = bucket_attention.bucket_attention(query, key, value, kernel_inputs.codes, kernel_inputs.table,
@@ -181,7 +213,12 @@ def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def measure(shape: tuple[int, int], preset: str, variants: list[str], device: torch.device, dtype: torch.dtype,
-            iterations: int, warmup: int) -> dict:
+            iterations: int, warmup: int, triton_shapes: dict | None = None) -> dict:
+    """Every variant's figures at one shape; `triton_shapes`: the `--triton-shapes` variants (their
+    names are in `variants`) -> (forward shape, key/value shape)."""
+    from megatron_pmlm.models import bucket_attention
+
+    triton_shapes = triton_shapes or {}
     seq_length, micro_batch = shape
     config, dense_built, flex, rel_pos_bias, buckets = layout_inputs(preset, seq_length, micro_batch, device, dtype)
     batch, heads, width, _ = dense_built.shape
@@ -195,21 +232,26 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     dense = dense_built.detach().requires_grad_()  # the model's aligned layout (a view of a padded buffer)
     biases = {"sdpa-contiguous-bias": dense_built.detach().contiguous().requires_grad_()}  # else `dense`
     flex = flex.with_distance_bias(flex.distance_bias.detach().requires_grad_())  # a leaf, as dense is
-    kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias)
     flops = attention_flops(batch, heads, width, head_size)
     rows, reference = [], None
     for name in [REFERENCE] + [v for v in variants if v != REFERENCE]:
         row = {"variant": name}
+        launched = (bucket_attention.kernel_shapes(*triton_shapes[name]) if name in triton_shapes
+                    else contextlib.nullcontext())
         try:
-            for _ in range(max(warmup, 1)):
-                out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
-                                         kernel_inputs)
-            seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
-                                                kernel_inputs, keep=False),
-                            iterations, device)
+            with launched:
+                kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias)  # tile lists in its tiles
+                for _ in range(max(warmup, 1)):
+                    out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
+                                             kernel_inputs)
+                seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
+                                                    kernel_inputs, keep=False),
+                                iterations, device)
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
-            unavailable = name in PROBES or isinstance(error, NotImplementedError)  # not on this device
+            # not on this device; or a launch that does not fit this GPU (Triton's OutOfResources)
+            unavailable = (name in PROBES or isinstance(error, NotImplementedError)
+                           or (name in triton_shapes and type(error).__name__ == "OutOfResources"))
             row["unavailable" if unavailable else "error"] = reason
             rows.append(row)
             continue
@@ -219,7 +261,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         elif reference is not None and name not in TIMED_ONLY:
             names = ("output", "grad_query", "grad_key", "grad_value", "grad_bias")
             expected = [reference[0], *reference[1]]
-            if name == "triton":  # the table's gradient: sdpa's bias gradient reduced per bucket, in float64
+            if name.startswith("triton"):  # the table's gradient: sdpa's bias gradient reduced per bucket, in float64
                 names = names[:4] + ("grad_table",)
                 expected[4] = _reduced_per_bucket(reference[1][3], buckets, config.rel_pos_bins)
             row["relative_difference"] = {what: relative_difference(got, want) for what, got, want in
@@ -317,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", type=parse_shapes, default=parse_shapes("128x256,512x64"),
                         help="SEQxBATCH[,SEQxBATCH...]")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, from: " + ", ".join(VARIANTS))
+    parser.add_argument("--triton-shapes", type=parse_triton_shapes, default={},
+                        help="FORWARD/KEY_VALUE[,...]: a triton[...] variant per entry, launched so, each shape "
+                             "QUERIESxKEYSwWARPSsSTAGES (tiles of 32, 64, 128), e.g. 128x64w8s3/64x64w4s3")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
                         help="default: bf16 on CUDA, fp32 on the CPU")
     parser.add_argument("--iterations", type=positive_int, default=10)
@@ -328,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not variants:
         parser.error(f"--variants {args.variants}: unknown {', '.join(unknown) or '(none given)'}; choose from "
                      f"{', '.join(VARIANTS)}")
+    variants += [name for name in args.triton_shapes if name not in variants]
     try:
         model_config_from_preset(args.preset)
     except Exception as error:
@@ -343,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     results = {"device": torch.cuda.get_device_name() if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)",
                "torch": torch.__version__, "preset": args.preset, "iterations": args.iterations, "shapes": []}
     for shape in args.shapes:
-        figures = measure(shape, args.preset, variants, device, dtype, args.iterations, args.warmup)
+        figures = measure(shape, args.preset, variants, device, dtype, args.iterations, args.warmup,
+                          args.triton_shapes)
         results["shapes"].append(figures)
         print(f"{results['device']} | {args.preset}, seq {figures['seq_length']} (layout width {figures['width']}), "
               f"micro batch {figures['micro_batch']}, {figures.get('dtype', '?')}; pairs the rule allows "

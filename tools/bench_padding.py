@@ -7,7 +7,7 @@ by grid size (padding cells / all cells), without length bucketing and with it f
 batch size.
 
 With --attention-tiles: the share of the query-key pairs that the attention rule lets be seen, and
-the share of the TILE x TILE tiles (`models/bucket_attention.tile_lists`) that hold one: the part of
+the share of the tiles (`models/bucket_attention.tile_lists`, the forward's tiles) that hold one: the part of
 the [T, T] grid the triton backend's kernels compute (they skip the others), against the whole grid
 that a dense-bias kernel walks.
 
@@ -69,9 +69,9 @@ def attention_tile_shares(samples_dir: str, micro_batch_size: int, global_batch_
 
 
 def tiles_table(samples_dir: str, micros: list[int], globals_: list[int], objective: str) -> None:
-    from megatron_pmlm.models.bucket_attention import TILE
+    from megatron_pmlm.models.bucket_attention import FORWARD_SHAPE
 
-    print(f"objective {objective}, tiles of {TILE} x {TILE} pairs")
+    print(f"objective {objective}, tiles of {FORWARD_SHAPE.block_queries} x {FORWARD_SHAPE.block_keys} pairs")
     print("| micro batch | global batch | micro batches | pairs allowed | tiles computed |")
     print("|---|---|---|---|---|")
     for micro in micros:

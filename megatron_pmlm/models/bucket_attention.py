@@ -13,7 +13,7 @@ BLOCKED where the rule forbids the pair), 1 byte a pair for all heads, and the k
 - attention dropout is drawn in the kernel (Philox, 16 bits a draw, so the probability is rounded to
   a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact inverse of
   the kept fraction), and redrawn in the backward from the same seed instead of being stored;
-- a tile (TILE x TILE pairs) whose pairs are all BLOCKED is skipped: on real PMLM batches ~25% of
+- a tile whose pairs are all BLOCKED is skipped: on real PMLM batches ~25% of
   the tiles (the context's queries never see the pseudo tokens, nobody sees padding), listed once
   per micro batch (`tile_lists`) and walked by every layer's kernels;
 - the backward writes the score gradient dS (the bias's gradient) once, in the queries' dtype, and
@@ -27,6 +27,7 @@ which is how the tests check them against a float64 reference.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -42,11 +43,32 @@ BLOCKED = 255
 """The code of a query-key pair the attention rule forbids (its score is -inf)."""
 DROPOUT_RESOLUTION = 1 << 16
 """Dropout compares a 16-bit draw per pair with round(probability x this)."""
-TILE = 64
-"""Queries and keys per tile, in every kernel: the granularity of `tile_lists`."""
+
+
+class KernelShape(NamedTuple):
+    """How a kernel is launched: its tile (queries x keys, powers of two in BLOCK_SIZES) and
+    Triton's launch options. Written `64x64w4s3` (tools/bench_attention_kernels.py --triton-shapes)."""
+
+    block_queries: int
+    block_keys: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __str__(self) -> str:
+        return f"{self.block_queries}x{self.block_keys}w{self.num_warps}s{self.num_stages}"
+
+
+BLOCK_SIZES = (32, 64, 128)
+"""Tile sides the kernels take: tl.dot wants powers of two >= 16, dropout groups of 8 keys."""
+FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
+"""The forward's and the dQ kernel's (both walk the key blocks of a block of queries: `key_tiles`).
+Untuned: `make gpu-check` times others beside it (docs/gpu.md)."""
+KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
+"""The dK, dV, dS kernel's (it walks the query blocks of a block of keys: `query_tiles`)."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
-NUM_WARPS = 4
+ROWSUM_BLOCK = 64
+"""Query rows per program of the backward's rowsum(dO * O) kernel."""
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,13 +76,15 @@ INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TileLists(NamedTuple):
-    """Which TILE x TILE tiles of a micro batch hold a pair that is not BLOCKED (`tile_lists`)."""
+    """Which tiles of a micro batch hold a pair that is not BLOCKED (`tile_lists`)."""
 
     key_tiles: torch.Tensor
-    """int32 [B, query blocks, 1 + key blocks]: per block of queries, how many key blocks hold a pair
-    it sees, then those blocks (ascending), then the others (what the forward and dQ kernels walk)."""
+    """int32 [B, query blocks, 1 + key blocks] in FORWARD_SHAPE's tiles: per block of queries, how
+    many key blocks hold a pair it sees, then those blocks (ascending), then the others (what the
+    forward and dQ kernels walk)."""
     query_tiles: torch.Tensor
-    """int32 [B, key blocks, 1 + query blocks]: the same per block of keys (the dK, dV kernel's)."""
+    """int32 [B, key blocks, 1 + query blocks] in KEY_VALUE_SHAPE's tiles: the same per block of keys
+    (what the dK, dV kernel walks)."""
 
 
 class BucketAttentionInputs(NamedTuple):
@@ -120,15 +144,22 @@ def attention_codes(buckets: torch.Tensor | None, allowed: torch.Tensor) -> torc
 
 
 def tile_lists(codes: torch.Tensor) -> TileLists:
-    """The TILE x TILE tiles of uint8 [B, queries, keys] `codes` that hold a pair that is not
-    BLOCKED, as lists each kernel program walks: a few small tensor ops per micro batch, on the
-    codes' device, no host synchronisation."""
+    """The tiles of uint8 [B, queries, keys] `codes` that hold a pair that is not BLOCKED, as lists
+    each kernel program walks (in the tiles of FORWARD_SHAPE and KEY_VALUE_SHAPE): a few small tensor
+    ops per micro batch, on the codes' device, no host synchronisation."""
+    forward = _nonempty_tiles(codes, FORWARD_SHAPE)
+    key_value = (forward if KEY_VALUE_SHAPE[:2] == FORWARD_SHAPE[:2] else _nonempty_tiles(codes, KEY_VALUE_SHAPE))
+    return TileLists(_listed(forward), _listed(key_value.transpose(1, 2)))
+
+
+def _nonempty_tiles(codes: torch.Tensor, shape: KernelShape) -> torch.Tensor:
+    """bool [B, query blocks, key blocks]: whether the tile holds a pair that is not BLOCKED."""
     batch, queries, keys = codes.shape
-    query_blocks, key_blocks = _blocks(queries, TILE), _blocks(keys, TILE)
-    seen = torch.zeros(batch, query_blocks * TILE, key_blocks * TILE, dtype=torch.bool, device=codes.device)
+    rows, columns = shape.block_queries, shape.block_keys
+    query_blocks, key_blocks = _blocks(queries, rows), _blocks(keys, columns)
+    seen = torch.zeros(batch, query_blocks * rows, key_blocks * columns, dtype=torch.bool, device=codes.device)
     seen[:, :queries, :keys] = codes != BLOCKED
-    nonempty = seen.view(batch, query_blocks, TILE, key_blocks, TILE).any(4).any(2)  # [B, query blocks, key blocks]
-    return TileLists(_listed(nonempty), _listed(nonempty.transpose(1, 2)))
+    return seen.view(batch, query_blocks, rows, key_blocks, columns).any(4).any(2)
 
 
 def _listed(nonempty: torch.Tensor) -> torch.Tensor:
@@ -177,9 +208,12 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
     if codes.shape != (batch, queries, keys) or codes.dtype != torch.uint8:
         raise ValueError(f"bucket_attention: codes must be uint8 [{batch}, {queries}, {keys}], got "
                          f"{codes.dtype} {tuple(codes.shape)}")
-    query_blocks, key_blocks = _blocks(queries, TILE), _blocks(keys, TILE)
-    for name, tiles, shape in (("key_tiles", key_tiles, (batch, query_blocks, 1 + key_blocks)),
-                               ("query_tiles", query_tiles, (batch, key_blocks, 1 + query_blocks))):
+    forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
+    for name, tiles, shape in (
+            ("key_tiles", key_tiles,
+             (batch, _blocks(queries, forward.block_queries), 1 + _blocks(keys, forward.block_keys))),
+            ("query_tiles", query_tiles,
+             (batch, _blocks(keys, key_value.block_keys), 1 + _blocks(queries, key_value.block_queries)))):
         if tiles.shape != shape or tiles.dtype != torch.int32 or tiles.stride(-1) != 1:
             raise ValueError(f"bucket_attention: {name} must be int32 {list(shape)} (tile_lists of the codes), "
                              f"got {tiles.dtype} {tuple(tiles.shape)}")
@@ -208,16 +242,17 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
             else torch.zeros(1, dtype=torch.int64, device=query.device))
     threshold, keep_scale = dropout_threshold(dropout_p)
     table_arg = table if table is not None else lse  # never read without a table
-    grid = (batch * heads, _blocks(queries, TILE))
+    shape = FORWARD_SHAPE
+    grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
         attention_forward_kernel[grid](
             query, key, value, codes, key_tiles, table_arg, seed, out, lse, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
             table.stride(0) if table is not None else 0, queries, scale, threshold, keep_scale,
-            HEAD_DIM=head_dim, BLOCK_M=TILE, BLOCK_N=TILE, HAS_TABLE=table is not None,
+            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, HAS_TABLE=table is not None,
             DROPOUT=threshold > 0, BLOCKED=BLOCKED, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
-            num_warps=NUM_WARPS)
+            num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out, lse, seed
 
 
@@ -252,23 +287,26 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     threshold, keep_scale = dropout_threshold(dropout_p)
     table_arg = table if table is not None else lse
     common = dict(HEAD_DIM=head_dim, HAS_TABLE=table is not None, DROPOUT=threshold > 0, BLOCKED=BLOCKED,
-                  PRECISION=_precision(query.dtype), UPCAST=INTERPRETED, num_warps=NUM_WARPS)
+                  PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
     table_stride = table.stride(0) if table is not None else 0
     if batch * heads and queries and keys:
-        attention_backward_delta_kernel[(batch * heads, _blocks(queries, TILE))](
+        forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
+        attention_backward_delta_kernel[(batch * heads, _blocks(queries, ROWSUM_BLOCK))](
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
-            HEAD_DIM=head_dim, BLOCK_M=TILE, num_warps=NUM_WARPS)
-        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, TILE))](
+            HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=4)
+        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
             query, key, value, grad_out, codes, query_tiles, table_arg, seed, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
             query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, scale, threshold, keep_scale,
-            BLOCK_M=TILE, BLOCK_N=TILE, WRITE_DS=write_scores, **common)
-        attention_backward_query_kernel[(batch * heads, _blocks(queries, TILE))](
+            BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
+            num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
+        attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
             query, key, value, grad_out, codes, key_tiles, table_arg, seed, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table_stride, queries, scale, threshold, keep_scale, BLOCK_M=TILE, BLOCK_N=TILE, **common)
+            table_stride, queries, scale, threshold, keep_scale, BLOCK_M=forward.block_queries,
+            BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
@@ -326,6 +364,33 @@ def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                     float(dropout_p), float(scale))[0]
 
 
+def shape_problem(shape: KernelShape) -> str | None:
+    """Why the kernels cannot be launched as `shape`, or None."""
+    if shape.block_queries not in BLOCK_SIZES or shape.block_keys not in BLOCK_SIZES:
+        return f"kernel shape {shape}: tile sides must be among {', '.join(map(str, BLOCK_SIZES))}"
+    if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
+        return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
+    return None
+
+
+@contextlib.contextmanager
+def kernel_shapes(forward: KernelShape, key_value: KernelShape):
+    """Launch the kernels as `forward` (forward, dQ) and `key_value` (dK, dV, dS) inside the block:
+    how the attention tool times other tiles and launch options. Tile lists made inside the block
+    are in its tiles (the kernels refuse lists of other tiles)."""
+    global FORWARD_SHAPE, KEY_VALUE_SHAPE
+    for shape in (forward, key_value):
+        problem = shape_problem(shape)
+        if problem:
+            raise ValueError(problem)
+    saved = FORWARD_SHAPE, KEY_VALUE_SHAPE
+    FORWARD_SHAPE, KEY_VALUE_SHAPE = forward, key_value
+    try:
+        yield
+    finally:
+        FORWARD_SHAPE, KEY_VALUE_SHAPE = saved
+
+
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,
                       dropout_p: float) -> torch.Tensor:
     """bool [batch, heads, queries, keys]: the pairs the kernels keep for `seed` (tests and checks)."""
@@ -334,8 +399,9 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, 
     threshold, _ = dropout_threshold(dropout_p)
     keep = torch.empty(batch, heads, queries, keys, dtype=torch.int8, device=seed.device)
     if keep.numel():
-        dropout_keep_kernel[(batch * heads, _blocks(queries, TILE))](
-            seed, keep, heads, queries, keys, threshold, BLOCK_M=TILE, BLOCK_N=TILE)
+        block = 64  # any tile draws the same bits
+        dropout_keep_kernel[(batch * heads, _blocks(queries, block))](
+            seed, keep, heads, queries, keys, threshold, BLOCK_M=block, BLOCK_N=block)
     return keep.bool()
 
 
