@@ -46,7 +46,7 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
     tiles = ba.tile_lists(codes)
-    out, lse, seed = ba.bucket_attention_forward(q, k, v, codes, *tiles, table, dropout, head_dim ** -0.5)
+    out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, codes, *tiles, table, dropout, head_dim ** -0.5)
     keep = ba.dropout_keep_mask(seed, batch, heads, queries, keys, dropout) if dropout else None
     grad = torch.randn(out.shape, generator=generator).to(dtype)
     inputs = [q, k, v] + ([table] if with_table else [])
@@ -70,6 +70,10 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
         sdpa = torch.nn.functional.scaled_dot_product_attention(*sdpa_inputs, attn_mask=bias).nan_to_num(0.0)
         result["sdpa_errors"] = errors([sdpa] + list(torch.autograd.grad(sdpa, sdpa_inputs, grad)), exact[:4])
     if dropout:
+        # the forward's bits (what the backward reads) are the draws, wherever a pair is computed
+        computed = (codes != ba.BLOCKED)[:, None].expand_as(keep)
+        result["stored_bits_are_the_draws"] = bool(torch.equal(ba.stored_keep_mask(keep_bits, keys)[computed],
+                                                               keep[computed]))
         result["kept"] = float(keep.float().mean())
         result["kept_fraction"] = 1 - ba.dropout_threshold(dropout)[0] / ba.DROPOUT_RESOLUTION
     return result
@@ -249,6 +253,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
             assert max(result["errors"]) <= 0.03, result
         if result["dropout"]:
             assert abs(result["kept"] - result["kept_fraction"]) <= 0.03, result
+            assert result["stored_bits_are_the_draws"], result
     assert report["seeds_differ"] and report["same_seed_same_mask"] and report["other_seed_other_mask"]
     assert all(result["skipped_tiles"] >= 4 for result in report["results"][-4:]), report["results"][-4:]
     listed = report["listed_tiles_only"]
@@ -373,7 +378,7 @@ from triton.compiler import ASTSource
 from megatron_pmlm.models import bucket_attention_triton as kernels
 
 POINTER_TYPES = {"codes_ptr": "*u8", "key_tiles_ptr": "*i32", "query_tiles_ptr": "*i32", "table_ptr": "*fp32",
-                 "seed_ptr": "*i64", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8"}
+                 "seed_ptr": "*i64", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8", "bits_ptr": "*u8"}
 FLOATS = ("scale", "keep_scale")
 
 

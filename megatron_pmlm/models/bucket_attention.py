@@ -10,9 +10,11 @@ BLOCKED where the rule forbids the pair), 1 byte a pair for all heads, and the k
 
 - no bias is built, read per layer, or kept (the dense bf16 bias is 2 x heads bytes a pair, read
   forward and backward in every layer);
-- attention dropout is drawn in the kernel (Philox, 16 bits a draw, so the probability is rounded to
-  a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact inverse of
-  the kept fraction), and redrawn in the backward from the same seed instead of being stored;
+- attention dropout is drawn in the forward kernel (Philox, 16 bits a draw, so the probability is
+  rounded to a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact
+  inverse of the kept fraction), which also writes the kept pairs as bits (1/8 byte a pair and
+  head) for the backward to read: drawing again would cost both backward passes more Philox
+  arithmetic than matrix products;
 - a tile whose pairs are all BLOCKED is skipped: on real PMLM batches ~25% of
   the tiles (the context's queries never see the pseudo tokens, nobody sees padding), listed once
   per micro batch (`tile_lists`) and walked by every layer's kernels;
@@ -227,10 +229,13 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
 @torch.library.custom_op("megatron_pmlm::bucket_attention", mutates_args=())
 def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
                              key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
-                             dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             dropout_p: float, scale: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [B, heads, queries, head_dim] in [B, queries, heads, head_dim] memory, fp32 log-sum-exp
-    [B, heads, queries], the int64 dropout seed [1]) of softmax(scale x q k^T + table[h, codes]) v with
-    dropout; the seed is drawn from the device's generator (activation checkpointing restores it)."""
+    [B, heads, queries], the int64 dropout seed [1], the kept pairs' bits: uint8 [B, heads, queries,
+    ceil(keys / 8)], bit b of byte g the pair of key 8g + b, or [0] without dropout) of
+    softmax(scale x q k^T + table[h, codes]) v with dropout; the seed is drawn from the device's
+    generator (activation checkpointing restores it, so a recomputation draws the same mask)."""
     from .bucket_attention_triton import attention_forward_kernel
 
     _check(query, key, value, codes, key_tiles, query_tiles, table)
@@ -241,32 +246,37 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     seed = (torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=query.device) if dropout_p > 0
             else torch.zeros(1, dtype=torch.int64, device=query.device))
     threshold, keep_scale = dropout_threshold(dropout_p)
+    keep_bits = query.new_empty((batch, heads, queries, _blocks(keys, 8)) if threshold else (0,), dtype=torch.uint8)
+    bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     table_arg = table if table is not None else lse  # never read without a table
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
         attention_forward_kernel[grid](
-            query, key, value, codes, key_tiles, table_arg, seed, out, lse, heads, queries, keys,
+            query, key, value, codes, key_tiles, table_arg, seed, out, lse, keep_bits, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table.stride(0) if table is not None else 0, queries, scale, threshold, keep_scale,
+            table.stride(0) if table is not None else 0, queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, HAS_TABLE=table is not None,
             DROPOUT=threshold > 0, BLOCKED=BLOCKED, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
-    return out, lse, seed
+    return out, lse, seed, keep_bits
 
 
 @bucket_attention_forward.register_fake
 def _(query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale):
     batch, heads, queries, head_dim = query.shape
+    keys = key.shape[2]
     return (_heads_last(batch, queries, heads, head_dim, query),
             query.new_empty(batch, heads, queries, dtype=torch.float32),
-            query.new_empty(1, dtype=torch.int64))
+            query.new_empty(1, dtype=torch.int64),
+            query.new_empty((batch, heads, queries, _blocks(keys, 8)) if dropout_threshold(dropout_p)[0] else (0,),
+                            dtype=torch.uint8))
 
 
 @torch.library.custom_op("megatron_pmlm::bucket_attention_backward", mutates_args=())
 def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              out: torch.Tensor, lse: torch.Tensor, seed: torch.Tensor, codes: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, keep_bits: torch.Tensor, codes: torch.Tensor,
                               key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
                               dropout_p: float, scale: float, table_gradient: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -285,6 +295,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     score_grad = (aligned_bias_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
     threshold, keep_scale = dropout_threshold(dropout_p)
+    bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     table_arg = table if table is not None else lse
     common = dict(HEAD_DIM=head_dim, HAS_TABLE=table is not None, DROPOUT=threshold > 0, BLOCKED=BLOCKED,
                   PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
@@ -295,17 +306,17 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
             HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=4)
         attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
-            query, key, value, grad_out, codes, query_tiles, table_arg, seed, lse, delta, dk, dv, score_grad,
+            query, key, value, grad_out, codes, query_tiles, table_arg, keep_bits, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
-            query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, scale, threshold, keep_scale,
+            query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, *bits_strides, scale, keep_scale,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
         attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
-            query, key, value, grad_out, codes, key_tiles, table_arg, seed, lse, delta, dq,
+            query, key, value, grad_out, codes, key_tiles, table_arg, keep_bits, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table_stride, queries, scale, threshold, keep_scale, BLOCK_M=forward.block_queries,
+            table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
             BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
     else:
         for tensor in (dq, dk, dv):
@@ -320,7 +331,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 @bucket_attention_backward.register_fake
-def _(grad_out, query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table, dropout_p, scale,
+def _(grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, dropout_p, scale,
       table_gradient):
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
@@ -332,16 +343,16 @@ def _(grad_out, query, key, value, out, lse, seed, codes, key_tiles, query_tiles
 
 def _setup_context(ctx, inputs, output):
     query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale = inputs
-    out, lse, seed = output
-    ctx.save_for_backward(query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table)
+    out, lse, _, keep_bits = output
+    ctx.save_for_backward(query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table)
     ctx.dropout_p, ctx.scale = dropout_p, scale
 
 
-def _backward(ctx, grad_out, grad_lse, grad_seed):
-    query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table = ctx.saved_tensors
+def _backward(ctx, grad_out, grad_lse, grad_seed, grad_keep_bits):
+    query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table = ctx.saved_tensors
     table_gradient = table is not None and ctx.needs_input_grad[6]
     dq, dk, dv, table_grad = torch.ops.megatron_pmlm.bucket_attention_backward(
-        grad_out, query, key, value, out, lse, seed, codes, key_tiles, query_tiles, table, ctx.dropout_p, ctx.scale,
+        grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, ctx.dropout_p, ctx.scale,
         table_gradient)
     return (dq, dk, dv, None, None, None, table_grad.to(table.dtype) if table_gradient else None, None, None)
 
@@ -391,9 +402,16 @@ def kernel_shapes(forward: KernelShape, key_value: KernelShape):
         FORWARD_SHAPE, KEY_VALUE_SHAPE = saved
 
 
+def stored_keep_mask(keep_bits: torch.Tensor, keys: int) -> torch.Tensor:
+    """bool [B, heads, queries, keys] from the forward's kept-pair bits (tests and checks)."""
+    bits = torch.arange(8, device=keep_bits.device, dtype=torch.uint8)
+    return ((keep_bits[..., None] >> bits) & 1).bool().flatten(-2)[..., :keys]
+
+
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,
                       dropout_p: float) -> torch.Tensor:
-    """bool [batch, heads, queries, keys]: the pairs the kernels keep for `seed` (tests and checks)."""
+    """bool [batch, heads, queries, keys]: the pairs the kernels keep for `seed`, drawn again by a
+    kernel of their own (tests and checks: the forward's bits are these)."""
     from .bucket_attention_triton import dropout_keep_kernel
 
     threshold, _ = dropout_threshold(dropout_p)

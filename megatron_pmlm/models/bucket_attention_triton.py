@@ -3,15 +3,17 @@
 Flash attention (online softmax, nothing [T, T] kept between the passes) whose additive bias is read
 per tile from a uint8 code per query-key pair: the pair's relative-distance bucket, whose bias is
 `table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). Attention
-dropout is drawn in the kernel from Philox, keyed by a seed tensor and the pair's index, so the
-backward redraws the same mask instead of storing it; each Philox call gives 128 bits, cut into
-eight 16-bit draws, so a tile needs one call per eight pairs. A tile whose pairs are all BLOCKED
+dropout is drawn in the forward kernel from Philox, keyed by a seed tensor and the pair's index;
+each Philox call gives 128 bits, cut into eight 16-bit draws, so a tile needs one call per eight
+pairs. The forward also writes what it kept as bits (1/8 byte a pair and head), which both backward
+kernels read instead of drawing again: Philox's ten rounds (~100 integer operations a call, at half
+the rate of float arithmetic) would cost each pass more than its matrix products. A tile whose pairs are all BLOCKED
 (PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the tiles on real data) is
 skipped: each program walks a list of the tiles it has work in (`bucket_attention.tile_lists`).
 
 - `attention_forward_kernel`: one program per (sequence x head, block of queries), over its listed
-  blocks of keys; writes the output and each row's log-sum-exp (+inf for a row that sees no key:
-  its output is 0).
+  blocks of keys; writes the output, each row's log-sum-exp (+inf for a row that sees no key: its
+  output is 0) and, with dropout, the kept pairs' bits.
 - `attention_backward_delta_kernel`: rowsum(dO * O) per query, for both backward kernels.
 - `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over its
   listed blocks of queries: dK, dV and, when asked, dS (the bias's gradient; 0 in skipped tiles).
@@ -38,21 +40,38 @@ def mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 @triton.jit
 def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps. A pair is
-    kept when its 16-bit draw is >= threshold (the drop probability x 65536). Pairs are drawn in
-    groups of 8 consecutive keys, one Philox call per group; the group index counts from the
-    sequence and head's first pair, so every tile of the forward and of both backward kernels
-    redraws the same bits."""
+    """([BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps, the same as
+    [BLOCK_M, BLOCK_N / 8] uint8 bytes: bit b of byte g is the pair of key column_start + 8g + b).
+    A pair is kept when its 16-bit draw is >= threshold (the drop probability x 65536). Pairs are
+    drawn in groups of 8 consecutive keys, one Philox call per group; the group index counts from
+    the sequence and head's first pair, so any tiling draws the same bits."""
     groups_per_row = (keys + 7) // 8
     groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
     offsets = ((sequence_head.to(tl.int64) * queries + rows[:, None].to(tl.int64)) * groups_per_row
                + groups[None, :].to(tl.int64))
     r0, r1, r2, r3 = tl.randint4x(seed, offsets)
     low = 0xFFFF
-    draws = tl.join(tl.join(tl.join(r0 & low, r0 >> 16), tl.join(r1 & low, r1 >> 16)),
-                    tl.join(tl.join(r2 & low, r2 >> 16), tl.join(r3 & low, r3 >> 16)))
-    draws = tl.reshape(draws, (BLOCK_M, BLOCK_N))
-    return draws.to(tl.int32) >= threshold  # draws < 2^16: signed compare, no mixed signedness
+    # draws < 2^16: compared as int32 (no mixed signedness)
+    k0, k1 = (r0 & low).to(tl.int32) >= threshold, (r0 >> 16).to(tl.int32) >= threshold
+    k2, k3 = (r1 & low).to(tl.int32) >= threshold, (r1 >> 16).to(tl.int32) >= threshold
+    k4, k5 = (r2 & low).to(tl.int32) >= threshold, (r2 >> 16).to(tl.int32) >= threshold
+    k6, k7 = (r3 & low).to(tl.int32) >= threshold, (r3 >> 16).to(tl.int32) >= threshold
+    # Nested joins put draw k(4n + 2m + l) at key 4l + 2m + n of its group (each join a new minor
+    # dimension); the bytes follow the same order.
+    keep = tl.reshape(tl.join(tl.join(tl.join(k0, k1), tl.join(k2, k3)), tl.join(tl.join(k4, k5), tl.join(k6, k7))),
+                      (BLOCK_M, BLOCK_N))
+    packed = (k0.to(tl.int32) | (k4.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k6.to(tl.int32) << 3)
+              | (k1.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k3.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
+    return keep, packed.to(tl.uint8)
+
+
+@triton.jit
+def stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys):
+    """[rows, cols] booleans: the pairs the forward kept, read from its bits (see `dropout_keep`)."""
+    inside = (rows[:, None] < queries) & (cols[None, :] < keys)
+    byte = tl.load(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
+                   + (cols // 8)[None, :], mask=inside, other=0)
+    return ((byte.to(tl.int32) >> (cols % 8)[None, :]) & 1) != 0
 
 
 @triton.jit
@@ -97,12 +116,12 @@ def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, queries, ke
 
 @triton.jit
 def attention_forward_kernel(
-        q_ptr, k_ptr, v_ptr, codes_ptr, key_tiles_ptr, table_ptr, seed_ptr, out_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, codes_ptr, key_tiles_ptr, table_ptr, seed_ptr, out_ptr, lse_ptr, bits_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, o_stride_b, o_stride_h, o_stride_t,
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
-        scale, threshold, keep_scale,
+        bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
@@ -132,8 +151,12 @@ def attention_forward_kernel(
         correction = tl.exp(row_max - safe_max)
         row_sum = row_sum * correction + tl.sum(p, 1)
         if DROPOUT:
-            keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+            keep, packed = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold,
+                                        BLOCK_M, BLOCK_N)
             p = tl.where(keep, p * keep_scale, 0.0)
+            groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
+            tl.store(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
+                     + groups[None, :], packed, mask=row_valid[:, None] & (groups * 8 < keys)[None, :])
         acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, UPCAST)
         row_max = new_max
     seen = row_sum > 0
@@ -159,7 +182,7 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, delta_ptr, heads, queries,
 
 @triton.jit
 def attention_backward_key_value_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, bits_ptr, lse_ptr, delta_ptr,
         dk_ptr, dv_ptr, ds_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
@@ -167,7 +190,7 @@ def attention_backward_key_value_kernel(
         dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
         ds_stride_b, ds_stride_h, ds_stride_t,
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
-        scale, threshold, keep_scale,
+        bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, BLOCKED: tl.constexpr,
         PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -182,9 +205,6 @@ def attention_backward_key_value_kernel(
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
     stats_base = sequence_head.to(tl.int64) * lse_stride_bh
     table_row = head * table_stride_h
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     for tile in range(0, tile_count):  # the query blocks holding a pair that sees one of these keys
@@ -199,8 +219,7 @@ def attention_backward_key_value_kernel(
         p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
-            keep = dropout_keep(seed, sequence_head, rows, tl.program_id(1) * BLOCK_N, queries, keys, threshold,
-                                BLOCK_M, BLOCK_N)
+            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys)
             p_dropped = tl.where(keep, p * keep_scale, 0.0)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         else:
@@ -224,13 +243,13 @@ def attention_backward_key_value_kernel(
 
 @triton.jit
 def attention_backward_query_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, seed_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, bits_ptr, lse_ptr, delta_ptr, dq_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dq_stride_b, dq_stride_h, dq_stride_t,
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
-        scale, threshold, keep_scale,
+        bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
@@ -244,9 +263,6 @@ def attention_backward_query_kernel(
     delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
-    seed = 0
-    if DROPOUT:
-        seed = tl.load(seed_ptr)
     tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for tile in range(0, tl.load(tiles)):
@@ -259,7 +275,7 @@ def attention_backward_query_kernel(
         p = tl.exp(scores - lse[:, None])
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
-            keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, PRECISION, UPCAST)
@@ -277,6 +293,6 @@ def dropout_keep_kernel(seed_ptr, keep_ptr, heads, queries, keys, threshold,
     seed = tl.load(seed_ptr)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
-        keep = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+        keep, _ = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
         tl.store(keep_ptr + (sequence_head.to(tl.int64) * queries + rows[:, None]) * keys + cols[None, :],
                  keep.to(tl.int8), mask=(rows[:, None] < queries) & (cols[None, :] < keys))
