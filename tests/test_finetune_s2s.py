@@ -3,6 +3,7 @@ transcription of the authors' code, losses falling on real pairs, exact resume, 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -255,6 +256,32 @@ def test_first_logged_loss_is_s2s_ft_loss_on_that_batch(mode, smoothing, tiny_hf
     with torch.no_grad():
         expected = _reference_loss(model, sources, targets, mode, 40, 12, smoothing)
     assert records[0]["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
+def test_the_triton_attention_backend_fine_tunes_as_sdpa_does(tiny_hf_model, qg_pairs, tmp_path):
+    """`--attention-backend triton` (its kernels in Triton's interpreter here): s2s-ft's pseudo-masked
+    fine-tuning logs the losses sdpa's run logs (no dropout: the two draw dropout differently), step
+    by step; the CPU outside the interpreter is refused in one line before anything is written."""
+    src, tgt = qg_pairs
+    lines = lambda p: p.read_text().splitlines()[:8]  # noqa: E731
+    (tmp_path / "s.txt").write_text("\n".join(lines(src)) + "\n")
+    (tmp_path / "t.txt").write_text("\n".join(lines(tgt)) + "\n")
+    common = ("--hidden-dropout", "0", "--attention-dropout", "0", "--max-source-length", "40",
+              "--max-target-length", "12", "--micro-batch-size", "4", "--global-batch-size", "4",
+              "--train-iters", "3", "--log-interval", "1", "--seed", "3")
+    losses = {}
+    for backend in ("sdpa", "triton"):
+        records, _ = _finetune(tiny_hf_model, tmp_path / "s.txt", tmp_path / "t.txt", tmp_path, *common,
+                               "--attention-backend", backend, name=backend, env={"TRITON_INTERPRET": "1"})
+        losses[backend] = [record["loss"] for record in records]
+    assert len(losses["sdpa"]) == 3 and losses["triton"] == pytest.approx(losses["sdpa"], rel=1e-5), losses
+    result = run_module("megatron_pmlm.finetune_s2s", "--model", str(tiny_hf_model), "--train-src",
+                        str(tmp_path / "s.txt"), "--train-tgt", str(tmp_path / "t.txt"), "--attention-backend",
+                        "triton", "--save", str(tmp_path / "refused"), timeout=120, env={"TRITON_INTERPRET": None})
+    assert result.returncode == 2 and "runs on CUDA GPUs" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("mode", ["pseudo-masked", "masked", "causal"])
