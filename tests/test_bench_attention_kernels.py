@@ -22,7 +22,7 @@ import bench_attention_kernels  # noqa: E402
     (["--shapes", "4x2"], "sequence length >= 8"),
     (["--variants", "sdpa,fast"], "--variants sdpa,fast: unknown fast"),
     (["--preset", "huge"], "--preset huge:"),
-    (["--triton-shapes", "64x64w4s3"], "entry '64x64w4s3': give FORWARD/KEY_VALUE"),
+    (["--triton-shapes", "64x64w4s3"], "'64x64w4s3': give FORWARD/KEY_VALUE"),
     (["--triton-shapes", "64x64/64x64w4s3"], "kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES"),
     (["--triton-shapes", "48x64w4s3/64x64w4s3"], "kernel shape 48x64w4s3: tile sides must be among 32, 64, 128"),
 ])
@@ -77,8 +77,8 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
         text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
-    for name in ("triton", "triton[32x32w2s1/32x64w4s2]"):
-        assert rows[name]["same_attention"], rows[name]
+    for name, launch in (("triton", "64x64w4s3/64x64w4s3"), ("triton[32x32w2s1/32x64w4s2]", "32x32w2s1/32x64w4s2")):
+        assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
     for name in ("sdpa-dropout", "triton-dropout"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]

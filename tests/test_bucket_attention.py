@@ -339,6 +339,35 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
             pass
 
 
+def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
+    """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
+    its attention table found fastest) sets both launches at import; a malformed value makes a
+    triton model refuse to start, naming the variable (sdpa is not concerned)."""
+    probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
+             "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
+             "from megatron_pmlm.models.model import check_attention_backend\n"
+             "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)\n"
+             "config = model_config_from_preset('tiny', attention_backend='triton')\n"
+             "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
+             "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
+    outputs = {}
+    for value in ("128x64w8s3/32x128w4s2", "64x64/64x64w4s3", None):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
+        if value:
+            env[bucket_attention.KERNEL_SHAPES_ENV] = value
+        result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        outputs[value] = result.stdout.splitlines()
+    assert outputs["128x64w8s3/32x128w4s2"] == ["128x64w8s3 32x128w4s2"]
+    assert outputs[None] == ["64x64w4s3 64x64w4s3"]
+    default, refusal = outputs["64x64/64x64w4s3"]
+    assert default == "64x64w4s3 64x64w4s3"
+    assert refusal == ("refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
+                       "e.g. 128x64w8s3"), refusal
+
+
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):
     """`tools/bench_padding.py --attention-tiles` on real samples (seq 64: T up to ~80, 2 x 2 tiles):
     PMLM's context rows never see the pseudo tokens, so some tiles are skipped (fewer than all, more

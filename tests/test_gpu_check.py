@@ -97,12 +97,38 @@ def test_a_step_starts_only_with_its_own_minimum_left():
     assert gpu_check.MIN_STEP_SECONDS < gpu_check.MIN_REAL_STEP_SECONDS < gpu_check.MIN_COMPILE_STEP_SECONDS
     assert gpu_check.minimum_seconds({"kind": "tests"}) == gpu_check.MIN_TESTS_SECONDS
     assert gpu_check.minimum_seconds({"kind": "attention"}) == gpu_check.MIN_ATTENTION_SECONDS
-    # the attention kernels after the eager rows at the large micro batches, before the compiled ones
+    # the attention kernels after sdpa's eager rows at the large micro batches, before the triton rows
+    # there (which launch as the attention table's fastest) and the compiled ones
     large = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
-                                 large_batches=gpu_check.LARGE_BATCH_SHAPES)
-    eager_large = [s["priority"] for s in large if s.get("name_suffix") and s["kind"] == "eager"]
-    compiled_large = [s["priority"] for s in large if s.get("name_suffix") and s["kind"] == "compile"]
-    assert max(eager_large) < gpu_check.ATTENTION_PRIORITY < min(compiled_large)
+                                 large_batches=gpu_check.LARGE_BATCH_SHAPES, kernel_backends=("triton",))
+    eager_large = [s["priority"] for s in large if s.get("name_suffix") and s["kind"] == "eager"
+                   and s["backend"] == "sdpa"]
+    after = [s["priority"] for s in large if s.get("name_suffix") and (s["kind"] == "compile" or s["backend"] == "triton")]
+    assert max(eager_large) < gpu_check.ATTENTION_PRIORITY < min(after)
+
+
+def test_the_triton_rows_launch_as_the_fastest_row_of_the_attention_table():
+    """`fastest_triton_launch`: the triton launch that is the same attention as sdpa at every shape in
+    the least total time; the dropout row (timed only) and a launch that differed or failed at any
+    shape are not candidates; none without a triton row."""
+    def row(variant, launch, ms, same=True):
+        return {"variant": variant, "launch": launch, "ms": ms, "same_attention": same}
+
+    shapes = {"shapes": [
+        {"rows": [{"variant": "sdpa", "ms": 9.0}, row("triton", "64x64w4s3/64x64w4s3", 5.0),
+                  row("triton[128x64w8s3/64x64w4s3]", "128x64w8s3/64x64w4s3", 3.0),
+                  row("triton[64x64w4s2/64x64w4s2]", "64x64w4s2/64x64w4s2", 1.0, same=False),
+                  {"variant": "triton[128x128w8s2/64x128w8s2]", "launch": "128x128w8s2/64x128w8s2",
+                   "unavailable": "OutOfResources: shared memory"},
+                  row("triton-dropout", "64x64w4s3/64x64w4s3", 0.5)]},
+        {"rows": [row("triton", "64x64w4s3/64x64w4s3", 2.0),
+                  row("triton[128x64w8s3/64x64w4s3]", "128x64w8s3/64x64w4s3", 2.5),
+                  row("triton[64x64w4s2/64x64w4s2]", "64x64w4s2/64x64w4s2", 1.0)]}]}
+    fastest = gpu_check.fastest_triton_launch(shapes)
+    assert fastest == {"launch": "128x64w8s3/64x64w4s3",
+                       "ms": {"64x64w4s3/64x64w4s3": 7.0, "128x64w8s3/64x64w4s3": 5.5}}, fastest
+    assert gpu_check.fastest_triton_launch({"shapes": [{"rows": [{"variant": "sdpa", "ms": 1.0}]}]}) is None
+    assert gpu_check.fastest_triton_launch(None) is None
 
 
 def test_peaks_come_from_the_exact_device_name():

@@ -53,7 +53,6 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -97,25 +96,14 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 def parse_triton_shapes(text: str) -> dict:
     """'128x64w8s3/64x64w4s3,...' -> {variant name: (forward shape, key/value shape)}."""
-    from megatron_pmlm.models.bucket_attention import KernelShape, shape_problem
-
-    def one(part: str) -> KernelShape:
-        match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", part.strip())
-        if not match:
-            raise argparse.ArgumentTypeError(f"kernel shape {part!r}: give QUERIESxKEYSwWARPSsSTAGES, e.g. 128x64w8s3")
-        shape = KernelShape(*(int(value) for value in match.groups()))
-        problem = shape_problem(shape)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return shape
+    from megatron_pmlm.models.bucket_attention import parse_kernel_shapes
 
     variants = {}
     for entry in filter(None, (entry.strip() for entry in text.split(","))):
-        halves = entry.split("/")
-        if len(halves) != 2:
-            raise argparse.ArgumentTypeError(f"--triton-shapes entry {entry!r}: give FORWARD/KEY_VALUE, e.g. "
-                                             "128x64w8s3/64x64w4s3")
-        forward, key_value = one(halves[0]), one(halves[1])
+        try:
+            forward, key_value = parse_kernel_shapes(entry)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
         variants[f"triton[{forward}/{key_value}]"] = (forward, key_value)
     return variants
 
@@ -247,6 +235,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                 seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
                                                     kernel_inputs, keep=False),
                                 iterations, device)
+                # how the triton kernels were launched (forward and dQ / dK, dV, dS)
+                launch = f"{bucket_attention.FORWARD_SHAPE}/{bucket_attention.KEY_VALUE_SHAPE}"
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             # not on this device; or a launch that does not fit this GPU (Triton's OutOfResources)
@@ -256,6 +246,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
             rows.append(row)
             continue
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+        if name.startswith("triton"):
+            row["launch"] = launch
         if name == REFERENCE:
             reference = (out, grads)
         elif reference is not None and name not in TIMED_ONLY:

@@ -18,17 +18,18 @@ the exact device name (bench_train.PEAK_TFLOPS), its source printed.
 
 Order: what the goals are judged on comes first, so that a short lease measures it: pretrain's
 step at seq 128 then 512 (with Hugging Face and the trace), pretrain's step at the larger micro
-batches of LARGE_BATCH_SHAPES eager, the same with `--attention-backend triton` (our Triton flash
-attention; on SM 8.0+ with Triton importable), the attention kernel alone (tools/bench_attention_kernels.py at
-ATTENTION_KERNEL_SHAPES: sdpa with the bias against FlexAttention with it and without any bias), then
+batches of LARGE_BATCH_SHAPES eager, the attention kernel alone (tools/bench_attention_kernels.py at
+ATTENTION_KERNEL_SHAPES: sdpa with the bias against FlexAttention with it, our triton kernels launched
+several ways, and no bias), the same pretrain steps with `--attention-backend triton` (our Triton flash
+attention; on SM 8.0+ with Triton importable) launched as the fastest triton row there, then
 pretrain's step at the larger micro batches compiled (at the first shapes an H100 waited on the host
 for half of pretrain's step; at these it works), pretrain's step accumulating the micro batches of
 ACCUMULATION_SHAPES (DeepSpeed's reduction and optimizer step once per k, as in a run of the paper's
 global batch), the `--compile` rows at the first shapes, the other
 attention backend at the preferred precision, the `gpu` tests, then the other precision.
 `--budget-seconds S` bounds the whole check: a step starts only with at least its minimum left
-(`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face or for the
-attention kernels, 120 s for a `--compile` row or the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
+(`minimum_seconds`: 45 s for an eager row, 75 s with pretrain's step and Hugging Face, 120 s for the
+attention kernels, a `--compile` row or the tests), runs with a timeout of what is left, and what did not fit is listed as not run.
 The report (`gpu-check.json`, `gpu-check.md`) is rewritten after every step, and `--archive
 FILE.tar.gz` packs the whole results folder into one file at the end, also when SIGTERM/SIGINT
 (a scheduler's or `timeout`'s) stops the check: one file to copy off a lent machine.
@@ -86,7 +87,10 @@ TRITON_KERNEL_SHAPES = "128x64w8s3/64x64w4s3,128x64w8s3/32x128w4s3,64x64w4s2/64x
 warps, pipeline stages), from Triton's own flash-attention tutorial's choices on SM 9.0 (128-query
 forward tiles, 8 warps; a 32 x 128 key/value pass) and fewer stages; the fastest that is the same
 attention becomes `bucket_attention`'s default."""
-ATTENTION_PRIORITY = 0.9
+ATTENTION_PRIORITY = 0.55
+"""After sdpa's eager rows at the large micro batches (0.5), before the triton rows there (0.6),
+which then launch the triton kernels as the fastest row of the attention table did
+(`fastest_triton_launch`)."""
 DRY_RUN_ATTENTION_SHAPES = "64x4"
 MIN_ATTENTION_SECONDS = 120
 """--budget-seconds: the attention step starts only with this much left (two FlexAttention
@@ -223,6 +227,29 @@ def run_attention_kernels(output_dir: Path, shapes: str, preset: str, iterations
     return result
 
 
+def fastest_triton_launch(figures: dict | None) -> dict | None:
+    """From tools/bench_attention_kernels.py's figures: the launch (`FORWARD/KEY_VALUE`) of the triton
+    row (`triton` or a `triton[...]` launch; not the dropout row, timed only) that ran at every shape
+    as the same attention as sdpa in the least time over the shapes, with every candidate's ms; or
+    None when no such row ran."""
+    totals: dict[str, float] = {}
+    excluded: set[str] = set()
+    for shape in (figures or {}).get("shapes", []):
+        for row in shape.get("rows", []):
+            launch = row.get("launch")
+            if not launch or row["variant"] == "triton-dropout":
+                continue
+            if row.get("same_attention") and "ms" in row:
+                totals[launch] = totals.get(launch, 0.0) + row["ms"]
+            else:
+                excluded.add(launch)
+    ran = {launch: ms for launch, ms in totals.items() if launch not in excluded}
+    if not ran:
+        return None
+    best = min(ran, key=ran.get)
+    return {"launch": best, "ms": ran}
+
+
 def bench_has_compile() -> bool:
     """Whether tools/bench_train.py takes --compile (its --help lists it)."""
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_train.py"), "--help"], cwd=REPO_ROOT,
@@ -303,8 +330,9 @@ def bench_name(spec: dict, preset: str) -> str:
 
 
 def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeout: float, preset: str = "base",
-              accelerator: str = "cuda") -> dict:
-    """One tools/bench_train.py process; its figures, or what went wrong."""
+              accelerator: str = "cuda", env: dict | None = None) -> dict:
+    """One tools/bench_train.py process; its figures, or what went wrong. `env`: more environment
+    (the triton kernels' launch)."""
     seq_length, micro_batch, precision, backend = (spec["seq_length"], spec["micro_batch"], spec["precision"],
                                                    spec["backend"])
     name = bench_name(spec, preset)
@@ -317,9 +345,11 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
     if spec.get("traced"):
         command += ["--profile-trace", str(output_dir / f"{name}.trace.json")]
     row = {"name": name, "seq_length": seq_length, "micro_batch_size": micro_batch, "precision": precision,
-           "attention_backend": backend, "kind": spec["kind"], "command": " ".join(command[1:])}
+           "attention_backend": backend, "kind": spec["kind"],
+           "command": " ".join([*(f"{name}={value}" for name, value in (env or {}).items()), *command[1:]])}
     started = time.time()
-    output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": accelerator})
+    output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": accelerator,
+                                                              **(env or {})})
     (output_dir / f"{name}.log").write_text(output)
     row["seconds"] = time.time() - started
     if returncode == 0 and figures_file.is_file():
@@ -404,7 +434,9 @@ def markdown(report: dict) -> str:
             first = (f"{real['first_step_seconds']:.1f} ({real['compilations']}"
                      + (f"; {while_timed} more while timed" if while_timed else "") + ")"
                      if real.get("first_step_seconds") is not None else "?")
-            lines.append(f"{head} {real['precision']} | {'compile' if real.get('compile') else 'eager'} | "
+            mode = ("compile" if real.get("compile") else "eager") + (
+                f", {row['attention_backend']}" if row.get("attention_backend", "sdpa") != "sdpa" else "")
+            lines.append(f"{head} {real['precision']} | {mode} | "
                          f"{real['padded_vocab_size']:,} | {real['tokens_per_sec']:,.0f} | "
                          f"{real['samples_per_sec']:.1f} | {real['model_tflops']:.1f} | {_percent(real['mfu'])} | "
                          f"{_percent(f.get('mfu'))} | {real['seconds_per_step'] / accumulated / f['seconds_per_step']:.2f} | "
@@ -412,6 +444,12 @@ def markdown(report: dict) -> str:
                          f"{real['kernels_per_step']:,} | {_outside_ops(real)} ({_outside_ops(f)}) | "
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
                          + f" | {first} |")
+        if report.get("triton_launch"):
+            fastest = report["triton_launch"]
+            lines += ["", f"The triton rows launched its kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS), "
+                      "the fastest in the attention table (ms over its shapes: " + ", ".join(
+                          f"{launch} {ms:.2f}" for launch, ms in sorted(fastest["ms"].items(), key=lambda i: i[1]))
+                      + ")."]
         paths = sorted({row["figures"]["deepspeed"]["table_gradient"] for row in real_rows
                         if "table_gradient" in row["figures"].get("deepspeed", {})})
         if paths:
@@ -630,6 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         report["not_run_reason"] = f"the budget of {args.budget_seconds:.0f} s was spent"
 
     steps: list[dict] = []
+    triton_env: dict[str, str] = {}  # the triton kernels' launch for the rows after the attention step
     stopped_by = None
     previous_handlers = {signum: signal.signal(signum, _stop) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -687,9 +726,18 @@ def main(argv: list[str] | None = None) -> int:
                 report["attention"] = attention
                 print("gpu-check: attention kernels: " + ("done" if attention["ok"] else attention["error"][:300])
                       + f" ({attention['seconds']:.0f} s)", flush=True)
+                fastest = fastest_triton_launch(attention.get("figures"))
+                if fastest:
+                    from megatron_pmlm.models.bucket_attention import KERNEL_SHAPES_ENV
+
+                    report["triton_launch"] = fastest
+                    triton_env[KERNEL_SHAPES_ENV] = fastest["launch"]
+                    print(f"gpu-check: the triton rows that follow launch {fastest['launch']} (the fastest of "
+                          f"{len(fastest['ms'])} in the attention table)", flush=True)
             else:
                 timeout = min(args.timeout * (2 if step["real"] else 1), left)
-                row = run_bench(output_dir, step, iterations, warmup, timeout, preset, accelerator)
+                row = run_bench(output_dir, step, iterations, warmup, timeout, preset, accelerator,
+                                triton_env if step["backend"] == "triton" else None)
                 if not row["ok"] and row["error"].startswith("exit code 124") and timeout == left:
                     row["error"] = f"stopped when the budget ran out ({left:.0f} s left when it started)"
                     row["budget_stopped"] = True

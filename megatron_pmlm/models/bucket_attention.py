@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import math
 import os
+import re
 from typing import NamedTuple
 
 import torch
@@ -62,11 +63,58 @@ class KernelShape(NamedTuple):
 
 BLOCK_SIZES = (32, 64, 128)
 """Tile sides the kernels take: tl.dot wants powers of two >= 16, dropout groups of 8 keys."""
-FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
-"""The forward's and the dQ kernel's (both walk the key blocks of a block of queries: `key_tiles`).
-Untuned: `make gpu-check` times others beside it (docs/gpu.md)."""
-KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
-"""The dK, dV, dS kernel's (it walks the query blocks of a block of keys: `query_tiles`)."""
+DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
+DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
+KERNEL_SHAPES_ENV = "PMLM_TRITON_KERNEL_SHAPES"
+"""`FORWARD/KEY_VALUE` (e.g. `128x64w8s3/64x64w4s3`): launch the kernels so instead of the defaults,
+read at import (how `make gpu-check` runs pretrain's step with the launch its attention table found
+fastest; a GPU other than those measured may want its own)."""
+
+
+def parse_kernel_shape(text: str) -> KernelShape:
+    """'128x64w8s3' -> KernelShape(128, 64, 8, 3); ValueError naming what is wrong."""
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+    if not match:
+        raise ValueError(f"kernel shape {text!r}: give QUERIESxKEYSwWARPSsSTAGES, e.g. 128x64w8s3")
+    shape = KernelShape(*(int(value) for value in match.groups()))
+    problem = shape_problem(shape)
+    if problem:
+        raise ValueError(problem)
+    return shape
+
+
+def parse_kernel_shapes(text: str) -> tuple[KernelShape, KernelShape]:
+    """'FORWARD/KEY_VALUE' -> (forward and dQ shape, dK dV dS shape)."""
+    halves = text.split("/")
+    if len(halves) != 2:
+        raise ValueError(f"{text!r}: give FORWARD/KEY_VALUE, e.g. 128x64w8s3/64x64w4s3")
+    return parse_kernel_shape(halves[0]), parse_kernel_shape(halves[1])
+
+
+def shape_problem(shape: KernelShape) -> str | None:
+    """Why the kernels cannot be launched as `shape`, or None."""
+    if shape.block_queries not in BLOCK_SIZES or shape.block_keys not in BLOCK_SIZES:
+        return f"kernel shape {shape}: tile sides must be among {', '.join(map(str, BLOCK_SIZES))}"
+    if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
+        return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
+    return None
+
+
+def _launch_from_environment() -> tuple[KernelShape, KernelShape, str | None]:
+    value = os.environ.get(KERNEL_SHAPES_ENV)
+    if not value:
+        return DEFAULT_FORWARD_SHAPE, DEFAULT_KEY_VALUE_SHAPE, None
+    try:
+        return (*parse_kernel_shapes(value), None)
+    except ValueError as error:
+        return DEFAULT_FORWARD_SHAPE, DEFAULT_KEY_VALUE_SHAPE, f"{KERNEL_SHAPES_ENV}: {error}"
+
+
+FORWARD_SHAPE, KEY_VALUE_SHAPE, LAUNCH_PROBLEM = _launch_from_environment()
+"""FORWARD_SHAPE: the forward's and the dQ kernel's launch (both walk the key blocks of a block of
+queries: `key_tiles`); KEY_VALUE_SHAPE: the dK, dV, dS kernel's (it walks the query blocks of a
+block of keys: `query_tiles`). The defaults are untuned: `make gpu-check` times others beside them
+(docs/gpu.md). LAUNCH_PROBLEM: what is wrong with KERNEL_SHAPES_ENV (the model refuses to start)."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
 ROWSUM_BLOCK = 64
@@ -373,15 +421,6 @@ def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     tiles = tile_lists(codes) if tiles is None else tiles
     return bucket_attention_forward(query, key, value, codes, tiles.key_tiles, tiles.query_tiles, table,
                                     float(dropout_p), float(scale))[0]
-
-
-def shape_problem(shape: KernelShape) -> str | None:
-    """Why the kernels cannot be launched as `shape`, or None."""
-    if shape.block_queries not in BLOCK_SIZES or shape.block_keys not in BLOCK_SIZES:
-        return f"kernel shape {shape}: tile sides must be among {', '.join(map(str, BLOCK_SIZES))}"
-    if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
-        return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
-    return None
 
 
 @contextlib.contextmanager
