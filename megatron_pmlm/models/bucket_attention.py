@@ -296,12 +296,13 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     threshold, keep_scale = dropout_threshold(dropout_p)
     keep_bits = query.new_empty((batch, heads, queries, _blocks(keys, 8)) if threshold else (0,), dtype=torch.uint8)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
+    bits_arg = keep_bits if threshold else lse  # never touched without dropout (no null pointer passed)
     table_arg = table if table is not None else lse  # never read without a table
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
         attention_forward_kernel[grid](
-            query, key, value, codes, key_tiles, table_arg, seed, out, lse, keep_bits, heads, queries, keys,
+            query, key, value, codes, key_tiles, table_arg, seed, out, lse, bits_arg, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
             table.stride(0) if table is not None else 0, queries, *bits_strides, scale, threshold, keep_scale,
@@ -344,6 +345,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
                   else dq)  # never written without a table gradient
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
+    bits_arg = keep_bits if threshold else lse  # never read without dropout
     table_arg = table if table is not None else lse
     common = dict(HEAD_DIM=head_dim, HAS_TABLE=table is not None, DROPOUT=threshold > 0, BLOCKED=BLOCKED,
                   PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
@@ -354,14 +356,14 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
             HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=4)
         attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
-            query, key, value, grad_out, codes, query_tiles, table_arg, keep_bits, lse, delta, dk, dv, score_grad,
+            query, key, value, grad_out, codes, query_tiles, table_arg, bits_arg, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
             query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, *bits_strides, scale, keep_scale,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
         attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
-            query, key, value, grad_out, codes, key_tiles, table_arg, keep_bits, lse, delta, dq,
+            query, key, value, grad_out, codes, key_tiles, table_arg, bits_arg, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
             table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
