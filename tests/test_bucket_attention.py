@@ -217,6 +217,15 @@ KernelCalls.count = 0
 with KernelCalls():
     _, compiled_grads = step(compiled, batch)
 report["compiled"] = {"calls": KernelCalls.count, "worst": difference(compiled_grads, eager_grads)}
+# One graph each, no break: a layer (the custom op is one node) and the embedding region that builds
+# the codes, the table's copy and the tile lists.
+layer = ours.bert.encoder.layer[0]
+inputs = ours.bert.embed(batch.input_ids, batch.position_ids, batch.token_type_ids, batch.roles, batch.steps)
+explained = {"layer": torch._dynamo.explain(layer)(inputs[0], inputs[1]),
+             "embed": torch._dynamo.explain(ours.bert.embed)(batch.input_ids, batch.position_ids,
+                                                             batch.token_type_ids, batch.roles, batch.steps)}
+report["graphs"] = {name: [e.graph_count, e.graph_break_count, [str(r.reason) for r in e.break_reasons]]
+                    for name, e in explained.items()}
 json.dump(report, sys.stdout)
 """
 
@@ -267,7 +276,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
     (no dropout), with and without activation checkpointing, one forward and one backward kernel
     call per layer (and the recomputation's forward); with attention dropout a checkpointed layer's
     recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
-    another; compiled = eager."""
+    another; compiled = eager, a layer and the region building the kernels' inputs one graph each."""
     report = run_interpreted(MODEL)
     for checkpointing in ("False", "True"):
         result = report[checkpointing]
@@ -278,6 +287,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
     assert report["dropout"]["other_seed_changes_loss"] > 1e-4, report["dropout"]
     assert report["compiled"]["calls"] == 6 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
+    assert report["graphs"] == {"layer": [1, 0, []], "embed": [1, 0, []]}, report["graphs"]
 
 
 @needs_triton
