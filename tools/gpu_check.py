@@ -346,7 +346,7 @@ def run_bench(output_dir: Path, spec: dict, iterations: int, warmup: int, timeou
         command += ["--profile-trace", str(output_dir / f"{name}.trace.json")]
     row = {"name": name, "seq_length": seq_length, "micro_batch_size": micro_batch, "precision": precision,
            "attention_backend": backend, "kind": spec["kind"],
-           "command": " ".join([*(f"{name}={value}" for name, value in (env or {}).items()), *command[1:]])}
+           "command": " ".join([*(f"{variable}={value}" for variable, value in (env or {}).items()), *command[1:]])}
     started = time.time()
     output, returncode = run_process_group(command, timeout, {**os.environ, "DS_ACCELERATOR": accelerator,
                                                               **(env or {})})
@@ -446,7 +446,7 @@ def markdown(report: dict) -> str:
                          + f" | {first} |")
         if report.get("triton_launch"):
             fastest = report["triton_launch"]
-            lines += ["", f"The triton rows launched its kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS), "
+            lines += ["", f"The triton rows launched the kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS), "
                       "the fastest in the attention table (ms over its shapes: " + ", ".join(
                           f"{launch} {ms:.2f}" for launch, ms in sorted(fastest["ms"].items(), key=lambda i: i[1]))
                       + ")."]
