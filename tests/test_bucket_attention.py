@@ -395,6 +395,10 @@ def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretrainin
     allowed, computed = shares["ae+par"]
     assert 0 < allowed < computed < 100, shares
     assert shares["unilm"][1] == 100.0, shares
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_padding.py"), str(pretraining_samples),
+                             "--attention-tiles", "--quanta", "16"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "argument --quanta: not allowed with argument --attention-tiles" in result.stderr, \
+        result.stderr
 
 
 def test_the_triton_backend_is_refused_where_it_cannot_run():

@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-sizes", default="20,8")
     parser.add_argument("--global-batch-sizes", default="80,160,320")
     parser.add_argument("--objective", default="ae+par")
-    parser.add_argument("--quanta", help="comma-separated layout width quanta: report their cost instead")
-    parser.add_argument("--attention-tiles", action="store_true",
+    report = parser.add_mutually_exclusive_group()
+    report.add_argument("--quanta", help="comma-separated layout width quanta: report their cost instead")
+    report.add_argument("--attention-tiles", action="store_true",
                         help="report the share of attention tiles the triton kernels compute instead")
     parser.add_argument("--epochs", type=positive_int, default=1, help="with --quanta: epochs to iterate (each reshuffled)")
     args = parser.parse_args(argv)

@@ -118,7 +118,8 @@ block of keys: `query_tiles`). The defaults are untuned: `make gpu-check` times 
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
 ROWSUM_BLOCK = 64
-"""Query rows per program of the backward's rowsum(dO * O) kernel."""
+"""Query rows per program of the backward's rowsum(dO * O) kernel (a pass over O and dO alone)."""
+ROWSUM_WARPS = 4
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
@@ -354,7 +355,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
         attention_backward_delta_kernel[(batch * heads, _blocks(queries, ROWSUM_BLOCK))](
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
-            HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=4)
+            HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
         attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
             query, key, value, grad_out, codes, query_tiles, table_arg, bits_arg, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),

@@ -7,9 +7,10 @@ dropout is drawn in the forward kernel from Philox, keyed by a seed tensor and t
 each Philox call gives 128 bits, cut into eight 16-bit draws, so a tile needs one call per eight
 pairs. The forward also writes what it kept as bits (1/8 byte a pair and head), which both backward
 kernels read instead of drawing again: Philox's ten rounds (~100 integer operations a call, at half
-the rate of float arithmetic) would cost each pass more than its matrix products. A tile whose pairs are all BLOCKED
-(PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the tiles on real data) is
-skipped: each program walks a list of the tiles it has work in (`bucket_attention.tile_lists`).
+the rate of float arithmetic) would cost each pass more than its matrix products. A tile whose
+pairs are all BLOCKED (PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the
+tiles on real data) is skipped: each program walks a list of the tiles it has work in
+(`bucket_attention.tile_lists`).
 
 - `attention_forward_kernel`: one program per (sequence x head, block of queries), over its listed
   blocks of keys; writes the output, each row's log-sum-exp (+inf for a row that sees no key: its
