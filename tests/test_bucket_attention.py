@@ -302,6 +302,67 @@ def test_tensor_parallel_2_with_the_triton_backend_equals_tensor_parallel_1_sdpa
     assert "TP=2 triton matches TP=1 sdpa" in result.stdout
 
 
+PIPELINE_STAGE = r"""
+import json, sys
+import torch
+from megatron_pmlm.config import model_config_from_preset
+from megatron_pmlm.models.layout import pmlm_attention_allowed
+from megatron_pmlm.models.model import PMLMForPreTraining, attention_inputs
+from megatron_pmlm.models.pipeline import LayerPipe, StageCache
+from megatron_pmlm.parallel.layers import LocalLayers
+from tools.bench_train import make_examples, pmlm_batch
+
+config = model_config_from_preset("tiny", vocab_size=2048, hidden_dropout=0.0, attention_dropout=0.0,
+                                  attention_backend="triton", num_layers=3)
+model = PMLMForPreTraining(config, init_seed=2)
+with torch.no_grad():
+    model.bert.rel_pos_bias.weight.normal_(std=0.5, generator=torch.Generator().manual_seed(4))
+batch = pmlm_batch(make_examples(3, 48, 2048, seed=1))
+cache = StageCache()
+stage = [LayerPipe(config, LocalLayers(), stage_cache=cache) for _ in model.bert.encoder.layer]
+for pipe, layer in zip(stage, model.bert.encoder.layer):
+    pipe.load_state_dict(layer.state_dict())
+hidden = torch.randn(*batch.input_ids.shape, config.hidden_size)
+report = {}
+for name, with_table in (("table", True), ("no_table", False)):
+    table = model.bert.rel_pos_bias.weight.to(torch.float32, copy=True) if with_table else None
+    # the model's way: one BucketAttentionInputs for every layer
+    reference_hidden = hidden.clone().requires_grad_()
+    inputs = (model.bert.rel_pos_bias(batch.position_ids, None, pmlm_attention_allowed(batch.roles, batch.steps),
+                                      kernel_inputs=True)
+              if with_table else attention_inputs("triton", None, pmlm_attention_allowed, batch.position_ids,
+                                                  batch.roles, batch.steps, torch.float32))
+    out = reference_hidden
+    for layer in model.bert.encoder.layer:
+        out = layer(out, inputs)
+    reference = [out] + list(torch.autograd.grad(out.square().sum(), [reference_hidden] + ([inputs.table] if with_table else [])))
+    # a stage's: the table (or an integer placeholder) and the layout travel with the hidden states
+    stage_hidden = hidden.clone().requires_grad_()
+    sent = table.detach().requires_grad_() if with_table else batch.position_ids.new_zeros(1)
+    builds = cache.builds
+    activations = (stage_hidden, sent, batch.position_ids, batch.steps, batch.token_type_ids, batch.roles,
+                   batch.labels, batch.predicted_index)
+    for pipe in stage:
+        activations = pipe(activations)
+    ours = [activations[0]] + list(torch.autograd.grad(activations[0].square().sum(),
+                                                       [stage_hidden] + ([sent] if with_table else [])))
+    report[name] = {"builds": cache.builds - builds,
+                    "worst": max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, reference))}
+json.dump(report, sys.stdout)
+"""
+
+
+@needs_triton
+def test_a_pipeline_stage_of_triton_layers_computes_what_the_model_does():
+    """Pipeline stages receive the fp32 table (or a placeholder without one) and the layout, not the
+    kernels' inputs: the stage's first layer builds the codes and tile lists, the others reuse them;
+    output and the gradients of the hidden states and the table equal the model's layers given
+    `attention_inputs`."""
+    report = run_interpreted(PIPELINE_STAGE)
+    for case in ("table", "no_table"):
+        assert report[case]["builds"] == 1 and report[case]["worst"] <= 1e-6, report
+
+
 def _listed_by_loop(codes, rows: int, columns: int) -> list:
     """[sequence][block of queries] -> [count, non-empty key blocks..., the others...], by loops."""
     _, queries, keys = codes.shape

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pmlm_testing import run_module, torchrun
 
@@ -36,11 +37,18 @@ def losses(records, key="loss"):
 
 
 @pytest.fixture(scope="module")
-def baseline(pretraining_samples, tmp_path_factory):
-    """One process, ZeRO-0, TP=1, PP=1, no dropout: the reference losses."""
+def baseline_run(pretraining_samples, tmp_path_factory):
+    """One process, ZeRO-0, TP=1, PP=1, no dropout: the reference losses and the saved weights."""
     out = tmp_path_factory.mktemp("baseline")
-    records, _ = pretrain(pretraining_samples, out, *NO_DROPOUT)
-    return records
+    records, _ = pretrain(pretraining_samples, out, *NO_DROPOUT, "--save", str(out / "checkpoint"))
+    return records, out / "checkpoint"
+
+
+def trained_table(checkpoint: Path) -> torch.Tensor:
+    """The relative-bias table a run saved, in the plain model's names whatever its layout."""
+    from megatron_pmlm.pretrained import load_model
+
+    return load_model(checkpoint).state_dict["bert.rel_pos_bias.weight"].float()
 
 
 @pytest.mark.parametrize("layout", [
@@ -54,12 +62,14 @@ def baseline(pretraining_samples, tmp_path_factory):
     ["--pipeline-model-parallel-size", "2", "--attention-backend", "flex", "--checkpoint-activations"],
 ], ids=["zero0-dp2", "tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing",
         "pp2-flex-activation-checkpointing"])
-def test_every_layout_reproduces_the_single_process_losses(layout, baseline, pretraining_samples, tmp_path):
+def test_every_layout_reproduces_the_single_process_run(layout, baseline_run, pretraining_samples, tmp_path):
     """Data parallel only (tensor and pipeline size 1) runs without megatron-core (its groups made by
     parallel.distributed.DataParallelMPU; zero0-dp2: our AdamW sums the gradient norm over its
-    one-rank model-parallel group, not over the replicas); the model-parallel layouts with it."""
-    records, result = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, nproc=2,
-                               env={"PYTHONPROFILEIMPORTTIME": "1"})
+    one-rank model-parallel group, not over the replicas); the model-parallel layouts with it. The
+    losses, and the relative-bias table as saved (whose gradient crosses the pipeline stages)."""
+    baseline, baseline_checkpoint = baseline_run
+    records, result = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, "--save", str(tmp_path / "checkpoint"),
+                               nproc=2, env={"PYTHONPROFILEIMPORTTIME": "1"})
     imports_megatron = "| megatron.core\n" in result.stderr
     model_parallel = "--tensor-model-parallel-size" in layout or "--pipeline-model-parallel-size" in layout
     assert imports_megatron == model_parallel, layout
@@ -77,29 +87,44 @@ def test_every_layout_reproduces_the_single_process_losses(layout, baseline, pre
         assert ours == pytest.approx(reference, rel=2e-3), (losses(records, "grad_norm"), losses(baseline, "grad_norm"))
     # The losses move: the comparison is not between four copies of the initial loss.
     assert baseline[-1]["loss"] < baseline[0]["loss"] - 0.05
+    # Trained 4 steps at lr 2e-3 the table moves by ~6e-3; one without its gradient stays where it began.
+    table, reference = trained_table(tmp_path / "checkpoint"), trained_table(baseline_checkpoint)
+    assert float((table - reference).abs().max()) <= 1e-5, (table - reference).abs().max()
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pyproject's test "
                     "extra installs it on x86_64 Linux)")
-def test_zero3_with_the_triton_backend_reproduces_the_single_process_losses(baseline, pretraining_samples, tmp_path):
-    """The triton attention backend (its kernels in Triton's interpreter) under ZeRO-3 on 2 ranks:
-    the table it reads is copied inside the bias module's forward, where ZeRO-3 has gathered it, and
-    its gradient reaches the partitioned parameter; the losses are one process's sdpa ones."""
-    records, _ = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, "--zero-stage", "3", "--attention-backend",
-                          "triton", nproc=2, env={"TRITON_INTERPRET": "1"})
+@pytest.mark.parametrize("layout", [["--zero-stage", "3"], ["--pipeline-model-parallel-size", "2",
+                                                            "--checkpoint-activations"]],
+                         ids=["zero3", "pp2-activation-checkpointing"])
+def test_the_triton_backend_reproduces_the_single_process_run(layout, baseline_run, pretraining_samples, tmp_path):
+    """The triton attention backend (its kernels in Triton's interpreter) on 2 ranks. ZeRO-3: the
+    table it reads is copied inside the bias module's forward, where ZeRO-3 has gathered it, and its
+    gradient reaches the partitioned parameter. Two pipeline stages: the first sends the fp32 table
+    (its gradient comes back), each stage builds the codes and tile lists once per micro batch. The
+    losses and the trained relative-bias table are one process's sdpa ones."""
+    baseline, baseline_checkpoint = baseline_run
+    records, _ = pretrain(pretraining_samples, tmp_path, *NO_DROPOUT, *layout, "--attention-backend",
+                          "triton", "--save", str(tmp_path / "checkpoint"), nproc=2, env={"TRITON_INTERPRET": "1"})
+    table, reference = trained_table(tmp_path / "checkpoint"), trained_table(baseline_checkpoint)
+    # Trained 4 steps at lr 2e-3 the table moves by ~6e-3; one without its gradient stays where it began.
+    assert float((table - reference).abs().max()) <= 1e-5, (table - reference).abs().max()
     for key in ("loss", "loss_ae", "loss_par"):
         for ours, reference in zip(losses(records, key), losses(baseline, key)):
             assert ours == pytest.approx(reference, rel=2e-4, abs=2e-4), (key, losses(records, key), losses(baseline, key))
+    for ours, reference in zip(losses(records, "grad_norm"), losses(baseline, "grad_norm")):
+        assert ours == pytest.approx(reference, rel=2e-3), (losses(records, "grad_norm"), losses(baseline, "grad_norm"))
     assert baseline[-1]["loss"] < baseline[0]["loss"] - 0.05
 
 
 def test_pipeline_without_the_relative_bias_reproduces_one_process_with_either_backend(pretraining_samples, tmp_path):
-    """Without the bias the stages pass the boolean mask (sdpa) or an integer placeholder (flex):
-    DeepSpeed's pipeline wants a gradient for every floating-point activation it sends."""
+    """Without the bias the stages pass the boolean mask (sdpa) or an integer placeholder (flex,
+    triton): DeepSpeed's pipeline wants a gradient for every floating-point activation it sends."""
     reference, _ = pretrain(pretraining_samples, tmp_path / "one", *NO_DROPOUT, "--no-rel-pos", iters=2)
-    for backend in ("sdpa", "flex"):
+    for backend in ("sdpa", "flex") + (("triton",) if importlib.util.find_spec("triton") else ()):
         records, _ = pretrain(pretraining_samples, tmp_path / backend, *NO_DROPOUT, "--no-rel-pos",
-                              "--pipeline-model-parallel-size", "2", "--attention-backend", backend, nproc=2, iters=2)
+                              "--pipeline-model-parallel-size", "2", "--attention-backend", backend, nproc=2, iters=2,
+                              env={"TRITON_INTERPRET": "1"} if backend == "triton" else None)
         assert losses(records) == pytest.approx(losses(reference), rel=2e-4), (backend, records, reference)
 
 

@@ -178,15 +178,15 @@ def test_the_layers_of_a_pipeline_stage_build_one_block_mask_per_micro_batch():
     """Pipeline stages receive roles and steps, not the block mask: the first layer builds it, the
     stage's other layers (and a detached view of the same tensors, as activation checkpointing
     passes) reuse it; new or modified roles/steps build a new one, equal to a fresh build."""
-    from megatron_pmlm.models.flex_attention import BlockMaskCache, build_block_mask
+    from megatron_pmlm.models.flex_attention import build_block_mask
     from megatron_pmlm.models.layout import pmlm_attention_allowed
-    from megatron_pmlm.models.pipeline import LayerPipe
+    from megatron_pmlm.models.pipeline import LayerPipe, StageCache
     from megatron_pmlm.parallel.layers import LocalLayers
 
     config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0,
                                       attention_backend="flex")
-    cache = BlockMaskCache()
-    stage = [LayerPipe(config, LocalLayers(), block_masks=cache) for _ in range(3)]
+    cache = StageCache()
+    stage = [LayerPipe(config, LocalLayers(), stage_cache=cache) for _ in range(3)]
     batch = _batch(get_objective("ae+par"))
     hidden = torch.randn(*batch.input_ids.shape, config.hidden_size)
     table = torch.zeros(config.num_attention_heads, 2 * config.max_rel_pos + 1)
@@ -210,5 +210,6 @@ def test_the_layers_of_a_pipeline_stage_build_one_block_mask_per_micro_batch():
     run(roles, batch.steps)
     assert cache.builds == builds + 1
     fresh = build_block_mask(pmlm_attention_allowed, roles, batch.steps)
-    assert torch.equal(cache.get(pmlm_attention_allowed, roles, batch.steps).to_dense(), fresh.to_dense())
+    cached = cache.get(lambda: None, ("block mask", pmlm_attention_allowed), roles, batch.steps)
+    assert cache.builds == builds + 1 and torch.equal(cached.to_dense(), fresh.to_dense())
     assert torch.isfinite(out).all()

@@ -71,16 +71,14 @@ def build_flex_attention_mask(attention_rule, roles: torch.Tensor, steps: torch.
                               max_distance: int, key_roles: torch.Tensor | None = None,
                               key_steps: torch.Tensor | None = None,
                               key_position_ids: torch.Tensor | None = None,
-                              block_masks: "BlockMaskCache | None" = None) -> FlexAttentionMask:
+                              block_mask: BlockMask | None = None) -> FlexAttentionMask:
     """The block mask from `attention_rule` over (roles, steps) and the relative-bias score_mod.
 
     The rule is evaluated once, to a boolean [B, queries, keys]: any rule layout.py defines works
-    unchanged. Keys default to the queries (a full forward). `block_masks` reuses the block mask of
-    the same (roles, steps) built by an earlier layer (pipeline stages, see `BlockMaskCache`).
+    unchanged. Keys default to the queries (a full forward). `block_mask`: the one `build_block_mask`
+    already made for these (roles, steps) (pipeline stages, see `pipeline.StageCache`).
     """
-    if block_masks is not None and key_roles is None:
-        block_mask = block_masks.get(attention_rule, roles, steps)
-    else:
+    if block_mask is None:
         block_mask = build_block_mask(attention_rule, roles, steps, key_roles, key_steps)
     key_position_ids = position_ids if key_position_ids is None else key_position_ids
     return FlexAttentionMask(block_mask, distance_bias, position_ids, key_position_ids, max_distance)
@@ -99,36 +97,6 @@ def build_block_mask(attention_rule, roles: torch.Tensor, steps: torch.Tensor, k
     # block in eager ops (the rule's boolean is already materialised once, at one byte per pair).
     return create_block_mask(mask_mod, batch, None, queries, keys, device=allowed.device,
                              _compile=allowed.device.type == "cuda")
-
-
-class BlockMaskCache:
-    """The block mask of the last (rule, roles, steps) seen, for the layers of one pipeline stage.
-
-    `BertModel` builds the mask once per micro batch before its layers; a pipeline stage cannot
-    receive it (stages exchange tensors only), so each of its layers would rebuild it from the
-    roles and steps that travel with the hidden states. They are the same tensors (or detached
-    views of them, under activation checkpointing) for every layer of the stage: recognised by
-    storage, shape, strides and version counter while this cache holds them alive.
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple | None = None
-        self._held: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._block_mask: BlockMask | None = None
-        self.builds = 0
-        """Block masks built so far (a test reads it)."""
-
-    @staticmethod
-    def _identity(tensor: torch.Tensor) -> tuple:
-        return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor._version)
-
-    def get(self, attention_rule, roles: torch.Tensor, steps: torch.Tensor) -> BlockMask:
-        key = (attention_rule, self._identity(roles), self._identity(steps))
-        if key != self._key:
-            self._block_mask = build_block_mask(attention_rule, roles, steps)
-            self._key, self._held = key, (roles, steps)
-            self.builds += 1
-        return self._block_mask
 
 
 BIAS_GRADIENT_TILE = 128

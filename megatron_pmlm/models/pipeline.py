@@ -13,32 +13,72 @@ Layer specs, in order (index: what):
 Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
 gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
 batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
-hidden states so the relative-position table lives on the first stage only. With the flex backend
-the stages pass the relative-bias distance table [heads, 2 x max_distance + 1] (its gradient flows
-back to the first stage) and the position ids, steps and roles; the first layer of a stage builds
-the FlexAttention block mask from the same rule and the stage's other layers reuse it
-(`flex_attention.BlockMaskCache`): no dense [B, heads, T, T] tensor is sent.
+hidden states so the relative-position table lives on the first stage only. With the flex and
+triton backends the stages pass the relative-bias table (flex: per distance, [heads, 2 x max_distance
++ 1]; triton: per bucket, [heads, bins] in fp32; its gradient flows back to the first stage) and the
+position ids, steps and roles; the first layer of a stage builds what its attention reads from the
+same rule (flex: the block mask; triton: each pair's bucket code and the tile lists) and the stage's
+other layers reuse it (`StageCache`): no dense [B, heads, T, T] tensor is sent.
 """
 
 from __future__ import annotations
 
 import re
+from typing import Callable, TypeVar
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
+from . import bucket_attention
 from .layout import (MASKED, PSEUDO, AttentionRule, gather_slots, pad_layout_inputs, pmlm_attention_allowed,
                      pmlm_predicted_index, widen_flat_index)
-from .flex_attention import BlockMaskCache, build_flex_attention_mask, default_layout_quantum
+from .flex_attention import build_block_mask, build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias,
                     initialize_weights, mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
 from .objectives import Objective
-from .relative_bias import query_dtype
+from .relative_bias import query_dtype, relative_buckets
 from ..parallel.layers import ParallelLayers
 from ..parallel.deepspeed_import import import_deepspeed
 
 TIED_KEY = "word_embeddings"
+TABLE_BACKENDS = ("flex", "triton")
+"""The attention backends whose stages pass the relative-bias table, not the dense bias."""
+
+Built = TypeVar("Built")
+
+
+class StageCache:
+    """What the layers of one pipeline stage build from the micro batch's layout tensors (flex: the
+    block mask; triton: the bucket codes and tile lists), built by the first and reused by the rest.
+
+    `BertModel` builds it once per micro batch before its layers; a pipeline stage cannot receive it
+    (stages exchange tensors only), so each of its layers would rebuild it from the roles, steps and
+    positions that travel with the hidden states. They are the same tensors (or detached views of
+    them, under activation checkpointing) for every layer of the stage: recognised by storage, shape,
+    strides and version counter while this cache holds them alive.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._held: tuple[torch.Tensor, ...] = ()
+        self._built = None
+        self.builds = 0
+        """Values built so far (a test reads it)."""
+
+    @staticmethod
+    def _identity(tensor: torch.Tensor) -> tuple:
+        return (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor._version)
+
+    def get(self, build: Callable[[], Built], recipe: tuple, *tensors: torch.Tensor) -> Built:
+        """`build()`'s value, built again only when the `recipe` (what is built, how: hashable) or a
+        tensor it is built from is not the last call's."""
+        key = recipe + tuple(self._identity(tensor) for tensor in tensors)
+        if key != self._key:
+            self._built = build()
+            self._key, self._held = key, tensors
+            self.builds += 1
+        return self._built
 
 
 class WordEmbeddingPipe(nn.Module):
@@ -92,16 +132,21 @@ class EmbeddingPipe(nn.Module):
                              if config.rel_pos else None)
 
     def forward(self, activations):
-        """sdpa: (hidden, dense bias, segment ids, roles, labels, index); flex: (hidden, distance
-        table, position ids, steps, segment ids, roles, labels, index). The last four are the same in
-        both, for HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
+        """sdpa: (hidden, dense bias, segment ids, roles, labels, index); flex and triton: (hidden,
+        bias table, position ids, steps, segment ids, roles, labels, index). The last four are the
+        same in all, for HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
         word, position_ids, token_type_ids, roles, steps, labels, index = activations
         hidden = self.dropout(self.LayerNorm(
             word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
-        if self.attention_backend == "flex":
+        if self.attention_backend in TABLE_BACKENDS:
             # Without the bias an integer placeholder travels instead: DeepSpeed sends no empty tensors
             # and expects a gradient for every floating-point activation.
-            table = self.rel_pos_bias() if self.rel_pos_bias is not None else position_ids.new_zeros(1)
+            if self.rel_pos_bias is None:
+                table = position_ids.new_zeros(1)
+            elif self.attention_backend == "flex":
+                table = self.rel_pos_bias()
+            else:  # the fp32 copy the kernels read (RelativePositionBias.forward's kernel_inputs)
+                table = self.rel_pos_bias.weight.to(torch.float32, copy=True)
             return hidden, table, position_ids, steps, token_type_ids, roles, labels, index
         if self.rel_pos_bias is None:
             # The mask alone as booleans: a floating-point activation without a gradient would stop
@@ -116,12 +161,14 @@ class EmbeddingPipe(nn.Module):
 
 class LayerPipe(BertLayer):
     def __init__(self, config: ModelConfig, layers: ParallelLayers,
-                 attention_rule: AttentionRule = pmlm_attention_allowed, block_masks: BlockMaskCache | None = None):
+                 attention_rule: AttentionRule = pmlm_attention_allowed, stage_cache: StageCache | None = None):
         super().__init__(config, layers)
         self.attention_rule = attention_rule
+        self.attention_backend = config.attention_backend
+        self.num_buckets = config.rel_pos_bins
         self.max_distance = config.max_rel_pos
-        self.block_masks = block_masks
-        """Shared by the layers of this stage: flex's block mask is built once per micro batch."""
+        self.stage_cache = stage_cache if stage_cache is not None else StageCache()
+        """Shared by the layers of this stage: what attention reads is built once per micro batch."""
 
     def forward(self, activations):
         if len(activations) == 6:  # sdpa
@@ -130,9 +177,26 @@ class LayerPipe(BertLayer):
                         if bias.dtype == torch.bool else bias)
             return (super().forward(hidden, additive),) + tuple(activations[1:])
         hidden, table, position_ids, steps, _, roles, _, _ = activations
-        mask = build_flex_attention_mask(self.attention_rule, roles, steps, table if table.is_floating_point() else None,
-                                         position_ids, self.max_distance, block_masks=self.block_masks)
+        table = table if table.is_floating_point() else None
+        rule = self.attention_rule
+        if self.attention_backend == "triton":
+            codes, _, tiles = self.stage_cache.get(
+                lambda: self._kernel_inputs(roles, steps, position_ids if table is not None else None),
+                ("codes", rule, table is not None, bucket_attention.FORWARD_SHAPE, bucket_attention.KEY_VALUE_SHAPE),
+                roles, steps, position_ids)
+            return (super().forward(hidden, bucket_attention.BucketAttentionInputs(codes, table, tiles)),) + \
+                tuple(activations[1:])
+        block_mask = self.stage_cache.get(lambda: build_block_mask(rule, roles, steps), ("block mask", rule),
+                                          roles, steps)
+        mask = build_flex_attention_mask(rule, roles, steps, table, position_ids, self.max_distance, block_mask=block_mask)
         return (super().forward(hidden, mask),) + tuple(activations[1:])
+
+    def _kernel_inputs(self, roles, steps, position_ids) -> bucket_attention.BucketAttentionInputs:
+        """The triton backend's codes and tile lists, as `model.attention_inputs` builds them (no table)."""
+        buckets = (None if position_ids is None else
+                   relative_buckets(position_ids, position_ids, self.num_buckets, self.max_distance))
+        return bucket_attention.kernel_inputs(
+            bucket_attention.attention_codes(buckets, self.attention_rule(roles, steps)), None)
 
 
 class HeadTransformPipe(nn.Module):
@@ -235,8 +299,8 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     tied = dict(tied_weight_attr=["word_embeddings.weight"])
     specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective, **tied),
              LayerSpec(EmbeddingPipe, config, layers)]
-    block_masks = BlockMaskCache() if config.attention_backend == "flex" else None
-    specs += [LayerSpec(LayerPipe, config, layers, block_masks=block_masks) for _ in range(config.num_layers)]
+    stage_cache = StageCache()  # the layers of one process are one stage
+    specs += [LayerSpec(LayerPipe, config, layers, stage_cache=stage_cache) for _ in range(config.num_layers)]
     specs += [LayerSpec(HeadTransformPipe, config, objective),
               TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective,
                             forward_fn=tied_logits_forward(layers), **tied),

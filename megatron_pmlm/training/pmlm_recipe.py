@@ -83,9 +83,6 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
         raise ConfigError(f"--pipeline-model-parallel-size {pp} exceeds the {model_config.num_layers} layers")
 
     check_attention_backend(model_config, training_device_type())
-    if model_config.attention_backend == "triton" and pp > 1:
-        raise ConfigError(f"--attention-backend triton with --pipeline-model-parallel-size {pp}: the pipeline stages "
-                          "send the sdpa bias or the flex table between them; use --attention-backend sdpa")
     if args.compile:
         check_compile(training.zero_stage, tp, pp, model_config.attention_backend)
 
