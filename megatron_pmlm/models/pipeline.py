@@ -2,7 +2,7 @@
 
 Layer specs, in order (index: what):
     0        WordEmbeddingPipe (tied "word_embeddings"): token embedding lookup  -- first stage
-    1        EmbeddingPipe: position/segment embeddings, LayerNorm, dropout, attention bias
+    1        EmbeddingPipe: position/segment embeddings, LayerNorm, dropout, the relative-bias table
     2..L+1   LayerPipe: the transformer layers
     L+2      HeadTransformPipe: gathers the predicted slots (the batch's `predicted_index`, made
              on the CPU with it: no host-device sync), dense + GELU + LayerNorm
@@ -12,13 +12,15 @@ Layer specs, in order (index: what):
              UniLM v1: per-LM sums and the next-sentence head, through unilm.unilm_losses_from_logits)
 Only the word embedding is shared between the first and the last stage; DeepSpeed all-reduces its
 gradient across the two. Activations between stages are tuples of tensors whose shapes vary per
-batch (`dynamic_shape`); with the sdpa backend the attention bias [B, heads, T, T] travels with the
-hidden states so the relative-position table lives on the first stage only. With the flex and
-triton backends the stages pass the relative-bias table (flex: per distance, [heads, 2 x max_distance
-+ 1]; triton: per bucket, [heads, bins] in fp32; its gradient flows back to the first stage) and the
-position ids, steps and roles; the first layer of a stage builds what its attention reads from the
-same rule (flex: the block mask; triton: each pair's bucket code and the tile lists) and the stage's
-other layers reuse it (`StageCache`): no dense [B, heads, T, T] tensor is sent.
+batch (`dynamic_shape`): the hidden states, the relative-bias table (sdpa and triton: per bucket,
+[heads, bins] in fp32; flex: per distance, [heads, 2 x max_distance + 1]; its gradient flows back to
+the first stage, which holds the parameter), and the layout (position ids, steps, segment ids,
+roles, labels, predicted index). The first layer of a stage builds what its attention reads from
+the attention rule (sdpa: the dense bias without a gradient, each layer then reducing its own bias
+gradient into the table as `BertModel` does on a GPU; flex: the block mask; triton: each pair's
+bucket code and the tile lists) and the stage's other layers reuse it (`StageCache`): no
+[B, heads, T, T] tensor crosses a stage, where the sdpa bias and its gradient did (1.4 GB a micro
+batch at base, seq 512 x 64, in bf16, against 66 MB of hidden states).
 """
 
 from __future__ import annotations
@@ -34,17 +36,14 @@ from . import bucket_attention
 from .layout import (MASKED, PSEUDO, AttentionRule, gather_slots, pad_layout_inputs, pmlm_attention_allowed,
                      pmlm_predicted_index, widen_flat_index)
 from .flex_attention import build_block_mask, build_flex_attention_mask, default_layout_quantum
-from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, attention_bias,
-                    initialize_weights, mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
+from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, initialize_weights,
+                    mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
 from .objectives import Objective
-from .relative_bias import query_dtype, relative_buckets
+from .relative_bias import LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias, relative_buckets
 from ..parallel.layers import ParallelLayers
 from ..parallel.deepspeed_import import import_deepspeed
 
 TIED_KEY = "word_embeddings"
-TABLE_BACKENDS = ("flex", "triton")
-"""The attention backends whose stages pass the relative-bias table, not the dense bias."""
-
 Built = TypeVar("Built")
 
 
@@ -118,10 +117,8 @@ def tied_logits_forward(layers: ParallelLayers):
 
 
 class EmbeddingPipe(nn.Module):
-    def __init__(self, config: ModelConfig, layers: ParallelLayers,
-                 attention_rule: AttentionRule = pmlm_attention_allowed):
+    def __init__(self, config: ModelConfig, layers: ParallelLayers):
         super().__init__()
-        self.attention_rule = attention_rule
         self.attention_backend = config.attention_backend
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
@@ -132,31 +129,20 @@ class EmbeddingPipe(nn.Module):
                              if config.rel_pos else None)
 
     def forward(self, activations):
-        """sdpa: (hidden, dense bias, segment ids, roles, labels, index); flex and triton: (hidden,
-        bias table, position ids, steps, segment ids, roles, labels, index). The last four are the
-        same in all, for HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
+        """(hidden, bias table, position ids, steps, segment ids, roles, labels, index); the last four
+        for HeadTransformPipe (the segment ids tell UniLM v1's LM type)."""
         word, position_ids, token_type_ids, roles, steps, labels, index = activations
         hidden = self.dropout(self.LayerNorm(
             word + self.position_embeddings(position_ids) + self.token_type_embeddings(token_type_ids)))
-        if self.attention_backend in TABLE_BACKENDS:
-            # Without the bias an integer placeholder travels instead: DeepSpeed sends no empty tensors
-            # and expects a gradient for every floating-point activation.
-            if self.rel_pos_bias is None:
-                table = position_ids.new_zeros(1)
-            elif self.attention_backend == "flex":
-                table = self.rel_pos_bias()
-            else:  # the fp32 copy the kernels read (RelativePositionBias.forward's kernel_inputs)
-                table = self.rel_pos_bias.weight.to(torch.float32, copy=True)
-            return hidden, table, position_ids, steps, token_type_ids, roles, labels, index
         if self.rel_pos_bias is None:
-            # The mask alone as booleans: a floating-point activation without a gradient would stop
-            # DeepSpeed's backward pass; each layer turns it into the additive bias.
-            return hidden, self.attention_rule(roles, steps)[:, None], token_type_ids, roles, labels, index
-        # Contiguous: DeepSpeed's p2p send takes no strided view (the model's own bias is an SDPA-aligned
-        # view, see model.attention_bias); the receiving stages' SDPA pads this copy per layer on a GPU.
-        bias = attention_bias(self.rel_pos_bias, self.attention_rule, position_ids, roles, steps,
-                              query_dtype(hidden)).contiguous()
-        return hidden, bias, token_type_ids, roles, labels, index
+            # An integer placeholder: DeepSpeed sends no empty tensors and expects a gradient for every
+            # floating-point activation.
+            table = position_ids.new_zeros(1)
+        elif self.attention_backend == "flex":
+            table = self.rel_pos_bias()
+        else:  # a differentiable fp32 copy (RelativePositionBias.forward's kernel_inputs makes the same)
+            table = self.rel_pos_bias.weight.to(torch.float32, copy=True)
+        return hidden, table, position_ids, steps, token_type_ids, roles, labels, index
 
 
 class LayerPipe(BertLayer):
@@ -171,25 +157,33 @@ class LayerPipe(BertLayer):
         """Shared by the layers of this stage: what attention reads is built once per micro batch."""
 
     def forward(self, activations):
-        if len(activations) == 6:  # sdpa
-            hidden, bias = activations[:2]
-            additive = (torch.zeros(bias.shape, dtype=hidden.dtype, device=bias.device).masked_fill(~bias, float("-inf"))
-                        if bias.dtype == torch.bool else bias)
-            return (super().forward(hidden, additive),) + tuple(activations[1:])
         hidden, table, position_ids, steps, _, roles, _, _ = activations
         table = table if table.is_floating_point() else None
-        rule = self.attention_rule
+        attention = self._attention_inputs(hidden, table, position_ids, roles, steps)
+        return (super().forward(hidden, attention),) + tuple(activations[1:])
+
+    def _attention_inputs(self, hidden, table, position_ids, roles, steps):
+        """What this layer's attention takes (`model.attention_inputs`), from what the stage built
+        for the micro batch."""
+        rule, cache = self.attention_rule, self.stage_cache
+        if self.attention_backend == "flex":
+            block_mask = cache.get(lambda: build_block_mask(rule, roles, steps), ("block mask", rule), roles, steps)
+            return build_flex_attention_mask(rule, roles, steps, table, position_ids, self.max_distance,
+                                             block_mask=block_mask)
         if self.attention_backend == "triton":
-            codes, _, tiles = self.stage_cache.get(
+            codes, _, tiles = cache.get(
                 lambda: self._kernel_inputs(roles, steps, position_ids if table is not None else None),
                 ("codes", rule, table is not None, bucket_attention.FORWARD_SHAPE, bucket_attention.KEY_VALUE_SHAPE),
                 roles, steps, position_ids)
-            return (super().forward(hidden, bucket_attention.BucketAttentionInputs(codes, table, tiles)),) + \
-                tuple(activations[1:])
-        block_mask = self.stage_cache.get(lambda: build_block_mask(rule, roles, steps), ("block mask", rule),
-                                          roles, steps)
-        mask = build_flex_attention_mask(rule, roles, steps, table, position_ids, self.max_distance, block_mask=block_mask)
-        return (super().forward(hidden, mask),) + tuple(activations[1:])
+            return bucket_attention.BucketAttentionInputs(codes, table, tiles)
+        dtype = query_dtype(hidden)
+        if table is None:
+            return cache.get(lambda: blocked_bias(rule(roles, steps), dtype), ("mask", rule, dtype), roles, steps)
+        bias, buckets = cache.get(
+            lambda: relative_attention_bias(table.detach(), position_ids, position_ids, self.num_buckets,
+                                            self.max_distance, rule(roles, steps), dtype, per_layer_gradient=True),
+            ("bias", rule, dtype), roles, steps, position_ids, table)
+        return LayerBiasUse.apply(table, bias, buckets)
 
     def _kernel_inputs(self, roles, steps, position_ids) -> bucket_attention.BucketAttentionInputs:
         """The triton backend's codes and tile lists, as `model.attention_inputs` builds them (no table)."""

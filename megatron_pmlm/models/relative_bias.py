@@ -152,12 +152,13 @@ def table_gradient(grad: torch.Tensor, buckets: torch.Tensor, bins: int, dtype: 
 
 class LayerBiasUse(torch.autograd.Function):
     """One layer's use of the shared bias when each layer reduces its own bias gradient
-    (`BertModel.table_gradient_per_layer`): the forward hands the bias, built once without a
-    gradient, on as it is (a view); the backward reduces this layer's bias gradient into the table's
-    at once (`bucket_sums`, one read of it). Autograd then sums one small [heads, bins] table per
-    layer instead of the layers' bias-sized gradients (11 reads of two and writes of one bias-sized
-    tensor at 12 layers), and no bias-sized gradient outlives its layer's backward. `table` is given
-    in fp32 (the model casts it once), so the layers' tables are summed in fp32."""
+    (`BertModel.table_gradient_per_layer`, and pipeline stages): the forward hands the bias, built
+    once without a gradient, on as it is (a view); the backward reduces this layer's bias gradient
+    into the table's at once (`table_gradient`: on a GPU `bucket_sums`, one read of it). Autograd
+    then sums one small [heads, bins] table per layer instead of the layers' bias-sized gradients
+    (11 reads of two and writes of one bias-sized tensor at 12 layers), and no bias-sized gradient
+    outlives its layer's backward. `table` is given in fp32 (the model casts it once), so the
+    layers' tables are summed in fp32."""
 
     @staticmethod
     def forward(ctx, table: torch.Tensor, bias: torch.Tensor, buckets: torch.Tensor) -> torch.Tensor:
@@ -168,7 +169,7 @@ class LayerBiasUse(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (buckets,) = ctx.saved_tensors
-        return torch.ops.megatron_pmlm.bucket_sums(grad, buckets, ctx.bins), None, None
+        return table_gradient(grad, buckets, ctx.bins, torch.float32), None, None
 
 
 class PerLayerBias(NamedTuple):
