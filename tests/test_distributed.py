@@ -59,9 +59,10 @@ def trained_table(checkpoint: Path) -> torch.Tensor:
     ["--zero-stage", "2"],
     ["--zero-stage", "3"],
     ["--zero-stage", "2", "--checkpoint-activations"],
+    ["--pipeline-model-parallel-size", "2", "--checkpoint-activations"],
     ["--pipeline-model-parallel-size", "2", "--attention-backend", "flex", "--checkpoint-activations"],
 ], ids=["zero0-dp2", "tp2", "pp2", "zero1-dp2", "zero2-dp2", "zero3-dp2", "zero2-dp2-activation-checkpointing",
-        "pp2-flex-activation-checkpointing"])
+        "pp2-activation-checkpointing", "pp2-flex-activation-checkpointing"])
 def test_every_layout_reproduces_the_single_process_run(layout, baseline_run, pretraining_samples, tmp_path):
     """Data parallel only (tensor and pipeline size 1) runs without megatron-core (its groups made by
     parallel.distributed.DataParallelMPU; zero0-dp2: our AdamW sums the gradient norm over its
