@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pmlm_testing import run_module, torchrun
+from megatron_pmlm.config import model_config_from_preset
+from pmlm_testing import REPO_ROOT, run_module, torchrun
 
 TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "2e-3",
         "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0"]
@@ -127,6 +128,28 @@ def test_pipeline_without_the_relative_bias_reproduces_one_process_with_either_b
                               "--pipeline-model-parallel-size", "2", "--attention-backend", backend, nproc=2, iters=2,
                               env={"TRITON_INTERPRET": "1"} if backend == "triton" else None)
         assert losses(records) == pytest.approx(losses(reference), rel=2e-4), (backend, records, reference)
+
+
+def test_pipeline_stages_send_the_hidden_states_and_no_attention_bias(pretraining_samples, tmp_path):
+    """tools/bench_pipeline_traffic.py over two sdpa stages: the largest tensors crossing are the
+    hidden states [B, T, hidden]; no [B, heads, T, T] bias goes forward or comes back as a gradient
+    (the first stage sent both before the stages passed the table)."""
+    report_path = tmp_path / "traffic.json"
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_pipeline_traffic.py"), "--nproc", "2",
+                             "--json", str(report_path), "--", "--data-path", str(pretraining_samples), *TINY,
+                             *NO_DROPOUT, "--train-iters", "1", "--pipeline-model-parallel-size", "2"],
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["micro_batches_per_rank"] == 4 and len(report["ranks"]) == 2, report
+    hidden_size = model_config_from_preset("tiny").hidden_size
+    for rank in report["ranks"]:
+        assert rank["bytes_per_micro_batch"] > 0, rank
+        largest = rank["largest"][0]
+        assert len(largest["shape"]) == 3 and largest["shape"][-1] == hidden_size, rank
+        assert all(len(entry["shape"]) <= 3 for entry in rank["largest"]), rank
+    assert "| rank | bytes sent |" in result.stdout
 
 
 @pytest.mark.parametrize("layout", [["--zero-stage", "2"], ["--tensor-model-parallel-size", "2"]],
