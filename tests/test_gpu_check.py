@@ -74,6 +74,11 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
         "base-seq128-bf16-sdpa-mb256", "base-seq512-bf16-sdpa-mb64", "base-seq128-bf16-triton-mb256",
         "base-seq512-bf16-triton-mb64"]
     assert all(spec["real"] and spec["flags"] == ["--deepspeed"] for spec in kernels[4:6])
+    # ... and compiled, right after sdpa's compiled rows at the large micro batches
+    assert [gpu_check.bench_name(spec, "base") for spec in kernels][6:10] == [
+        "base-seq128-bf16-sdpa-compile-mb256", "base-seq512-bf16-sdpa-compile-mb64",
+        "base-seq128-bf16-triton-compile-mb256", "base-seq512-bf16-triton-compile-mb64"]
+    assert all(spec["flags"] == list(gpu_check.COMPILE_FLAGS) and not spec["traced"] for spec in kernels[8:10])
     # Without --compile in bench_train: the large batches eager only.
     no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
                                       large_batches=gpu_check.LARGE_BATCH_SHAPES)

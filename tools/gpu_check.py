@@ -269,7 +269,8 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     of each of `accumulation` (seq, micro batch, k; eager, named `-ga<k>`); then the --compile row per
     shape (pretrain's step compiled too); then the other backends at the preferred precision; then the
     other precisions. Each of `kernel_backends` (triton) times pretrain's step at the large micro
-    batches, eager, right after sdpa's rows there: the same step with another attention kernel.
+    batches, eager right after sdpa's eager rows there, compiled right after sdpa's compiled ones:
+    the same step with another attention kernel.
     `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
@@ -297,9 +298,14 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                          "name_suffix": f"-mb{micro_batch}",
                          "priority": 0.5 if kind == "eager" else 1})
         for backend in kernel_backends:
-            plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
-                         "backend": backend, "kind": "eager", "real": True, "flags": ["--deepspeed"],
-                         "traced": False, "name_suffix": f"-mb{micro_batch}", "priority": 0.6})
+            # eager right after sdpa's eager rows; compiled after sdpa's compiled ones (the likeliest
+            # fastest step: the layers compiled around the kernel, which inductor calls as it is)
+            for kind in ("eager", "compile") if compile_rows else ("eager",):
+                plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
+                             "backend": backend, "kind": kind, "real": True,
+                             "flags": list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"],
+                             "traced": False, "name_suffix": f"-mb{micro_batch}",
+                             "priority": 0.6 if kind == "eager" else 1.1})
     for seq_length, micro_batch, steps in accumulation:
         plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
                      "kind": "eager", "real": True,
