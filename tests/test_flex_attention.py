@@ -212,4 +212,7 @@ def test_the_layers_of_a_pipeline_stage_build_one_block_mask_per_micro_batch():
     fresh = build_block_mask(pmlm_attention_allowed, roles, batch.steps)
     cached = cache.get(lambda: None, ("block mask", pmlm_attention_allowed), roles, batch.steps)
     assert cache.builds == builds + 1 and torch.equal(cached.to_dense(), fresh.to_dense())
+    cache.clear()  # the batch's end: nothing of it is kept, the next call builds
+    run(roles, batch.steps)
+    assert cache.builds == builds + 2
     assert torch.isfinite(out).all()

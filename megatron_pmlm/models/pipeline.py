@@ -79,6 +79,11 @@ class StageCache:
             self.builds += 1
         return self._built
 
+    def clear(self) -> None:
+        """Let go of the last micro batch's tensors and what was built from them (the sdpa bias:
+        0.7 GB at base, seq 512 x 64), so they do not outlive the batch (`PMLMPipeline.end_batch`)."""
+        self._key, self._held, self._built = None, (), None
+
 
 class WordEmbeddingPipe(nn.Module):
     def __init__(self, config: ModelConfig, layers: ParallelLayers, objective: Objective | None = None):
@@ -273,14 +278,19 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
+    stage_cache = StageCache()  # the layers of one process are one stage
+
     class PMLMPipeline(PipelineModule):
-        """Collects each micro batch's metrics on the last stage for logging."""
+        """Collects each micro batch's metrics on the last stage for logging; `end_batch` hands them over."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self._metrics: list[torch.Tensor] = []
 
-        def pop_metrics(self) -> list[torch.Tensor]:
+        def end_batch(self) -> list[torch.Tensor]:
+            """After `train_batch`/`eval_batch`, on every stage: the metrics of its micro batches (the
+            last stage's; empty elsewhere), and the stage's layers let go of what they built."""
+            stage_cache.clear()
             metrics, self._metrics = self._metrics, []
             return metrics
 
@@ -293,7 +303,6 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     tied = dict(tied_weight_attr=["word_embeddings.weight"])
     specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective, **tied),
              LayerSpec(EmbeddingPipe, config, layers)]
-    stage_cache = StageCache()  # the layers of one process are one stage
     specs += [LayerSpec(LayerPipe, config, layers, stage_cache=stage_cache) for _ in range(config.num_layers)]
     specs += [LayerSpec(HeadTransformPipe, config, objective),
               TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective,

@@ -206,7 +206,7 @@ class Trainer:
         sums, tokens_before = MetricSums(self.metrics, self.device), batches.tokens
         if self.pipeline:
             self.engine.train_batch(data_iter=_PipelineInputs(batches))
-            for metrics in self.engine.module.pop_metrics():
+            for metrics in self.engine.module.end_batch():
                 sums.add_tensor(metrics)
         else:
             for _ in range(self.engine.gradient_accumulation_steps()):
@@ -240,7 +240,7 @@ class Trainer:
                 for _ in range(max(1, num_batches // self.engine.gradient_accumulation_steps())):
                     heartbeat.beat("validation", self.iteration)
                     self.engine.eval_batch(data_iter=_PipelineInputs(prefetched))
-                    for metrics in self.engine.module.pop_metrics():
+                    for metrics in self.engine.module.end_batch():
                         sums.add_tensor(metrics)
             else:
                 for _ in range(num_batches):
