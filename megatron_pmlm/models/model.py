@@ -67,10 +67,8 @@ class RelativePositionBias(nn.Module):
         for the same reason.
         """
         if kernel_inputs:
-            key_position_ids = position_ids if key_position_ids is None else key_position_ids
-            buckets = relative_buckets(position_ids, key_position_ids, self.num_buckets, self.max_distance)
-            return bucket_attention.kernel_inputs(bucket_attention.attention_codes(buckets, allowed),
-                                                  self.weight.to(torch.float32, copy=True))
+            return triton_attention_inputs(allowed, self.weight.to(torch.float32, copy=True), position_ids,
+                                           key_position_ids, self.num_buckets, self.max_distance)
         if position_ids is None:
             distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
@@ -387,7 +385,7 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
     if backend == "triton":
         allowed = attention_rule(roles, steps)
         if rel_pos_bias is None:
-            return bucket_attention.kernel_inputs(bucket_attention.attention_codes(None, allowed), None)
+            return triton_attention_inputs(allowed, None)
         return rel_pos_bias(position_ids, None, allowed, kernel_inputs=True)
     if backend == "flex":
         return build_flex_attention_mask(
@@ -395,6 +393,18 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
             position_ids, rel_pos_bias.max_distance if rel_pos_bias is not None else 0)
     return attention_bias(rel_pos_bias, attention_rule, position_ids, roles, steps, dtype,
                           per_layer_gradient=per_layer_gradient)
+
+
+def triton_attention_inputs(allowed: torch.Tensor, table: torch.Tensor | None, position_ids=None,
+                            key_position_ids=None, num_buckets: int = 0, max_distance: int = 0
+                            ) -> BucketAttentionInputs:
+    """The triton backend's inputs: each pair's code (its relative-distance bucket, from the position
+    ids when there is a `table`; BLOCKED where `allowed` is False), the codes' tile lists, the table."""
+    buckets = None
+    if table is not None:
+        key_position_ids = position_ids if key_position_ids is None else key_position_ids
+        buckets = relative_buckets(position_ids, key_position_ids, num_buckets, max_distance)
+    return bucket_attention.kernel_inputs(bucket_attention.attention_codes(buckets, allowed), table)
 
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,

@@ -37,9 +37,9 @@ from .layout import (MASKED, PSEUDO, AttentionRule, gather_slots, pad_layout_inp
                      pmlm_predicted_index, widen_flat_index)
 from .flex_attention import build_block_mask, build_flex_attention_mask, default_layout_quantum
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, initialize_weights,
-                    mask_vocabulary_padding, pmlm_losses_from_logits, vocabulary_padding)
+                    mask_vocabulary_padding, pmlm_losses_from_logits, triton_attention_inputs, vocabulary_padding)
 from .objectives import Objective
-from .relative_bias import LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias, relative_buckets
+from .relative_bias import LayerBiasUse, blocked_bias, query_dtype, relative_attention_bias
 from ..parallel.layers import ParallelLayers
 from ..parallel.deepspeed_import import import_deepspeed
 
@@ -176,11 +176,12 @@ class LayerPipe(BertLayer):
             return build_flex_attention_mask(rule, roles, steps, table, position_ids, self.max_distance,
                                              block_mask=block_mask)
         if self.attention_backend == "triton":
-            codes, _, tiles = cache.get(
-                lambda: self._kernel_inputs(roles, steps, position_ids if table is not None else None),
+            inputs = cache.get(
+                lambda: triton_attention_inputs(rule(roles, steps), table, position_ids, None, self.num_buckets,
+                                                self.max_distance),
                 ("codes", rule, table is not None, bucket_attention.FORWARD_SHAPE, bucket_attention.KEY_VALUE_SHAPE),
                 roles, steps, position_ids)
-            return bucket_attention.BucketAttentionInputs(codes, table, tiles)
+            return inputs._replace(table=table)  # this layer's table tensor (checkpointing passes a view)
         dtype = query_dtype(hidden)
         if table is None:
             return cache.get(lambda: blocked_bias(rule(roles, steps), dtype), ("mask", rule, dtype), roles, steps)
@@ -189,13 +190,6 @@ class LayerPipe(BertLayer):
                                             self.max_distance, rule(roles, steps), dtype, per_layer_gradient=True),
             ("bias", rule, dtype), roles, steps, position_ids, table)
         return LayerBiasUse.apply(table, bias, buckets)
-
-    def _kernel_inputs(self, roles, steps, position_ids) -> bucket_attention.BucketAttentionInputs:
-        """The triton backend's codes and tile lists, as `model.attention_inputs` builds them (no table)."""
-        buckets = (None if position_ids is None else
-                   relative_buckets(position_ids, position_ids, self.num_buckets, self.max_distance))
-        return bucket_attention.kernel_inputs(
-            bucket_attention.attention_codes(buckets, self.attention_rule(roles, steps)), None)
 
 
 class HeadTransformPipe(nn.Module):
