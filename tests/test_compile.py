@@ -8,7 +8,9 @@ all but the first compilation."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -267,12 +269,12 @@ def traced_regions(log: str) -> set[str]:
     return {name for name in TRACED_REGIONS if f"torchdynamo done tracing {name} " in log}
 
 
-def _pretrain(samples, tmp_path, name, *args, timeout=600):
+def _pretrain(samples, tmp_path, name, *args, timeout=600, nproc=1):
     history = tmp_path / f"{name}.json"
     result = run_module(
         "megatron_pmlm.pretrain", "--preset", "tiny", "--data-path", str(samples), "--micro-batch-size", "8",
         "--global-batch-size", "16", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout,
+        "--attention-dropout", "0", "--history-json", str(history), *args, timeout=timeout, nproc=nproc,
         env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM), "TORCH_LOGS": "dynamo"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [r for r in json.loads(history.read_text()) if "loss" in r], result
@@ -315,10 +317,61 @@ def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(eager_run, pr
     assert [r["iteration"] for r in records] == [3]
 
 
+def test_pipeline_stages_compile_their_layers_head_and_loss_and_give_the_eager_run(eager_run, pretraining_samples,
+                                                                                  tmp_path):
+    """--compile with --pipeline-model-parallel-size 2 and --checkpoint-activations: each stage
+    compiles its layers as one region (`BertLayer.forward`, the stage cache's bookkeeping outside),
+    the last stage its head and loss; losses, and the relative-bias table trained through the
+    stages, equal the single-process eager run's (as every layout does: tests/test_distributed.py).
+    Recomputed by DeepSpeed's non-reentrant checkpoint, the layers run with grad only: one
+    compilation per width, none without grad (the reentrant checkpoint's forward would add them)."""
+    from megatron_pmlm.pretrained import load_model
+
+    reference, checkpoint = eager_run
+    records, result = _pretrain(pretraining_samples, tmp_path, "pipeline", "--train-iters", "2", "--compile",
+                                "--pipeline-model-parallel-size", "2", "--checkpoint-activations", "--save",
+                                str(tmp_path / "ckpt"), nproc=2)
+    assert [r["loss"] for r in records] == pytest.approx(reference, rel=2e-4, abs=2e-4)
+    tables = [load_model(path).state_dict["bert.rel_pos_bias.weight"] for path in (tmp_path / "ckpt", checkpoint)]
+    assert float((tables[0] - tables[1]).abs().max()) <= 1e-5
+    traced = set(re.findall(r"\[rank(\d)\]:.*torchdynamo start tracing forward (\S+):\d+", result.stderr))
+    layer_file, pipeline_file = (str(Path(compiled.__file__).with_name(name)) for name in ("model.py", "pipeline.py"))
+    assert traced == {("0", layer_file), ("1", layer_file), ("1", pipeline_file)}, traced
+    announced = [line for line in result.stderr.splitlines() if line.startswith("compiled regions: compiling")]
+    layers = [line for line in announced if line.startswith("compiled regions: compiling transformer layer for width")]
+    widths = [int(line.split("for width ")[1].split()[0]) for line in layers]
+    assert widths and all(width % RUN_QUANTUM == 0 for width in widths), announced
+    assert not any("no grad" in line for line in layers), layers
+
+
+def test_the_pipeline_stage_tool_compares_a_compiled_stage_with_eager(tmp_path):
+    """tools/bench_pipeline_stage.py (the CPU proxy in docs/benchmarks.md): a stage of LayerPipes
+    compiled launches fewer kernels per micro batch than eager and computes the same output and
+    relative-bias table gradient; an output it cannot write is refused before any work."""
+    import subprocess
+    import sys
+
+    from pmlm_testing import REPO_ROOT
+
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "bench_pipeline_stage.py"), "--preset", "tiny", "--layers", "2",
+            "--seq-length", "64", "--micro-batch-size", "2", "--warmup", "0", "--iterations", "1"]
+    result = subprocess.run([*tool, "--json", str(tmp_path / "stage.json")], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads((tmp_path / "stage.json").read_text())
+    assert figures["width"] % compiled.compile_layout_quantum() == 0 and figures["layers"] == 2
+    assert 0 < figures["compiled_kernels"] < figures["eager_kernels"], figures
+    assert figures["output_difference"] <= 1e-5 and figures["table_gradient_difference"] <= 1e-5, figures
+    assert "| compiled |" in result.stdout
+    refused = subprocess.run([*tool, "--json", str(tmp_path / "missing" / "stage.json")], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --json"), refused.stderr
+    assert "compiled regions" not in refused.stderr
+
+
 @pytest.mark.parametrize("args,reason", [
     (["--zero-stage", "3"], "--compile with --zero-stage 3: ZeRO-3 gathers"),
     (["--tensor-model-parallel-size", "2"], "--compile with --tensor-model-parallel-size 2: megatron-core"),
-    (["--pipeline-model-parallel-size", "2"], "--compile with --pipeline-model-parallel-size 2: DeepSpeed"),
     (["--attention-backend", "flex", "--attention-dropout", "0"], "--compile with --attention-backend flex"),
 ])
 def test_compile_is_refused_in_one_line_where_it_cannot_work(args, reason, pretraining_samples, tmp_path):

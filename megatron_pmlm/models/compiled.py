@@ -33,12 +33,19 @@ one kernel on CUDA).
   so few widths compile; each new shape is counted and announced on rank 0 (`compilations`), and
   dynamo's recompile limit is raised to `COMPILE_LIMIT`. Why static and not `mark_dynamic`:
   docs/benchmarks.md, "Compiled layers".
+- Pipeline stages (`pipeline.LayerPipe`): DeepSpeed's PipelineModule runs its own layer list and
+  each LayerPipe first fetches what its attention reads from the stage's cache (Python bookkeeping
+  on tensor identities, which would break a graph), so the region is the layer's computation,
+  `BertLayer.forward`, called by the LayerPipe with itself as the module: one compiled graph for
+  every layer of the stage. The first stage pads the width to the same quantum; checkpointed
+  layers are recomputed by DeepSpeed's non-reentrant checkpoint (`build_pipeline_model`), so the
+  recomputation runs the graph the forward ran (one compilation per width, not two). The head and
+  the loss stay eager there.
 - Refused (`compile_problem`, one line, before anything is built): ZeRO-3 (its parameter gather
   hooks fire inside the layer: graph breaks and no gain), tensor parallelism (megatron-core's
-  layers are autograd Functions that call collectives), pipeline stages (DeepSpeed's PipelineModule
-  runs its own layer list), the flex backend (already a compiled kernel; its CPU path patches
-  torch's entry check at call time), and PALM (its decoder's widths, the continuation lengths, are
-  not padded to a quantum: each would compile).
+  layers are autograd Functions that call collectives), the flex backend (already a compiled
+  kernel; its CPU path patches torch's entry check at call time), and PALM (its decoder's widths,
+  the continuation lengths, are not padded to a quantum: each would compile).
 
 Compiled equals eager in outputs and gradients (fp32, dropout 0: tests/test_compile.py); with
 dropout the random streams differ from eager's (inductor draws its own), as on any compiled model.
@@ -68,8 +75,8 @@ COMPILE_LIMIT = 128
 to ~44 widths at seq 512, each with and without grad (training, validation), with room to spare."""
 
 
-def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, pipeline_stages: int = 1,
-                    attention_backend: str = "sdpa", model: str = "pmlm") -> str | None:
+def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa",
+                    model: str = "pmlm") -> str | None:
     """Why --compile cannot run with these settings (one line), or None."""
     if model == "palm":
         return ("--compile with --model palm: the decoder's widths (continuation lengths) are not padded to a "
@@ -81,20 +88,16 @@ def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, pipeline_sta
         return (f"--compile with --tensor-model-parallel-size {tensor_parallel_size}: megatron-core's tensor-parallel "
                 "layers are autograd Functions that call collectives, which break the compiled graph; leave out "
                 "--compile or use --tensor-model-parallel-size 1")
-    if pipeline_stages > 1:
-        return (f"--compile with --pipeline-model-parallel-size {pipeline_stages}: DeepSpeed's pipeline stages run "
-                "their own layer list, which is not compiled; leave out --compile or use "
-                "--pipeline-model-parallel-size 1")
     if attention_backend == "flex":
         return ("--compile with --attention-backend flex: FlexAttention is already a compiled kernel and its CPU path "
                 "patches torch at call time; use --attention-backend sdpa with --compile")
     return None
 
 
-def check_compile(zero_stage: int, tensor_parallel_size: int = 1, pipeline_stages: int = 1,
-                  attention_backend: str = "sdpa", model: str = "pmlm") -> None:
+def check_compile(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa",
+                  model: str = "pmlm") -> None:
     """Raise `compile_problem`'s line as a ConfigError (the entry points print it and exit 2)."""
-    problem = compile_problem(zero_stage, tensor_parallel_size, pipeline_stages, attention_backend, model)
+    problem = compile_problem(zero_stage, tensor_parallel_size, attention_backend, model)
     if problem:
         raise ConfigError(problem)
 
@@ -131,9 +134,23 @@ def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None
     from .model import BertLayer
 
     compiled = 0
+    stage_layer = None  # pipeline stages: one region for the stage's LayerPipes
     for module in model.modules():
-        if getattr(module, "layout_quantum", 0) is None:  # BertModel: pad the width for few shapes
+        if getattr(module, "layout_quantum", 0) is None:  # BertModel, WordEmbeddingPipe: pad for few shapes
             module.layout_quantum = compile_layout_quantum()
+        if isinstance(module, BertLayer) and hasattr(module, "layer_forward"):  # pipeline.LayerPipe
+            if stage_layer is None:
+                # DeepSpeed's pipeline engine runs a stage's backward once per floating-point output
+                # (hidden states, then the bias table), retaining the graph for the second: a compiled
+                # backward that reuses its saved tensors' memory (donated buffers) refuses that.
+                import torch._functorch.config
+
+                torch._functorch.config.donated_buffer = False
+                stage_layer = CompiledRegion("transformer layer", BertLayer.forward, dynamic=False,
+                                             on_new_shape=on_new_shape)
+            module.layer_forward = stage_layer
+            compiled += 1
+            continue
         layers = getattr(module, "layer", None)
         if not isinstance(layers, nn.ModuleList) or not any(isinstance(layer, BertLayer) for layer in layers):
             continue
@@ -168,11 +185,17 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
     `CompiledRegion`. Returns how many of each were compiled."""
     from .model import BertModel
 
+    from .pipeline import HeadTransformPipe, LossPipe
+
     counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}
     for module in model.modules():
         if isinstance(module, BertModel):
             module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
             counts["embed"] += 1
+        elif isinstance(module, (HeadTransformPipe, LossPipe)):  # a pipeline's last stage
+            name = "head" if isinstance(module, HeadTransformPipe) else "losses"
+            module.forward = CompiledRegion(name, module.forward, dynamic=True, on_new_shape=on_new_shape)
+            counts[name] = counts.get(name, 0) + 1
     if callable(getattr(model, "losses", None)):
         model.losses = CompiledRegion("losses", _logged_parts_detached(model.losses), dynamic=True,
                                       on_new_shape=on_new_shape)
@@ -210,7 +233,9 @@ class CompiledRegion:
         self.compiled = torch.compile(method, dynamic=dynamic)
 
     def __call__(self, *args, **kwargs):
-        tensors = [arg for arg in (*args, *kwargs.values()) if isinstance(arg, torch.Tensor)]
+        # a pipeline stage's modules take one tuple of activations
+        flat = [item for arg in (*args, *kwargs.values()) for item in (arg if isinstance(arg, tuple) else (arg,))]
+        tensors = [item for item in flat if isinstance(item, torch.Tensor)]
         shapes = tuple(tuple(t.shape) if not self.dynamic else tuple(min(size, 2) for size in t.shape)
                        for t in tensors)
         signature = (self.name, shapes, tuple(t.dtype for t in tensors), torch.is_grad_enabled())

@@ -91,6 +91,9 @@ class WordEmbeddingPipe(nn.Module):
         self.word_embeddings = layers.vocab_embedding(config.embedding_rows, config.hidden_size)
         self.attention_backend = config.attention_backend
         self.objective = objective
+        self.layout_quantum: int | None = None
+        """As `BertModel.layout_quantum`: None, `flex_attention.default_layout_quantum`; --compile
+        sets the compiled layers' quantum (`compiled.compile_transformer_layers`)."""
 
     def forward(self, inputs):
         """The first stage: `PMLMBatch.as_tuple()` in, (word embeddings, positions, segments, roles,
@@ -101,7 +104,8 @@ class WordEmbeddingPipe(nn.Module):
         layout, index = tuple(inputs[:6]), (inputs[6] if len(inputs) > 6 else None)
         if index is None:
             index = objective_predicted_index(self.objective, layout[3], layout[5])
-        padded = pad_layout_inputs(default_layout_quantum(self.attention_backend, layout[0].device), *layout)
+        quantum = self.layout_quantum or default_layout_quantum(self.attention_backend, layout[0].device)
+        padded = pad_layout_inputs(quantum, *layout)
         index = widen_flat_index(index, layout[0].shape[1], padded[0].shape[1])
         return (self.word_embeddings(padded[0]),) + tuple(padded[1:]) + (index,)
 
@@ -160,12 +164,16 @@ class LayerPipe(BertLayer):
         self.max_distance = config.max_rel_pos
         self.stage_cache = stage_cache if stage_cache is not None else StageCache()
         """Shared by the layers of this stage: what attention reads is built once per micro batch."""
+        self.layer_forward: Callable = BertLayer.forward
+        """The transformer layer's computation, called as `layer_forward(self, hidden, attention)`:
+        `BertLayer.forward`, or under --compile one compiled region every layer shares
+        (`compiled.compile_transformer_layers`; the stage cache's bookkeeping stays outside it)."""
 
     def forward(self, activations):
         hidden, table, position_ids, steps, _, roles, _, _ = activations
         table = table if table.is_floating_point() else None
         attention = self._attention_inputs(hidden, table, position_ids, roles, steps)
-        return (super().forward(hidden, attention),) + tuple(activations[1:])
+        return (self.layer_forward(self, hidden, attention),) + tuple(activations[1:])
 
     def _attention_inputs(self, hidden, table, position_ids, roles, steps):
         """What this layer's attention takes (`model.attention_inputs`), from what the stage built
@@ -266,10 +274,14 @@ def canonical_parameter_name(pipe_name: str, num_layers: int) -> str:
 
 def build_pipeline_model(config: ModelConfig, objective: Objective, layers: ParallelLayers,
                          num_stages: int, topology, checkpoint_activations: bool = False,
-                         init_seed: int = 0):
+                         init_seed: int = 0, compiled_layers: bool = False):
     """A PipelineModule whose weights equal `PMLMForPreTraining`'s for the same `init_seed`
-    (parameter for parameter, see `canonical_parameter_name`)."""
-    import_deepspeed()
+    (parameter for parameter, see `canonical_parameter_name`). `compiled_layers` (--compile, the
+    caller then compiles them): checkpointed layers are recomputed with DeepSpeed's non-reentrant
+    checkpoint, whose forward runs with grad, so the recomputation runs the graph the forward ran:
+    one compilation per width (the reentrant checkpoint runs the forward without grad, a second
+    graph to compile for every width, and its dropout masks would then come from another graph)."""
+    deepspeed = import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
     stage_cache = StageCache()  # the layers of one process are one stage
@@ -294,6 +306,8 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
         holder[0]._metrics.append(outputs.detach())
         return outputs[0]
 
+    recompute = (dict(activation_checkpoint_func=deepspeed.checkpointing.non_reentrant_checkpoint)
+                 if compiled_layers else {})
     tied = dict(tied_weight_attr=["word_embeddings.weight"])
     specs = [TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective, **tied),
              LayerSpec(EmbeddingPipe, config, layers)]
@@ -305,7 +319,7 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,
                          partition_method="type:LayerPipe", dynamic_shape=True,
                          activation_checkpoint_interval=1 if checkpoint_activations else 0,
-                         checkpointable_layers=["LayerPipe"])
+                         checkpointable_layers=["LayerPipe"], **recompute)
     holder.append(model)
     initialize_weights(model, config, init_seed, getattr(layers, "tensor_parallel_rank", 0),
                        layers.tensor_parallel_size,

@@ -84,7 +84,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
 
     check_attention_backend(model_config, training_device_type())
     if args.compile:
-        check_compile(training.zero_stage, tp, pp, model_config.attention_backend)
+        check_compile(training.zero_stage, tp, model_config.attention_backend)
 
     if args.universal_checkpoint and not args.load:
         raise ConfigError("--universal-checkpoint needs --load (the checkpoint directory to resume from)")
@@ -118,7 +118,7 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
 def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_activations: bool, seed: int,
                 compile_layers: bool = False):
     """One model definition for every layout: plain, tensor-parallel, pipelined, or both; with
-    `compile_layers` (--compile, refused for TP and pipelines earlier) its layers compiled."""
+    `compile_layers` (--compile, refused for TP earlier) its layers compiled."""
     from ..models.model import PMLMForPreTraining
     from ..parallel.layers import LocalLayers, MegatronCoreLayers
 
@@ -139,10 +139,11 @@ def build_model(config: ModelConfig, objective: Objective, layout, checkpoint_ac
         if (coordinates.model, coordinates.data, coordinates.pipe) != layout.coordinates(rank):
             raise RuntimeError(f"DeepSpeed's topology places rank {rank} at {coordinates}, megatron-core at "
                                f"{layout.coordinates(rank)} (tp, dp, pp)")
-        return build_pipeline_model(config, objective, layers, layout.pipeline_parallel_size, topology,
-                                    checkpoint_activations, init_seed=seed)
-    model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
-    model.bert.encoder.checkpoint_activations = checkpoint_activations
+        model = build_pipeline_model(config, objective, layers, layout.pipeline_parallel_size, topology,
+                                     checkpoint_activations, init_seed=seed, compiled_layers=compile_layers)
+    else:
+        model = PMLMForPreTraining(config, objective, layers, init_seed=seed)
+        model.bert.encoder.checkpoint_activations = checkpoint_activations
     if compile_layers:
         from ..models.compiled import compile_step_regions
         from . import heartbeat
