@@ -39,8 +39,9 @@ one kernel on CUDA).
   `BertLayer.forward`, called by the LayerPipe with itself as the module: one compiled graph for
   every layer of the stage. The first stage pads the width to the same quantum; checkpointed
   layers are recomputed by DeepSpeed's non-reentrant checkpoint (`build_pipeline_model`), so the
-  recomputation runs the graph the forward ran (one compilation per width, not two). The head and
-  the loss stay eager there.
+  recomputation runs the graph the forward ran (one compilation per width, not two). The last
+  stage compiles its head (slot gather, transform) and its loss, `dynamic=True` as `losses`; the
+  tied logits between them stay eager.
 - Refused (`compile_problem`, one line, before anything is built): ZeRO-3 (its parameter gather
   hooks fire inside the layer: graph breaks and no gain), tensor parallelism (megatron-core's
   layers are autograd Functions that call collectives), the flex backend (already a compiled
@@ -181,10 +182,9 @@ def _announce_new_shape(stack: nn.Module, args: tuple, on_new_shape: Callable[[]
 
 def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | None = None) -> dict[str, int]:
     """--compile: the transformer layers (`compile_transformer_layers`), then every `BertModel.embed`
-    and the model's `losses` (see the module docstring), each replaced on the instance by a
-    `CompiledRegion`. Returns how many of each were compiled."""
+    and the model's `losses`, or a pipeline's head and loss stages (see the module docstring), each
+    replaced on the instance by a `CompiledRegion`. Returns how many of each were compiled."""
     from .model import BertModel
-
     from .pipeline import HeadTransformPipe, LossPipe
 
     counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}

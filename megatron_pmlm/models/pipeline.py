@@ -279,8 +279,8 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
     (parameter for parameter, see `canonical_parameter_name`). `compiled_layers` (--compile, the
     caller then compiles them): checkpointed layers are recomputed with DeepSpeed's non-reentrant
     checkpoint, whose forward runs with grad, so the recomputation runs the graph the forward ran:
-    one compilation per width (the reentrant checkpoint runs the forward without grad, a second
-    graph to compile for every width, and its dropout masks would then come from another graph)."""
+    one compilation per width (the reentrant checkpoint runs the forward without grad: a second
+    graph to compile for every width)."""
     deepspeed = import_deepspeed()
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
