@@ -342,6 +342,9 @@ def test_pipeline_stages_compile_their_layers_head_and_loss_and_give_the_eager_r
     widths = [int(line.split("for width ")[1].split()[0]) for line in layers]
     assert widths and all(width % RUN_QUANTUM == 0 for width in widths), announced
     assert not any("no grad" in line for line in layers), layers
+    for region in ("head", "losses"):  # announced by the last rank, which holds the last stage
+        assert any(line.startswith(f"compiled regions: compiling {region} for every width") for line in announced), \
+            announced
 
 
 def test_the_pipeline_stage_tool_compares_a_compiled_stage_with_eager(tmp_path):

@@ -194,7 +194,8 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
             counts["embed"] += 1
         elif isinstance(module, (HeadTransformPipe, LossPipe)):  # a pipeline's last stage
             name = "head" if isinstance(module, HeadTransformPipe) else "losses"
-            module.forward = CompiledRegion(name, module.forward, dynamic=True, on_new_shape=on_new_shape)
+            module.forward = CompiledRegion(name, module.forward, dynamic=True, on_new_shape=on_new_shape,
+                                            announcing_rank=-1)  # DeepSpeed's topology: the last stage's
             counts[name] = counts.get(name, 0) + 1
     if callable(getattr(model, "losses", None)):
         model.losses = CompiledRegion("losses", _logged_parts_detached(model.losses), dynamic=True,
@@ -221,15 +222,17 @@ def _logged_parts_detached(losses_method: Callable) -> Callable:
 
 
 class CompiledRegion:
-    """A method of one module instance compiled as one region (`torch.compile`), announcing (rank 0,
-    one line) and counting in `compilations` each new signature it meets, as the layers do.
+    """A method of one module instance compiled as one region (`torch.compile`), announcing (one
+    rank, one line) and counting in `compilations` each new signature it meets, as the layers do.
     `dynamic`: False, static shapes (a new shape is a new compilation); True, symbolic sizes (one
     compilation for every size but 0 and 1, which dynamo specialises). `eager` is the method
-    itself (tests explain it with `torch._dynamo.explain`)."""
+    itself (tests explain it with `torch._dynamo.explain`). `announcing_rank`: the rank that
+    announces (-1: the last, which holds a pipeline's last stage)."""
 
     def __init__(self, name: str, method: Callable, dynamic: bool,
-                 on_new_shape: Callable[[], None] | None = None) -> None:
+                 on_new_shape: Callable[[], None] | None = None, announcing_rank: int = 0) -> None:
         self.name, self.eager, self.dynamic, self.on_new_shape = name, method, dynamic, on_new_shape
+        self.announcing_rank = announcing_rank
         self.compiled = torch.compile(method, dynamic=dynamic)
 
     def __call__(self, *args, **kwargs):
@@ -248,13 +251,13 @@ class CompiledRegion:
                          f"for width {tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else '?'}")
                       + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
                       + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
-                      f"at most {COMPILE_LIMIT})")
+                      f"at most {COMPILE_LIMIT})", self.announcing_rank)
         return self.compiled(*args, **kwargs)
 
 
-def _announce(line: str) -> None:
-    """`line` on standard error, on rank 0 only."""
+def _announce(line: str, rank: int = 0) -> None:
+    """`line` on standard error, on rank `rank` only (-1: the last rank)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == rank % dist.get_world_size():
         print(line, file=sys.stderr, flush=True)
