@@ -78,7 +78,10 @@ def test_every_layout_reproduces_the_single_process_run(layout, baseline_run, pr
     assert [r["iteration"] for r in records] == [1, 2, 3, 4]
     # Third-party notices that ask nothing of a CPU run are filtered (files.quiet_libraries): torch's
     # deprecation of the collectives ZeRO calls, megatron-core's CUDA_DEVICE_MAX_CONNECTIONS request.
-    for notice in ("is deprecated. Please use `torch.distributed", "CUDA_DEVICE_MAX_CONNECTIONS"):
+    # Pipelines: the tied embedding's broadcast runs without grad, so autograd has no warning hook to
+    # fire at the first backward ("may lead to silently incorrect behavior").
+    for notice in ("is deprecated. Please use `torch.distributed", "CUDA_DEVICE_MAX_CONNECTIONS",
+                   "c10d::broadcast_: an autograd kernel was not registered"):
         assert notice not in result.stdout + result.stderr, (notice, result.stderr[-3000:])
     for key in ("loss", "loss_ae", "loss_par"):
         for ours, reference in zip(losses(records, key), losses(baseline, key)):

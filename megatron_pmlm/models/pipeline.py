@@ -316,10 +316,15 @@ def build_pipeline_model(config: ModelConfig, objective: Objective, layers: Para
               TiedLayerSpec(TIED_KEY, WordEmbeddingPipe, config, layers, objective,
                             forward_fn=tied_logits_forward(layers), **tied),
               LayerSpec(LossPipe, config, layers, objective)]
-    model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,
-                         partition_method="type:LayerPipe", dynamic_shape=True,
-                         activation_checkpoint_interval=1 if checkpoint_activations else 0,
-                         checkpointable_layers=["LayerPipe"], **recompute)
+    # Built without grad: DeepSpeed broadcasts the tied word embedding from the first stage in place, and
+    # that collective, run on a parameter under grad mode, leaves autograd's "not implemented" hook on it
+    # (a warning at the first backward that the backprop may be incorrect; it is not: nothing is
+    # differentiated through the broadcast).
+    with torch.no_grad():
+        model = PMLMPipeline(layers=specs, loss_fn=loss_fn, num_stages=num_stages, topology=topology,
+                             partition_method="type:LayerPipe", dynamic_shape=True,
+                             activation_checkpoint_interval=1 if checkpoint_activations else 0,
+                             checkpointable_layers=["LayerPipe"], **recompute)
     holder.append(model)
     initialize_weights(model, config, init_seed, getattr(layers, "tensor_parallel_rank", 0),
                        layers.tensor_parallel_size,

@@ -556,8 +556,9 @@ class Trainer:
                                   "weights only (no optimizer or schedule): load it with --finetune")
         check_resumed_settings(tag_dir, saved, self.run_args, asdict(self.config), finetune, self.log, relayout)
         if finetune:
-            path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
-                                                  load_optimizer_states=False, load_lr_scheduler_states=False)
+            with torch.no_grad():  # see below
+                path, _ = self.engine.load_checkpoint(str(load_dir), tag=tag, load_module_only=True,
+                                                      load_optimizer_states=False, load_lr_scheduler_states=False)
             if path is None:
                 raise CheckpointError(f"DeepSpeed could not load {tag_dir}")
             self.log(f"loaded the weights of {tag_dir} (--finetune: iteration, optimizer and schedule start afresh)")
@@ -573,7 +574,10 @@ class Trainer:
                     f"has {self.data_parallel_size}; ZeRO-{saved_zero_stage} optimizer partitions do not reshape "
                     "as they are: add --universal-checkpoint (converts it to DeepSpeed's universal format next to "
                     "it, then loads that), or keep the data-parallel size")
-        path, _ = self.engine.load_checkpoint(str(load_dir), tag=load_tag)
+        # Without grad: a pipeline re-broadcasts its tied word embedding after loading, and an in-place
+        # collective on a parameter under grad mode leaves autograd's "not implemented" warning hook on it.
+        with torch.no_grad():
+            path, _ = self.engine.load_checkpoint(str(load_dir), tag=load_tag)
         if path is None:
             raise CheckpointError(f"DeepSpeed could not load {load_dir / load_tag}")
         self.iteration = int(saved["iteration"])
