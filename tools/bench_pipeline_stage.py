@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megatron_pmlm.config import ATTENTION_BACKENDS, HelpFormatter, model_config_from_preset  # noqa: E402
-from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
+from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
 from megatron_pmlm.models.compiled import check_compile, compile_layout_quantum, compile_transformer_layers  # noqa: E402
 from megatron_pmlm.models.layout import pad_layout_inputs  # noqa: E402
 from megatron_pmlm.models.pipeline import LayerPipe, StageCache  # noqa: E402
@@ -179,7 +179,15 @@ def main(argv=None) -> int:
             return 2
     if args.threads:
         torch.set_num_threads(args.threads)
-    figures = measure(args)
+    with logs_to_stderr(args.json):  # --json -: the JSON alone on standard output
+        figures = measure(args)
+        report(figures)
+        if args.json:
+            write_json_atomically(args.json, figures)
+    return 0
+
+
+def report(figures: dict) -> None:
     print(f"pipeline stage: {figures['layers']} layers, {figures['preset']} (hidden {figures['hidden_size']}, "
           f"{figures['heads']} heads), seq {figures['seq_length']} x {figures['micro_batch_size']} (width "
           f"{figures['width']}), {figures['dtype']}, {figures['attention_backend']}, {figures['device']}")
@@ -190,9 +198,6 @@ def main(argv=None) -> int:
           f"time {figures['compiled_seconds'] / figures['eager_seconds']:.2f}x; first compiled call "
           f"{figures['first_compiled_seconds']:.1f} s; compiled vs eager: output {figures['output_difference']:.1e}, "
           f"table gradient {figures['table_gradient_difference']:.1e} (relative)")
-    if args.json:
-        write_json_atomically(args.json, figures)
-    return 0
 
 
 if __name__ == "__main__":
