@@ -237,6 +237,37 @@ def test_compiled_cross_entropy_compiles_once_for_every_slot_count_above_the_chu
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
 
+def test_dynamic_regions_compile_once_whatever_sizes_happen_to_be_equal_at_the_first_call():
+    """The losses region reads the predicted slots from the encoder's padded output through a widened
+    index (`layout.gather_slots`); a branch on "padded or not", and dynamo's duck sizing of the two
+    widths when they are equal, made the region's first compilation specialise on it, so the first
+    micro batch of the other kind compiled the region again (a UniLM run on the CPU did, its first
+    width also equal to the tiny hidden size). Compiled, the index is always widened and
+    `CompiledRegion` traces without duck sizing: one graph each, the eager values."""
+    from torch._dynamo.utils import counters
+
+    from megatron_pmlm.models.layout import gather_slots
+
+    compiled_gather = compiled.CompiledRegion("slots", gather_slots, dynamic=True)
+    generator = torch.Generator().manual_seed(0)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for width, padded in ((48, 48), (45, 64), (80, 80), (70, 96)):
+        hidden = torch.randn(3, padded, 8, generator=generator)
+        index = torch.randint(0, 3 * width, (11,), generator=generator)
+        torch.testing.assert_close(compiled_gather(hidden, index, width), gather_slots(hidden, index, width))
+        rows, columns = index // width, index % width
+        torch.testing.assert_close(gather_slots(hidden, index, width), hidden[rows, columns])
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+    # A width equal to the hidden size when the region is traced (UniLM's tiny runs: 64 and 64)
+    projection = torch.nn.Linear(8, 8)
+    compiled_projection = compiled.CompiledRegion("projection", lambda hidden: projection(hidden).sum(1), dynamic=True)
+    graphs_before = counters["stats"]["unique_graphs"]
+    for width in (8, 12, 20):
+        hidden = torch.randn(3, width, 8, generator=generator)
+        torch.testing.assert_close(compiled_projection(hidden), projection(hidden).sum(1))
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
 def test_compiled_cross_entropy_backward_writes_no_fp32_slots_by_vocabulary_tensor():
     """pretrain's path (DeepSpeed's bf16 logits and bias): compiled, the softmax's gradient goes
     from the bf16 logits to their bf16 gradient in fused kernels; a scatter at the labels had

@@ -61,6 +61,7 @@ import sys
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from ..config import ConfigError
@@ -252,7 +253,13 @@ class CompiledRegion:
                       + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
                       + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
                       f"at most {COMPILE_LIMIT})", self.announcing_rank)
-        return self.compiled(*args, **kwargs)
+        if not self.dynamic:
+            return self.compiled(*args, **kwargs)
+        # No duck sizing: two sizes that happen to be equal when the region is traced (a layout that
+        # needed no padding, a width equal to the hidden size) would get one symbol, and the first
+        # call where they differ would compile the region again.
+        with fx_config.patch(use_duck_shape=False):
+            return self.compiled(*args, **kwargs)
 
 
 def _announce(line: str, rank: int = 0) -> None:

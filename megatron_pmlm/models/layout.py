@@ -110,8 +110,13 @@ def gather_slots(tensor: torch.Tensor, index: torch.Tensor, width: int | None = 
 
 def widen_flat_index(index: torch.Tensor, width: int, new_width: int) -> torch.Tensor:
     """Flat [B * width] slot indices as indices into the same slots of the [B * new_width] layout
-    (right-padded rows): index + row x (new_width - width); on the device, no host sync."""
-    return index if new_width == width else torch.add(index, index // width, alpha=new_width - width)
+    (right-padded rows): index + row x (new_width - width); on the device, no host sync. Compiled,
+    the addition is made even when the widths are equal: a branch on them would specialise the
+    compiled region (`dynamic=True`) on that equality, and the first width that differs (or equals)
+    would compile it again."""
+    if not torch.compiler.is_compiling() and new_width == width:
+        return index
+    return torch.add(index, index // width, alpha=new_width - width)
 
 
 @dataclass
