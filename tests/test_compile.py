@@ -378,6 +378,19 @@ def test_pipeline_stages_compile_their_layers_head_and_loss_and_give_the_eager_r
             announced
 
 
+def test_pipeline_stages_recompute_compiled_layers_with_their_dropout(pretraining_samples, tmp_path):
+    """With dropout, DeepSpeed's non-reentrant checkpoint recomputes the compiled layers drawing the
+    forward's masks: the same losses and gradient norms as the compiled run without checkpointing.
+    The stage's backward runs twice (hidden states, then the table, the graph retained), which a
+    compiled backward with donated buffers refuses: this run failed so."""
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    runs = [_pretrain(pretraining_samples, tmp_path, name, "--train-iters", "2", "--compile",
+                      "--pipeline-model-parallel-size", "2", *dropout, *extra, nproc=2)[0]
+            for name, extra in (("stored", []), ("recomputed", ["--checkpoint-activations"]))]
+    stored, recomputed = ([value for r in records for value in (r["loss"], r["grad_norm"])] for records in runs)
+    assert recomputed == pytest.approx(stored, rel=1e-6) and len(stored) == 4
+
+
 def test_the_pipeline_stage_tool_compares_a_compiled_stage_with_eager(tmp_path):
     """tools/bench_pipeline_stage.py (the CPU proxy in docs/benchmarks.md): a stage of LayerPipes
     compiled launches fewer kernels per micro batch than eager and computes the same output and

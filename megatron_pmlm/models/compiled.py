@@ -144,7 +144,9 @@ def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None
             if stage_layer is None:
                 # DeepSpeed's pipeline engine runs a stage's backward once per floating-point output
                 # (hidden states, then the bias table), retaining the graph for the second: a compiled
-                # backward that reuses its saved tensors' memory (donated buffers) refuses that.
+                # backward that reuses its saved tensors' memory (donated buffers) refuses that. Set for
+                # the process: a patch around the region's calls does not reach the backward, compiled
+                # later by the autograd engine (tried: the pipeline tests of test_compile.py failed).
                 import torch._functorch.config
 
                 torch._functorch.config.donated_buffer = False
