@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch.compile the step region by region: each transformer layer (identical layers share "
                             "one graph), the embeddings + attention bias, the heads + loss (the "
                             "layout width is padded to a multiple of 16 so few shapes compile, each announced); ZeRO "
-                            "0-2, tensor-parallel size 1, sdpa or triton, --model pmlm; pipeline stages compile the "
-                            "layers (docs/gpu.md says when it pays)")
+                            "0-2, tensor-parallel size 1, sdpa or triton; pipeline stages compile the layers; "
+                            "--model palm also its decoder layers and pointer-generator (docs/gpu.md says when it "
+                            "pays)")
 
     parallel = parser.add_argument_group("parallelism")
     parallel.add_argument("--tensor-model-parallel-size", type=int, default=1,

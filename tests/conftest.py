@@ -84,6 +84,19 @@ def pretraining_samples(tmp_path_factory, wikitext, bert_vocab) -> Path:
 
 
 @pytest.fixture(scope="session")
+def palm_samples(pretraining_samples, tmp_path_factory) -> Path:
+    """PALM pairs (contexts <= 48, continuations <= 16 tokens) from the tokenized wikitext slice
+    behind the PMLM samples (tests/test_palm.py builds its own, checking the build is deterministic)."""
+    output = tmp_path_factory.mktemp("palm_pairs") / "samples"
+    result = run_module("data_prep.build_samples", "--layout", "palm", "--data-path",
+                        str(pretraining_samples.parent / "wiki"), "--context-length", "48", "--continuation-length",
+                        "16", "--split", "95,5,0", "--mask-epochs", "2", "--seed", "7", "--no-progress",
+                        "--output", str(output))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
+@pytest.fixture(scope="session")
 def tiny_hf_model(tmp_path_factory, bert_vocab) -> Path:
     """A random tiny PMLM as a Hugging Face folder with the real vocabulary."""
     from megatron_pmlm.config import model_config_from_preset

@@ -21,7 +21,6 @@ from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM
 from megatron_pmlm.models.layout import PAD, PMLMBatch, pmlm_attention_allowed
 from megatron_pmlm.models.model import attention_bias
 from megatron_pmlm.models.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
-from pmlm_testing import run_module
 
 MICRO_BATCH = 16
 
@@ -142,18 +141,6 @@ def test_decoding_steps_cached_and_recomputed(qg_examples, tokenizer, pos_shift)
     for full_recompute in (False, True):
         Seq2SeqDecoder(model, tokenizer.special, decoding, full_recompute=full_recompute).decode(sources)
     assert rule.calls >= 2 * decoding.max_target_length
-
-
-@pytest.fixture(scope="module")
-def palm_samples(pretraining_samples, tmp_path_factory) -> Path:
-    """PALM pairs from the tokenized wikitext slice behind the PMLM samples (as tests/test_palm.py)."""
-    output = tmp_path_factory.mktemp("palm_rows") / "samples"
-    result = run_module("data_prep.build_samples", "--layout", "palm", "--data-path",
-                        str(pretraining_samples.parent / "wiki"), "--context-length", "48", "--continuation-length",
-                        "16", "--split", "95,5,0", "--mask-epochs", "2", "--seed", "7", "--no-progress",
-                        "--output", str(output))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return output
 
 
 @pytest.mark.parametrize("stage", [1, 2])

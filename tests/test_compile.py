@@ -455,3 +455,101 @@ def test_finetune_s2s_refuses_compile_with_zero3_in_one_line(tiny_hf_model, qg_p
     assert result.stderr.startswith("error: --compile with --zero-stage 3") and \
         len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_palm_compiles_one_graph_per_region_for_every_length_and_equals_eager():
+    """PALM under --compile's regions: the encoder's layers and embed at the padded context width,
+    the decoder's embed, its layers (one region for all), the pointer-generator and the losses with
+    symbolic sizes, so
+    other continuation lengths and context lengths (one equal to the continuation's) within the
+    padded width compile nothing new; stage 2's loss and every gradient equal eager's."""
+    import copy
+
+    import torch._dynamo.utils
+
+    from megatron_pmlm.models.layout import CONTEXT, PAD
+    from megatron_pmlm.models.palm import PalmForPreTraining, palm_config_from_preset
+
+    vocab = 250
+    config = palm_config_from_preset("palm-tiny", vocab_size=vocab, padded_vocab_size=256, hidden_dropout=0.0,
+                                     attention_dropout=0.0)
+    eager = PalmForPreTraining(config, init_seed=0).train()
+    model = copy.deepcopy(eager)
+    counts = compiled.compile_step_regions(model)
+    assert counts["layers"] == config.num_layers + config.num_decoder_layers and counts["embed"] == 1
+    assert counts["decoder embed"] == counts["pointer generator"] == counts["losses"] == 1
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for batch, context, continuation in ((2, 12, 7), (2, 9, 9), (2, 14, 5)):  # one padded context width
+        generator = torch.Generator().manual_seed(context)
+        ids = torch.randint(5, vocab, (batch, context), generator=generator)
+        roles = torch.full_like(ids, CONTEXT)
+        roles[-1, context - 3:], ids[-1, context - 3:] = PAD, 0
+        decoder_ids = torch.randint(5, vocab, (batch, continuation), generator=generator)
+        labels = torch.randint(5, vocab, (batch, continuation), generator=generator)
+        labels[0, -2:] = -100
+        inputs = (ids, roles, ids.clone(), torch.full_like(ids, -100), decoder_ids, labels)
+        losses = []
+        for network in (eager, model):
+            network.zero_grad()
+            loss = network(*inputs).loss
+            loss.backward()
+            losses.append(float(loss))
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+        for (name, reference), (_, parameter) in zip(eager.named_parameters(), model.named_parameters()):
+            if reference.grad is not None:
+                scale = float(reference.grad.abs().max()) + 1e-6
+                assert float((parameter.grad - reference.grad).abs().max()) <= 1e-5 * scale, name
+    # the encoder's embed and layer, the decoder's embed and layer, the pointer-generator, the losses
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 6
+
+
+def test_pretrain_palm_compile_gives_the_eager_losses(palm_samples, tmp_path):
+    """`pretrain --model palm --compile` (stage 2, with --checkpoint-activations) runs the regions
+    above, each traced once (no recompilation across the run's batches), with the eager run's losses."""
+    losses = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "--checkpoint-activations"])):
+        history = tmp_path / f"{name}.json"
+        result = run_module("megatron_pmlm.pretrain", "--model", "palm", "--preset", "palm-tiny", "--data-path",
+                            str(palm_samples), "--micro-batch-size", "4", "--global-batch-size", "8",
+                            "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+                            "--attention-dropout", "0", "--history-json", str(history), *extra, timeout=600,
+                            env={LAYOUT_QUANTUM_ENV: str(RUN_QUANTUM), "TORCH_LOGS": "dynamo,recompiles"})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        losses[name] = [r["loss"] for r in json.loads(history.read_text()) if "loss" in r]
+    assert len(losses["eager"]) == 2 and losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    # "[frame/compile] Step 1": a new trace; "[frame/compile_restart]" is the same compilation restarted
+    traced = re.findall(r"\[\d+/\d+\] Step 1: torchdynamo start tracing (\w+) \S+/models/(\w+\.py):\d+",
+                        result.stderr)
+    assert sorted(traced) == [("embed", "model.py"), ("embed", "palm.py"), ("forward", "model.py"),
+                              ("forward", "palm.py"), ("forward", "palm.py"), ("losses", "compiled.py")], traced
+    assert "Recompiling" not in result.stderr
+    announced = [line for line in result.stderr.splitlines() if line.startswith("compiled regions: compiling")]
+    for region in ("decoder embed", "decoder layer", "pointer generator", "losses"):
+        assert any(line.startswith(f"compiled regions: compiling {region} for every width") for line in announced), \
+            announced
+
+
+def test_the_palm_step_tool_compares_a_compiled_step_with_eager(tmp_path):
+    """tools/bench_palm_step.py (docs/benchmarks.md's PALM proxy): the compiled stage-2 step launches
+    fewer kernels than eager and computes the same loss and gradients; an output it cannot write is
+    refused before any work."""
+    import subprocess
+    import sys
+
+    from pmlm_testing import REPO_ROOT
+
+    tool = [sys.executable, str(REPO_ROOT / "tools" / "bench_palm_step.py"), "--preset", "palm-tiny",
+            "--context-length", "14", "--continuation-length", "7", "--micro-batch-size", "2", "--warmup", "0",
+            "--iterations", "1"]
+    result = subprocess.run([*tool, "--json", "-"], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads(result.stdout)  # --json -: the figures alone on standard output
+    assert figures["decoder_layers"] == 2 and figures["context_length"] == 14
+    assert 0 < figures["compiled_kernels"] < figures["eager_kernels"], figures
+    assert figures["loss_difference"] <= 1e-5 and figures["gradient_difference"] <= 1e-5, figures
+    assert "| compiled |" in result.stderr
+    refused = subprocess.run([*tool, "--json", str(tmp_path / "missing" / "palm.json")], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: --json"), refused.stderr
+    assert "compiled regions" not in refused.stderr

@@ -42,11 +42,18 @@ one kernel on CUDA).
   recomputation runs the graph the forward ran (one compilation per width, not two). The last
   stage compiles its head (slot gather, transform) and its loss, `dynamic=True` as `losses`; the
   tied logits between them stay eager.
+- PALM (`pretrain --model palm`): the encoder is a BertModel (its layers and embed as above, the
+  context padded to the quantum; stage 2 reads it at the padded width, its extra slots PAD). The
+  decoder's embed (embeddings, causal and key padding biases), its layers (one region,
+  `DecoderLayer.forward` called with each layer as an argument), the pointer-generator (its copy
+  attention adds and tanh's a [B, D, S, width] tensor) and the model's `losses` (continuation NLL
+  and metrics) are regions with `dynamic=True`: their shapes combine the continuation's length
+  with the context's, two widths that vary independently, so padding both would still compile a
+  graph per pair.
 - Refused (`compile_problem`, one line, before anything is built): ZeRO-3 (its parameter gather
   hooks fire inside the layer: graph breaks and no gain), tensor parallelism (megatron-core's
-  layers are autograd Functions that call collectives), the flex backend (already a compiled
-  kernel; its CPU path patches torch's entry check at call time), and PALM (its decoder's widths,
-  the continuation lengths, are not padded to a quantum: each would compile).
+  layers are autograd Functions that call collectives) and the flex backend (already a compiled
+  kernel; its CPU path patches torch's entry check at call time).
 
 Compiled equals eager in outputs and gradients (fp32, dropout 0: tests/test_compile.py); with
 dropout the random streams differ from eager's (inductor draws its own), as on any compiled model.
@@ -77,12 +84,8 @@ COMPILE_LIMIT = 128
 to ~44 widths at seq 512, each with and without grad (training, validation), with room to spare."""
 
 
-def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa",
-                    model: str = "pmlm") -> str | None:
+def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa") -> str | None:
     """Why --compile cannot run with these settings (one line), or None."""
-    if model == "palm":
-        return ("--compile with --model palm: the decoder's widths (continuation lengths) are not padded to a "
-                "quantum, so every length would compile; leave out --compile")
     if zero_stage == 3:
         return ("--compile with --zero-stage 3: ZeRO-3 gathers each layer's parameters in hooks that fire inside the "
                 "compiled layer (graph breaks, no gain); use --zero-stage 0, 1 or 2, or leave out --compile")
@@ -96,10 +99,9 @@ def compile_problem(zero_stage: int, tensor_parallel_size: int = 1, attention_ba
     return None
 
 
-def check_compile(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa",
-                  model: str = "pmlm") -> None:
+def check_compile(zero_stage: int, tensor_parallel_size: int = 1, attention_backend: str = "sdpa") -> None:
     """Raise `compile_problem`'s line as a ConfigError (the entry points print it and exit 2)."""
-    problem = compile_problem(zero_stage, tensor_parallel_size, attention_backend, model)
+    problem = compile_problem(zero_stage, tensor_parallel_size, attention_backend)
     if problem:
         raise ConfigError(problem)
 
@@ -134,12 +136,25 @@ def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None
     if hasattr(config, "accumulated_recompile_limit"):
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, COMPILE_LIMIT)
     from .model import BertLayer
+    from .palm import DecoderLayer
 
     compiled = 0
     stage_layer = None  # pipeline stages: one region for the stage's LayerPipes
+    decoder_layer = None  # PALM's decoder: one region for its layers
     for module in model.modules():
         if getattr(module, "layout_quantum", 0) is None:  # BertModel, WordEmbeddingPipe: pad for few shapes
             module.layout_quantum = compile_layout_quantum()
+        if isinstance(module, DecoderLayer):
+            # Symbolic sizes: a decoder layer's shapes are the continuation's length and the context's,
+            # two widths that vary independently (padding both to a quantum would still compile one graph
+            # per pair). Called with the layer as an argument, as the pipeline's LayerPipes are: one graph
+            # for every decoder layer.
+            if decoder_layer is None:
+                decoder_layer = CompiledRegion("decoder layer", DecoderLayer.forward, dynamic=True,
+                                               on_new_shape=on_new_shape)
+            module.forward = functools.partial(decoder_layer, module)
+            compiled += 1
+            continue
         if isinstance(module, BertLayer) and hasattr(module, "layer_forward"):  # pipeline.LayerPipe
             if stage_layer is None:
                 # DeepSpeed's pipeline engine runs a stage's backward once per floating-point output
@@ -188,6 +203,7 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
     and the model's `losses`, or a pipeline's head and loss stages (see the module docstring), each
     replaced on the instance by a `CompiledRegion`. Returns how many of each were compiled."""
     from .model import BertModel
+    from .palm import PalmDecoder, PointerGenerator
     from .pipeline import HeadTransformPipe, LossPipe
 
     counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}
@@ -199,6 +215,12 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
             name = "head" if isinstance(module, HeadTransformPipe) else "losses"
             module.forward = CompiledRegion(name, module.forward, dynamic=True, on_new_shape=on_new_shape,
                                             announcing_rank=-1)  # DeepSpeed's topology: the last stage's
+            counts[name] = counts.get(name, 0) + 1
+        elif isinstance(module, (PalmDecoder, PointerGenerator)):  # PALM, symbolic sizes (see the module docstring)
+            name = "decoder embed" if isinstance(module, PalmDecoder) else "pointer generator"
+            method = "embed" if isinstance(module, PalmDecoder) else "forward"
+            setattr(module, method, CompiledRegion(name, getattr(module, method), dynamic=True,
+                                                   on_new_shape=on_new_shape))
             counts[name] = counts.get(name, 0) + 1
     if callable(getattr(model, "losses", None)):
         model.losses = CompiledRegion("losses", _logged_parts_detached(model.losses), dynamic=True,

@@ -233,11 +233,17 @@ class PalmDecoder(nn.Module):
         self.layer = nn.ModuleList(DecoderLayer(config, layers) for _ in range(config.num_decoder_layers))
         self.checkpoint_activations = False
 
-    def forward(self, word_embedding_weight, input_ids, encoder_hidden, encoder_bias) -> torch.Tensor:
+    def embed(self, word_embedding_weight, input_ids, context_valid) -> tuple[torch.Tensor, ...]:
+        """The continuation's embeddings, its causal self-attention bias and the cross-attention's
+        key padding bias over the context (in the embeddings' dtype, which is the encoder's)."""
         length = input_ids.shape[1]
         positions = torch.arange(length, device=input_ids.device)[None].expand_as(input_ids)
         hidden = self.embeddings(word_embedding_weight, input_ids, positions)
-        bias = causal_bias(length, hidden.dtype, hidden.device)
+        return hidden, causal_bias(length, hidden.dtype, hidden.device), key_padding_bias(context_valid, hidden.dtype)
+
+    def forward(self, word_embedding_weight, input_ids, encoder_hidden, context_valid) -> torch.Tensor:
+        """`context_valid`: [B, S], False at the context's padding (unseen by the cross-attention)."""
+        hidden, bias, encoder_bias = self.embed(word_embedding_weight, input_ids, context_valid)
         for layer in self.layer:
             if self.checkpoint_activations and self.training:
                 hidden = torch.utils.checkpoint.checkpoint(layer, hidden, bias, encoder_hidden, encoder_bias,
@@ -416,27 +422,39 @@ class PalmForPreTraining(nn.Module):
         weight = self.word_embeddings.weight
         return [(self.cls.predictions, weight), (self.decoder.embeddings, weight), (self.pointer_generator, weight)]
 
-    def encode(self, encoder_ids, encoder_roles) -> torch.Tensor:
-        """Final encoder states [B, S]; context and [M] slots see each other, padding is unseen."""
-        positions = torch.arange(encoder_ids.shape[1], device=encoder_ids.device)[None].expand_as(encoder_ids)
-        return self.bert(encoder_ids, positions, torch.zeros_like(encoder_ids), encoder_roles,
-                         torch.zeros_like(encoder_ids))
+    def encode(self, encoder_ids, encoder_roles, padded: bool = False) -> torch.Tensor:
+        """Final encoder states [B, S]; context and [M] slots see each other, padding is unseen.
+        `padded`: at the encoder's padded width instead (`BertModel.padded_forward`: a multiple of
+        the layout quantum, 16 under --compile), the extra slots PAD like the context's own padding."""
+        # Contiguous positions: a compiled embed region is guarded on strides, and the padded ones are.
+        positions = torch.arange(encoder_ids.shape[1], device=encoder_ids.device).repeat(encoder_ids.shape[0], 1)
+        inputs = (encoder_ids, positions, torch.zeros_like(encoder_ids), encoder_roles, torch.zeros_like(encoder_ids))
+        return self.bert.padded_forward(*inputs) if padded else self.bert(*inputs)
 
     def mixture(self, encoder_hidden, encoder_roles, decoder_ids) -> CopyMixture:
         context_valid = encoder_roles != PAD
-        decoder_hidden = self.decoder(self.word_embeddings.weight, decoder_ids, encoder_hidden,
-                                      key_padding_bias(context_valid, encoder_hidden.dtype))
+        decoder_hidden = self.decoder(self.word_embeddings.weight, decoder_ids, encoder_hidden, context_valid)
         return CopyMixture(*self.pointer_generator(decoder_hidden, encoder_hidden, context_valid,
                                                    self.word_embeddings.weight))
 
     def forward(self, encoder_ids, encoder_roles, context_ids, mlm_labels, decoder_ids, labels, mlm_index=None):
         """`mlm_index`: `PalmBatch.mlm_index` (stage 1; None: derived here, a host-device sync)."""
-        encoder_hidden = self.encode(encoder_ids, encoder_roles)
         if self.stage == 1:
+            encoder_hidden = self.encode(encoder_ids, encoder_roles)
             mlm_head = lambda hidden: self.cls.predictions.logits_and_bias(hidden, self.word_embeddings.weight)  # noqa: E731
             return PalmMLMLosses.from_pmlm(pmlm_losses(encoder_hidden, encoder_roles, mlm_labels,
                                                        get_objective("ae"), mlm_head, self.layers, mlm_index))
-        mixture = self.mixture(encoder_hidden, encoder_roles, decoder_ids)
+        # Stage 2 reads the encoder at its padded width (no cut: under --compile the decoder layers and
+        # the pointer-generator then always get a contiguous context), its extra slots PAD.
+        encoder_hidden = self.encode(encoder_ids, encoder_roles, padded=True)
+        extra = encoder_hidden.shape[1] - encoder_ids.shape[1]
+        if extra:
+            encoder_roles = F.pad(encoder_roles, (0, extra), value=PAD)
+            context_ids = F.pad(context_ids, (0, extra), value=0)
+        return self.losses(self.mixture(encoder_hidden, encoder_roles, decoder_ids), context_ids, labels)
+
+    def losses(self, mixture: CopyMixture, context_ids, labels) -> PalmLosses:
+        """Stage 2's loss and metrics from the mixture (`continuation_losses`; one region under --compile)."""
         return continuation_losses(mixture, context_ids, labels, self.layers)
 
     def distribution(self, encoder_ids, encoder_roles, context_ids, decoder_ids) -> torch.Tensor:

@@ -120,10 +120,6 @@ def run_palm(args: argparse.Namespace) -> int:
         raise ConfigError("--model palm does not run with --pipeline-model-parallel-size > 1: DeepSpeed's pipeline "
                           "passes one activation through a sequential stack, and every decoder layer needs the "
                           "encoder's final states; use tensor and data parallelism")
-    if args.compile:
-        from ..models.compiled import check_compile
-
-        check_compile(0, model="palm")
     if args.no_rel_pos:
         raise ConfigError("--no-rel-pos is for --model pmlm: PALM has absolute positions only")
     if args.attention_backend != "sdpa":
@@ -153,6 +149,10 @@ def run_palm(args: argparse.Namespace) -> int:
     ds_config_base = read_deepspeed_config(args.deepspeed_config)
     training = training_config_from_args(args, context_length, ds_config_base)
     check_precision_supported(training.precision)
+    if args.compile:
+        from ..models.compiled import check_compile
+
+        check_compile(training.zero_stage, tp)
     check_resume_layout(args, tp, 1, training.zero_stage)
 
     from ..data.palm_data import build_palm_loaders
@@ -162,6 +162,11 @@ def run_palm(args: argparse.Namespace) -> int:
         layers = MegatronCoreLayers(config.init_std) if tp > 1 else LocalLayers()
         model = PalmForPreTraining(config, layers, stage=stage, init_seed=training.seed)
         model.bert.encoder.checkpoint_activations = model.decoder.checkpoint_activations = args.checkpoint_activations
+        if args.compile:
+            from ..models.compiled import compile_step_regions
+            from . import heartbeat
+
+            compile_step_regions(model, on_new_shape=heartbeat.compiling)
         return model  # its ZeRO-3 external parameters: PalmForPreTraining.zero3_external_parameters
 
     def build_loaders(processes, consumed_samples):
