@@ -32,12 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_pmlm.config import HelpFormatter  # noqa: E402
-from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
 from megatron_pmlm.models.compiled import compile_step_regions  # noqa: E402
 from megatron_pmlm.models.layout import CONTEXT, PAD  # noqa: E402
 from megatron_pmlm.models.palm import PALM_PRESETS, PalmForPreTraining, palm_config_from_preset  # noqa: E402
 from megatron_pmlm.training.kernel_count import count_kernels, prepare_compiled_counting  # noqa: E402
-from tools.bench_pipeline_stage import seconds_per_step, sync  # noqa: E402
+from tools.bench_pipeline_stage import report_comparison, run_comparison, seconds_per_step, sync  # noqa: E402
 
 VOCAB_SIZE, PADDED_VOCAB_SIZE = 30522, 30592  # bert-base-uncased's, padded as pretrain pads it
 
@@ -126,10 +125,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the figures here (- : standard output)")
     args = parser.parse_args(argv)
-    for name in ("context_length", "continuation_length", "micro_batch_size", "iterations"):
-        if getattr(args, name) < 2 if name.endswith("length") else getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least {2 if name.endswith('length') else 1}, "
-                         f"got {getattr(args, name)}")
+    minimums = {"context_length": 2, "continuation_length": 2, "micro_batch_size": 1, "iterations": 1}
+    for name, minimum in minimums.items():
+        if getattr(args, name) < minimum:
+            parser.error(f"--{name.replace('_', '-')} must be at least {minimum}, got {getattr(args, name)}")
     if args.warmup < 0:
         parser.error(f"--warmup must be at least 0, got {args.warmup}")
     return args
@@ -140,31 +139,11 @@ def report(figures: dict) -> None:
           f"(hidden {figures['hidden_size']}, {figures['heads']} heads), context {figures['context_length']}, "
           f"continuation {figures['continuation_length']}, micro batch {figures['micro_batch_size']}, "
           f"{figures['dtype']}, {figures['device']}")
-    print("| step | kernels per micro batch | seconds per micro batch |\n|---|---|---|")
-    for name in ("eager", "compiled"):
-        print(f"| {name} | {figures[name + '_kernels']:,} | {figures[name + '_seconds']:.4f} |")
-    print(f"compiled / eager: kernels {figures['compiled_kernels'] / figures['eager_kernels']:.2f}x, "
-          f"time {figures['compiled_seconds'] / figures['eager_seconds']:.2f}x; first compiled call "
-          f"{figures['first_compiled_seconds']:.1f} s; compiled vs eager: loss {figures['loss_difference']:.1e}, "
-          f"gradients {figures['gradient_difference']:.1e} (relative)")
+    report_comparison(figures, {"loss": "loss_difference", "gradients": "gradient_difference"})
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.json:
-        try:
-            check_output(args.json, "--json")
-        except OutputError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    with logs_to_stderr(args.json):  # --json -: the JSON alone on standard output
-        figures = measure(args)
-        report(figures)
-        if args.json:
-            write_json_atomically(args.json, figures)
-    return 0
+    return run_comparison(parse_args(argv), measure, report)
 
 
 if __name__ == "__main__":

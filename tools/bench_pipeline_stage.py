@@ -170,7 +170,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run_comparison(parse_args(argv), measure, report)
+
+
+def run_comparison(args: argparse.Namespace, measure, report) -> int:
+    """The body of an eager-against-compiled tool's main (this one's, bench_palm_step's): --json
+    checked before any work, the figures measured, printed (on standard error under --json -) and
+    written."""
     if args.json:
         try:
             check_output(args.json, "--json")
@@ -191,14 +197,18 @@ def report(figures: dict) -> None:
     print(f"pipeline stage: {figures['layers']} layers, {figures['preset']} (hidden {figures['hidden_size']}, "
           f"{figures['heads']} heads), seq {figures['seq_length']} x {figures['micro_batch_size']} (width "
           f"{figures['width']}), {figures['dtype']}, {figures['attention_backend']}, {figures['device']}")
+    report_comparison(figures, {"output": "output_difference", "table gradient": "table_gradient_difference"})
+
+
+def report_comparison(figures: dict, differences: dict[str, str]) -> None:
+    """The eager and compiled rows, their ratios and the compiled-vs-eager `differences` (label: key)."""
     print("| step | kernels per micro batch | seconds per micro batch |\n|---|---|---|")
     for name in ("eager", "compiled"):
         print(f"| {name} | {figures[name + '_kernels']:,} | {figures[name + '_seconds']:.4f} |")
     print(f"compiled / eager: kernels {figures['compiled_kernels'] / figures['eager_kernels']:.2f}x, "
           f"time {figures['compiled_seconds'] / figures['eager_seconds']:.2f}x; first compiled call "
-          f"{figures['first_compiled_seconds']:.1f} s; compiled vs eager: output {figures['output_difference']:.1e}, "
-          f"table gradient {figures['table_gradient_difference']:.1e} (relative)")
-
+          f"{figures['first_compiled_seconds']:.1f} s; compiled vs eager: "
+          + ", ".join(f"{label} {figures[key]:.1e}" for label, key in differences.items()) + " (relative)")
 
 if __name__ == "__main__":
     sys.exit(main())
