@@ -553,3 +553,13 @@ def test_the_palm_step_tool_compares_a_compiled_step_with_eager(tmp_path):
                              text=True, timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --json"), refused.stderr
     assert "compiled regions" not in refused.stderr
+
+
+def test_palm_compile_is_refused_in_one_line_where_pmlm_s_is(palm_samples, tmp_path):
+    result = run_module("megatron_pmlm.pretrain", "--model", "palm", "--preset", "palm-tiny", "--data-path",
+                        str(palm_samples), "--compile", "--zero-stage", "3", "--save", str(tmp_path / "out"),
+                        timeout=120)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.startswith("error: --compile with --zero-stage 3: ZeRO-3 gathers") and \
+        len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(tmp_path.iterdir()) == []
