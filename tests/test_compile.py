@@ -470,8 +470,8 @@ def test_palm_compiles_one_graph_per_region_for_every_length_and_equals_eager():
     from megatron_pmlm.models.layout import CONTEXT, PAD
     from megatron_pmlm.models.palm import PalmForPreTraining, palm_config_from_preset
 
-    vocab = 250
-    config = palm_config_from_preset("palm-tiny", vocab_size=vocab, padded_vocab_size=256, hidden_dropout=0.0,
+    vocab = 30522  # bert-base-uncased's, padded as pretrain pads it: the graphs of the tool's test below
+    config = palm_config_from_preset("palm-tiny", vocab_size=vocab, padded_vocab_size=30592, hidden_dropout=0.0,
                                      attention_dropout=0.0)
     eager = PalmForPreTraining(config, init_seed=0).train()
     model = copy.deepcopy(eager)
