@@ -36,9 +36,11 @@ from megatron_pmlm.models.compiled import compile_step_regions  # noqa: E402
 from megatron_pmlm.models.layout import CONTEXT, PAD  # noqa: E402
 from megatron_pmlm.models.palm import PALM_PRESETS, PalmForPreTraining, palm_config_from_preset  # noqa: E402
 from megatron_pmlm.training.kernel_count import count_kernels, prepare_compiled_counting  # noqa: E402
+from megatron_pmlm.training.recipe import padded_vocab_size  # noqa: E402
 from tools.bench_pipeline_stage import report_comparison, run_comparison, seconds_per_step, sync  # noqa: E402
 
-VOCAB_SIZE, PADDED_VOCAB_SIZE = 30522, 30592  # bert-base-uncased's, padded as pretrain pads it
+VOCAB_SIZE = 30522  # bert-base-uncased's
+PADDED_VOCAB_SIZE = padded_vocab_size(VOCAB_SIZE, 128, 1)  # as pretrain pads it (--make-vocab-size-divisible-by)
 
 
 def random_pairs(micro_batch_size: int, context_length: int, continuation_length: int, device: torch.device,

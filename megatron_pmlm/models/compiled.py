@@ -206,21 +206,20 @@ def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | No
     from .palm import PalmDecoder, PointerGenerator
     from .pipeline import HeadTransformPipe, LossPipe
 
+    # Regions with symbolic sizes, by module type: (method, region name, announcing rank). A pipeline's
+    # last stage announces on the last rank (DeepSpeed's topology puts it there); PALM's decoder side
+    # varies with two independent lengths (see the module docstring).
+    dynamic_regions = {HeadTransformPipe: ("forward", "head", -1), LossPipe: ("forward", "losses", -1),
+                       PalmDecoder: ("embed", "decoder embed", 0), PointerGenerator: ("forward", "pointer generator", 0)}
     counts = {"layers": compile_transformer_layers(model, on_new_shape), "embed": 0, "losses": 0}
     for module in model.modules():
         if isinstance(module, BertModel):
             module.embed = CompiledRegion("embed", module.embed, dynamic=False, on_new_shape=on_new_shape)
             counts["embed"] += 1
-        elif isinstance(module, (HeadTransformPipe, LossPipe)):  # a pipeline's last stage
-            name = "head" if isinstance(module, HeadTransformPipe) else "losses"
-            module.forward = CompiledRegion(name, module.forward, dynamic=True, on_new_shape=on_new_shape,
-                                            announcing_rank=-1)  # DeepSpeed's topology: the last stage's
-            counts[name] = counts.get(name, 0) + 1
-        elif isinstance(module, (PalmDecoder, PointerGenerator)):  # PALM, symbolic sizes (see the module docstring)
-            name = "decoder embed" if isinstance(module, PalmDecoder) else "pointer generator"
-            method = "embed" if isinstance(module, PalmDecoder) else "forward"
+        elif type(module) in dynamic_regions:
+            method, name, rank = dynamic_regions[type(module)]
             setattr(module, method, CompiledRegion(name, getattr(module, method), dynamic=True,
-                                                   on_new_shape=on_new_shape))
+                                                   on_new_shape=on_new_shape, announcing_rank=rank))
             counts[name] = counts.get(name, 0) + 1
     if callable(getattr(model, "losses", None)):
         model.losses = CompiledRegion("losses", _logged_parts_detached(model.losses), dynamic=True,
