@@ -8,8 +8,8 @@ an fp32 copy of the gradient (heads x 4), against heads x 2 bytes of bf16 gradie
 runs the skinny [heads, pairs] @ [pairs, bins] product on CUDA cores (the H100 trace: 1.8 ms at
 seq 128 x 256 for the GEMMs alone). `bucket_sums` reads the gradient and the uint8 buckets once:
 each tile's one-hot lives in registers and is contracted on the tensor cores (`tl.dot`, fp32
-accumulation; half-precision gradients enter as TF32, which holds every bf16 and fp16 value and the
-0/1 one-hot exactly, fp32 gradients as IEEE fp32), per-program partial tables are summed in a fixed
+accumulation; half-precision gradients enter in their own dtype, the one-hot in the same: each
+product is exact; fp32 gradients as IEEE fp32), per-program partial tables are summed in a fixed
 order: the same sums as the GEMMs' (fp32, up to the order of additions), deterministic.
 
 It is a custom op (`torch.ops.megatron_pmlm.bucket_sums`): eager and compiled code call the same
@@ -138,17 +138,21 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
     grad = grad if grad.stride(-1) == 1 else grad.contiguous()
     buckets = buckets if buckets.stride(-1) == 1 else buckets.contiguous()
     heads_block, bins_block = _block(heads), _block(bins)
-    # TF32 holds half-precision values exactly; below compute capability 8.0 there is no TF32.
-    exact_in_tf32 = grad.dtype in (torch.float16, torch.bfloat16)
-    has_tf32 = grad.device.type != "cuda" or torch.cuda.get_device_capability(grad.device) >= (8, 0)
+    # 16-byte vectors of a row's keys where the gradient's start and strides allow them
+    vector = 16 // grad.element_size()
+    while vector > 1 and (grad.data_ptr() % (vector * grad.element_size())
+                          or any(stride % vector for stride in grad.stride()[:3])):
+        vector //= 2
     row_blocks = -(-queries // ROWS)
     programs = batch * row_blocks
     partial = torch.empty(programs, heads_block, bins_block, dtype=torch.float32, device=grad.device)
     if programs:
         bucket_sums_kernel[(programs,)](
-            grad, buckets, partial, heads, queries, keys, grad.stride(0), grad.stride(1), grad.stride(2),
-            buckets.stride(0), buckets.stride(1), row_blocks, HEADS_BLOCK=heads_block, BINS_BLOCK=bins_block,
-            ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, PRECISION="tf32" if exact_in_tf32 and has_tf32 else "ieee")
+            grad, buckets, partial, heads, queries, keys, grad.stride(0) // vector, grad.stride(1) // vector,
+            grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, HEADS_BLOCK=heads_block,
+            BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, VECTOR=vector, PRECISION="ieee",
+            # the interpreter misreads bf16 tl.dot operands (Triton 3.9); fp16 runs as on a GPU
+            UPCAST=INTERPRETED and grad.dtype == torch.bfloat16)
     return partial[:, :heads, :bins].sum(0)  # one kernel, the padding of the blocks left out
 
 

@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Our Triton kernels compiled for a GPU without one: registers, spilled bytes, shared memory, and
+the machine instructions (SASS) of each kernel's hot loop, per tile and per KB of data it reads.
+
+    python tools/bench_kernel_code.py [--capability 90] [--aligned] [--json FILE]
+
+A CPU proxy for kernels that issue more instructions than their bytes need: on one H200 the table
+gradient's kernel (`bucket_sums`) read 0.6 TB/s of the ~4.3 the card moves, and the instructions its
+loop issues per byte say why and what a change saves, without a GPU. Triton's own compiler builds
+the code (ptxas and cuobjdump ship with Triton), as a launch on that GPU would, for bf16 data at
+the base preset's 12 heads, the attention kernels at their default launch with the recipe's
+dropout and the relative-bias table, its pointers aligned to 16 bytes (as fresh allocations are).
+`--aligned` compiles as Triton does when every stride and size is a multiple of 16 too (it
+specialises a launch on that: e.g. seq 128's width 176, not seq 512's 674). Figures: docs/benchmarks.md, "bucket_sums".
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
+
+HEADS = 12
+"""The base preset's heads: the rows of data each bucket_sums tile reads per pair."""
+POINTER_TYPES = {"grad_ptr": "{dtype}", "bucket_ptr": "*u8", "partial_ptr": "*fp32", "codes_ptr": "*u8",
+                 "key_tiles_ptr": "*i32", "query_tiles_ptr": "*i32", "table_ptr": "*fp32", "seed_ptr": "*i64",
+                 "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8", "bits_ptr": "*u8"}
+FLOAT_ARGUMENTS = ("scale", "keep_scale")
+
+
+def kernel_specs(dtype: str) -> list[dict]:
+    """(name, kernel, constexprs, launch options, bytes a hot-loop iteration reads) of each kernel, as
+    the code launches it (bucket_sums.py's tile, bucket_attention.py's default shapes)."""
+    from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
+
+    size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
+    head_dim = 64
+    forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
+    attention = dict(HEAD_DIM=head_dim, HAS_TABLE=True, DROPOUT=True, BLOCKED=bucket_attention.BLOCKED,
+                     PRECISION="tf32", UPCAST=False)
+    return [
+        {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
+         "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
+                            KEYS_BLOCK=bucket_sums.KEYS_BLOCK, PRECISION="ieee", UPCAST=False,
+                            # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
+                            VECTOR=16 // size),
+         "options": {"num_warps": 4},
+         # the gradient of every head for the tile's pairs, and the pairs' buckets
+         "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
+        {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,
+         "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
+         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         # a tile of keys and values, and the tile's codes
+         "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
+        {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
+         "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=True),
+         "options": {"num_warps": key_value.num_warps, "num_stages": key_value.num_stages},
+         # a tile of queries and output gradients, codes, kept bits, and dS written
+         "loop_bytes": (key_value.block_queries * head_dim * size * 2 + key_value.block_queries * key_value.block_keys
+                        * (1 + size) + key_value.block_queries * key_value.block_keys // 8)},
+        {"name": "attention dQ", "kernel": bucket_attention_triton.attention_backward_query_kernel,
+         "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
+         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
+                        + forward.block_queries * forward.block_keys // 8)},
+    ]
+
+
+def signature(kernel, dtype: str, constexprs: dict) -> dict:
+    types = {}
+    for parameter in kernel.params:
+        name = parameter.name
+        if parameter.is_constexpr:
+            types[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            types[name] = POINTER_TYPES.get(name, "{dtype}").format(dtype=dtype)
+        else:
+            types[name] = "fp32" if name in FLOAT_ARGUMENTS else "i32"
+    return types
+
+
+def binary_tools():
+    """Triton's cuobjdump (it ships ptxas and cuobjdump with its NVIDIA backend)."""
+    import triton
+
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        raise SystemExit(f"bench_kernel_code: Triton's cuobjdump is missing ({cuobjdump}): this Triton "
+                         "cannot show the machine code here")
+    return str(cuobjdump)
+
+
+INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", re.M)
+BRANCH = re.compile(r"\bBRA\s+(?:\w+\s+)?(?:`\()?(0x[0-9a-f]+)")
+
+
+def opcode(text: str) -> str:
+    """'@!P0 LDG.E.128 R4, desc[...]' -> 'LDG'."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
+
+
+def hot_loop(sass: str) -> list[str]:
+    """The instructions of the largest innermost loop (a backward branch's range holding no other)."""
+    lines = [(int(address, 16), text) for address, text in INSTRUCTION.findall(sass)]
+    loops = []
+    for address, text in lines:
+        match = BRANCH.search(text)
+        if match and int(match.group(1), 16) < address:
+            loops.append((int(match.group(1), 16), address))
+    innermost = [(start, end) for start, end in loops
+                 if not any(start < other_start and other_end < end for other_start, other_end in loops)]
+    if not innermost:
+        return []
+    start, end = max(innermost, key=lambda loop: loop[1] - loop[0])
+    return [text for address, text in lines if start <= address <= end]
+
+
+def compile_kernel(spec: dict, dtype: str, capability: int, aligned: bool, cuobjdump: str) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = spec["kernel"]
+    constexprs = {name: value for name, value in spec["constexprs"].items() if name in kernel.arg_names}
+    types = signature(kernel, dtype, constexprs)
+    # Triton specialises a launch on each pointer aligned to 16 bytes (as fresh allocations are) and,
+    # --aligned, on each integer that is a multiple of 16
+    attributes = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+                  if types[name].startswith("*") or (aligned and types[name] == "i32")}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attributes),
+                              target=GPUTarget("cuda", capability, 32), options=spec["options"])
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    resources = dict(re.findall(r"\b(REG|LOCAL|STACK):(\d+)", usage))
+    loop = hot_loop(sass)
+    mix = collections.Counter(opcode(text) for text in loop)
+    warps = spec["options"]["num_warps"]
+    return {"kernel": spec["name"], "capability": capability, "dtype": dtype.lstrip("*"), "aligned": aligned,
+            "num_warps": warps, "registers": int(resources.get("REG", 0)),
+            "spilled_bytes": int(resources.get("LOCAL", 0)), "shared_bytes": compiled.metadata.shared,
+            "instructions": len(INSTRUCTION.findall(sass)), "loop_instructions": len(loop),
+            "loop_bytes": spec["loop_bytes"],
+            "warp_instructions_per_kb": round(len(loop) * warps * 1024 / spec["loop_bytes"], 1) if loop else None,
+            "loop_mix": mix.most_common(12)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--capability", type=int, default=90, help="the GPU's compute capability x 10 (80: A100)")
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the data's dtype")
+    parser.add_argument("--kernels", default="", help="comma-separated names (default: all): "
+                        "bucket_sums, attention forward, attention dK dV dS, attention dQ")
+    parser.add_argument("--aligned", action="store_true",
+                        help="compile as for strides and sizes all multiples of 16 (pointers always are)")
+    parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if args.json:
+        try:
+            check_output(args.json, "--json")
+        except OutputError as error:
+            parser.error(str(error))
+    if importlib.util.find_spec("triton") is None:
+        parser.error("Triton is not installed here (pyproject's test extra installs it on x86_64 Linux)")
+    cuobjdump = binary_tools()
+    specs = kernel_specs("*" + args.dtype)
+    wanted = [name.strip() for name in args.kernels.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - {spec["name"] for spec in specs})
+    if unknown:
+        parser.error(f"--kernels: unknown {', '.join(unknown)} (known: {', '.join(spec['name'] for spec in specs)})")
+    with logs_to_stderr(args.json):  # --json -: the JSON alone on standard output
+        rows = [compile_kernel(spec, "*" + args.dtype, args.capability, args.aligned, cuobjdump)
+                for spec in specs if not wanted or spec["name"] in wanted]
+        report(args, rows)
+        if args.json:
+            write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
+                                              "aligned": args.aligned, "kernels": rows}, indent=1)
+    return 0
+
+
+def report(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The figures as a markdown table (standard output; standard error under --json -)."""
+    out = sys.stdout
+    print(f"SM {args.capability / 10:.1f}, {args.dtype}{', aligned' if args.aligned else ''}: "
+          "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
+    print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile | warp instructions / KB | loop's commonest |",
+          file=out)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
+    for row in rows:
+        mix = ", ".join(f"{name} {count}" for name, count in row["loop_mix"][:6])
+        print(f"| {row['kernel']} | {row['num_warps']} | {row['registers']} | {row['spilled_bytes']} | "
+              f"{row['shared_bytes'] / 1024:.0f} | {row['loop_instructions']} | {row['loop_bytes'] / 1024:.1f} | "
+              f"{row['warp_instructions_per_kb']} | {mix} |", file=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
