@@ -2,22 +2,24 @@
 """Our Triton kernels compiled for a GPU without one: registers, spilled bytes, shared memory, and
 the machine instructions (SASS) of each kernel's hot loop, per tile and per KB of data it reads.
 
-    python tools/bench_kernel_code.py [--capability 90] [--aligned] [--json FILE]
+    python tools/bench_kernel_code.py [--capability 90] [--width 674] [--json FILE]
 
 A CPU proxy for kernels that issue more instructions than their bytes need: on one H200 the table
 gradient's kernel (`bucket_sums`) read 0.6 TB/s of the ~4.3 the card moves, and the instructions its
 loop issues per byte say why and what a change saves, without a GPU. Triton's own compiler builds
-the code (ptxas and cuobjdump ship with Triton), as a launch on that GPU would, for bf16 data at
-the base preset's 12 heads, the attention kernels at their default launch with the recipe's
-dropout and the relative-bias table, its pointers aligned to 16 bytes (as fresh allocations are).
-`--aligned` compiles as Triton does when every stride and size is a multiple of 16 too (it
-specialises a launch on that: e.g. seq 128's width 176, not seq 512's 674). Figures: docs/benchmarks.md, "bucket_sums".
+the code (ptxas and cuobjdump ship with Triton) as a launch at layout width `--width` on that GPU
+would: bf16 data at the base preset's 12 heads, the attention kernels at their default launch with
+the recipe's dropout and the relative-bias table, and Triton's launch-time specialisation (every
+pointer aligned to 16 bytes, as fresh allocations are, and each integer argument that is a multiple
+of 16 marked so: strides of a width of 176, seq 128's, are; of 674, seq 512's, the rows of the
+codes and the sizes are not). Figures: docs/benchmarks.md, "bucket_sums".
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import os
 import re
@@ -38,13 +40,34 @@ POINTER_TYPES = {"grad_ptr": "{dtype}", "bucket_ptr": "*u8", "partial_ptr": "*fp
 FLOAT_ARGUMENTS = ("scale", "keep_scale")
 
 
-def kernel_specs(dtype: str) -> list[dict]:
-    """(name, kernel, constexprs, launch options, bytes a hot-loop iteration reads) of each kernel, as
-    the code launches it (bucket_sums.py's tile, bucket_attention.py's default shapes)."""
+def kernel_specs(dtype: str, width: int) -> list[dict]:
+    """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
+    of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
+    loads, bucket_attention.py's default shapes and buffers; batch 1)."""
+    from megatron_pmlm.config import ModelConfig
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
     head_dim = 64
+    T, H, vector = width, HEADS, 16 // size
+    padded = -(-T // 8) * 8  # the bias gradient's rows (relative_bias.aligned_bias_buffer)
+    bits = -(-T // 8)
+    qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
+    heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
+    # the recipe's attention dropout, as the kernels take it
+    recipe_dropout = next(field.default for field in dataclasses.fields(ModelConfig) if field.name == "attention_dropout")
+    threshold = bucket_attention.dropout_threshold(recipe_dropout)[0]
+    attention_arguments = dict(
+        heads=H, threshold=threshold, queries=T, keys=T, code_stride_b=T * T, code_stride_t=T, table_stride_h=32, lse_stride_bh=T,
+        bits_stride_bh=T * bits, bits_stride_t=bits, ds_stride_b=H * T * padded, ds_stride_h=T * padded,
+        ds_stride_t=padded,
+        **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
+        **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
+           for axis, value in zip("bht", heads_last)})
+
+    def tiles(forward_shape, key_value_shape):
+        query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
+        return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
     forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
     attention = dict(HEAD_DIM=head_dim, HAS_TABLE=True, DROPOUT=True, BLOCKED=bucket_attention.BLOCKED,
                      PRECISION="tf32", UPCAST=False)
@@ -55,22 +78,28 @@ def kernel_specs(dtype: str) -> list[dict]:
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
                             VECTOR=16 // size),
          "options": {"num_warps": 4},
+         "arguments": dict(heads=H, queries=T, keys=T, grad_stride_batch=H * T * padded // vector,
+                           grad_stride_head=T * padded // vector, grad_stride_query=padded // vector,
+                           bucket_stride_batch=T * T, bucket_stride_query=T, row_blocks=-(-T // bucket_sums.ROWS)),
          # the gradient of every head for the tile's pairs, and the pairs' buckets
          "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
         {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
          "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          # a tile of keys and values, and the tile's codes
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
          "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=True),
          "options": {"num_warps": key_value.num_warps, "num_stages": key_value.num_stages},
+         "arguments": dict(attention_arguments, **tiles(key_value, forward)),
          # a tile of queries and output gradients, codes, kept bits, and dS written
          "loop_bytes": (key_value.block_queries * head_dim * size * 2 + key_value.block_queries * key_value.block_keys
                         * (1 + size) + key_value.block_queries * key_value.block_keys // 8)},
         {"name": "attention dQ", "kernel": bucket_attention_triton.attention_backward_query_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
          "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
                         + forward.block_queries * forward.block_keys // 8)},
     ]
@@ -125,7 +154,7 @@ def hot_loop(sass: str) -> list[str]:
     return [text for address, text in lines if start <= address <= end]
 
 
-def compile_kernel(spec: dict, dtype: str, capability: int, aligned: bool, cuobjdump: str) -> dict:
+def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -133,10 +162,13 @@ def compile_kernel(spec: dict, dtype: str, capability: int, aligned: bool, cuobj
     kernel = spec["kernel"]
     constexprs = {name: value for name, value in spec["constexprs"].items() if name in kernel.arg_names}
     types = signature(kernel, dtype, constexprs)
-    # Triton specialises a launch on each pointer aligned to 16 bytes (as fresh allocations are) and,
-    # --aligned, on each integer that is a multiple of 16
+    missing = [name for name in kernel.arg_names if types[name] == "i32" and name not in spec["arguments"]]
+    if missing:
+        raise ValueError(f"{spec['name']}: no modelled value for {', '.join(missing)}")
+    # Triton specialises a launch on each pointer aligned to 16 bytes and each integer that is a
+    # multiple of 16 (their alignment lets it load vectors)
     attributes = {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
-                  if types[name].startswith("*") or (aligned and types[name] == "i32")}
+                  if types[name].startswith("*") or (types[name] == "i32" and spec["arguments"][name] % 16 == 0)}
     compiled = triton.compile(ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=attributes),
                               target=GPUTarget("cuda", capability, 32), options=spec["options"])
     with tempfile.TemporaryDirectory() as folder:
@@ -148,7 +180,7 @@ def compile_kernel(spec: dict, dtype: str, capability: int, aligned: bool, cuobj
     loop = hot_loop(sass)
     mix = collections.Counter(opcode(text) for text in loop)
     warps = spec["options"]["num_warps"]
-    return {"kernel": spec["name"], "capability": capability, "dtype": dtype.lstrip("*"), "aligned": aligned,
+    return {"kernel": spec["name"], "capability": capability, "dtype": dtype.lstrip("*"),
             "num_warps": warps, "registers": int(resources.get("REG", 0)),
             "spilled_bytes": int(resources.get("LOCAL", 0)), "shared_bytes": compiled.metadata.shared,
             "instructions": len(INSTRUCTION.findall(sass)), "loop_instructions": len(loop),
@@ -164,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the data's dtype")
     parser.add_argument("--kernels", default="", help="comma-separated names (default: all): "
                         "bucket_sums, attention forward, attention dK dV dS, attention dQ")
-    parser.add_argument("--aligned", action="store_true",
-                        help="compile as for strides and sizes all multiples of 16 (pointers always are)")
+    parser.add_argument("--width", type=int, default=674,
+                        help="the layout width T the launch is modelled at (674: seq 512's; 176: seq 128's)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -178,25 +210,27 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("triton") is None:
         parser.error("Triton is not installed here (pyproject's test extra installs it on x86_64 Linux)")
     cuobjdump = binary_tools()
-    specs = kernel_specs("*" + args.dtype)
+    if args.width < 1:
+        parser.error(f"--width {args.width}: give a layout width of at least 1")
+    specs = kernel_specs("*" + args.dtype, args.width)
     wanted = [name.strip() for name in args.kernels.split(",") if name.strip()]
     unknown = sorted(set(wanted) - {spec["name"] for spec in specs})
     if unknown:
         parser.error(f"--kernels: unknown {', '.join(unknown)} (known: {', '.join(spec['name'] for spec in specs)})")
     with logs_to_stderr(args.json):  # --json -: the JSON alone on standard output
-        rows = [compile_kernel(spec, "*" + args.dtype, args.capability, args.aligned, cuobjdump)
+        rows = [compile_kernel(spec, "*" + args.dtype, args.capability, cuobjdump)
                 for spec in specs if not wanted or spec["name"] in wanted]
         report(args, rows)
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
-                                              "aligned": args.aligned, "kernels": rows}, indent=1)
+                                              "width": args.width, "kernels": rows}, indent=1)
     return 0
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
-    print(f"SM {args.capability / 10:.1f}, {args.dtype}{', aligned' if args.aligned else ''}: "
+    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}: "
           "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile | warp instructions / KB | loop's commonest |",
           file=out)
