@@ -46,7 +46,8 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
     tiles = ba.tile_lists(codes)
-    out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, codes, *tiles, table, dropout, head_dim ** -0.5)
+    out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, ba.padded_codes(codes), *tiles, table, dropout,
+                                                            head_dim ** -0.5)
     keep = ba.dropout_keep_mask(seed, batch, heads, queries, keys, dropout) if dropout else None
     grad = torch.randn(out.shape, generator=generator).to(dtype)
     inputs = [q, k, v] + ([table] if with_table else [])
@@ -72,7 +73,7 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
     if dropout:
         # the forward's bits (what the backward reads) are the draws, wherever a pair is computed
         computed = (codes != ba.BLOCKED)[:, None].expand_as(keep)
-        result["stored_bits_are_the_draws"] = bool(torch.equal(ba.stored_keep_mask(keep_bits, keys)[computed],
+        result["stored_bits_are_the_draws"] = bool(torch.equal(ba.stored_keep_mask(keep_bits, queries, keys)[computed],
                                                                keep[computed]))
         result["kept"] = float(keep.float().mean())
         result["kept_fraction"] = 1 - ba.dropout_threshold(dropout)[0] / ba.DROPOUT_RESOLUTION
@@ -97,7 +98,8 @@ with ba.kernel_shapes(ba.KernelShape(128, 32, 8, 2), ba.KernelShape(32, 128, 2, 
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
 codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
-seeds = [ba.bucket_attention_forward(q, q, q, codes, *ba.tile_lists(codes), None, 0.1, 0.25)[2] for _ in range(2)]
+seeds = [ba.bucket_attention_forward(q, q, q, ba.padded_codes(codes), *ba.tile_lists(codes), None, 0.1, 0.25)[2]
+         for _ in range(2)]
 masks = [ba.dropout_keep_mask(seed, 1, 2, 64, 64, 0.1) for seed in (seeds[0], seeds[0], seeds[1])]
 report = {"results": results, "seeds_differ": bool(seeds[0] != seeds[1]),
           "same_seed_same_mask": bool(torch.equal(masks[0], masks[1])),
@@ -127,8 +129,8 @@ k = torch.randn(2, 3, 20, 16)
 table = torch.randn(3, 8, requires_grad=True)
 codes = ba.attention_codes(torch.randint(0, 8, (2, 20, 20), dtype=torch.uint8), torch.rand(2, 20, 20) > 0.2)
 torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
-                      (k.clone().requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_(), codes,
-                       *ba.tile_lists(codes), table, 0.0, 0.25),
+                      (k.clone().requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_(),
+                       ba.padded_codes(codes), *ba.tile_lists(codes), table, 0.0, 0.25),
                       test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 json.dump(report, sys.stdout)
 """

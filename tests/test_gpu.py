@@ -395,12 +395,12 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
         error = float((mine.double() - want).abs().max() / want.abs().max())
         sdpa_error = float((reference.double() - want).abs().max() / want.abs().max())
         assert error <= max(2 * sdpa_error, 4 * 2.0 ** -8), (name, error, sdpa_error)  # or 4 bf16 roundings
-    _, _, seed, bits = bucket_attention.bucket_attention_forward(q, k, v, codes, *bucket_attention.tile_lists(codes),
-                                                              table, 0.1, 0.125)
+    _, _, seed, bits = bucket_attention.bucket_attention_forward(q, k, v, bucket_attention.padded_codes(codes),
+                                                              *bucket_attention.tile_lists(codes), table, 0.1, 0.125)
     keep = bucket_attention.dropout_keep_mask(seed, batch_size, 12, width, width, 0.1)
     assert abs(float(keep.float().mean()) - (1 - 6554 / 65536)) < 0.01
     computed = (codes != bucket_attention.BLOCKED)[:, None].expand_as(keep)  # the bits the backward reads
-    assert torch.equal(bucket_attention.stored_keep_mask(bits, width)[computed], keep[computed])
+    assert torch.equal(bucket_attention.stored_keep_mask(bits, width, width)[computed], keep[computed])
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])

@@ -153,7 +153,7 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
             raise NotImplementedError(bucket_attention.device_problem(query.device))
         out = bucket_attention.bucket_attention(query, key, value, kernel_inputs.codes, kernel_inputs.table,
                                                 RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0,
-                                                tiles=kernel_inputs.tiles)
+                                                tiles=kernel_inputs.tiles, padded=kernel_inputs.padded_codes)
         bias = kernel_inputs.table
     elif name in ("sdpa", "sdpa-contiguous-bias"):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)

@@ -51,16 +51,17 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
     head_dim = 64
     T, H, vector = width, HEADS, 16 // size
     padded = -(-T // 8) * 8  # the bias gradient's rows (relative_bias.aligned_bias_buffer)
-    bits = -(-T // 8)
+    tiled = -(-T // bucket_attention.CODE_TILE) * bucket_attention.CODE_TILE  # the codes' and bits' padding
     qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
     # the recipe's attention dropout, as the kernels take it
-    recipe_dropout = next(field.default for field in dataclasses.fields(ModelConfig) if field.name == "attention_dropout")
+    recipe_dropout = next(field.default for field in dataclasses.fields(ModelConfig)
+                          if field.name == "attention_dropout")
     threshold = bucket_attention.dropout_threshold(recipe_dropout)[0]
     attention_arguments = dict(
-        heads=H, threshold=threshold, queries=T, keys=T, code_stride_b=T * T, code_stride_t=T, table_stride_h=32, lse_stride_bh=T,
-        bits_stride_bh=T * bits, bits_stride_t=bits, ds_stride_b=H * T * padded, ds_stride_h=T * padded,
-        ds_stride_t=padded,
+        heads=H, threshold=threshold, queries=T, keys=T, table_stride_h=32, lse_stride_bh=T,
+        code_stride_b=tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
+        ds_stride_b=H * T * padded, ds_stride_h=T * padded, ds_stride_t=padded,
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})
@@ -232,8 +233,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     out = sys.stdout
     print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}: "
           "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
-    print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile | warp instructions / KB | loop's commonest |",
-          file=out)
+    print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
+          "| warp instructions / KB | loop's commonest |", file=out)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
     for row in rows:
         mix = ", ".join(f"{name} {count}" for name, count in row["loop_mix"][:6])

@@ -63,6 +63,11 @@ class KernelShape(NamedTuple):
 
 BLOCK_SIZES = (32, 64, 128)
 """Tile sides the kernels take: tl.dot wants powers of two >= 16, dropout groups of 8 keys."""
+CODE_TILE = max(BLOCK_SIZES)
+"""The kernels read the codes, and the kept pairs' bits, padded to a multiple of this in both
+dimensions (BLOCKED past the real pairs): every tile any launch walks lies inside them, so the
+kernels load them without bounds masks (a compare and a select a pair less in each kernel's loop:
+19-33% fewer instructions at seq 512's width, `tools/bench_kernel_code.py`)."""
 DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
 DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
 KERNEL_SHAPES_ENV = "PMLM_TRITON_KERNEL_SHAPES"
@@ -148,11 +153,27 @@ class BucketAttentionInputs(NamedTuple):
     inside the bias module's forward, so ZeRO-3 has it gathered), or None without a relative bias."""
     tiles: TileLists
     """The tiles the kernels compute (`tile_lists` of the codes)."""
+    padded_codes: torch.Tensor
+    """The codes as the kernels read them (`padded_codes`)."""
 
 
 def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None) -> BucketAttentionInputs:
-    """The codes, the table and the codes' tile lists: what the model builds once per micro batch."""
-    return BucketAttentionInputs(codes, table, tile_lists(codes))
+    """The codes, the table, the codes' tile lists and the padded codes: what the model builds once
+    per micro batch."""
+    return BucketAttentionInputs(codes, table, tile_lists(codes), padded_codes(codes))
+
+
+def padded_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, queries, keys] codes in a [B, queries, keys] rounded up to CODE_TILE, BLOCKED in the
+    added rows and columns: what the kernels read (one copy per micro batch, shared by the layers)."""
+    batch, queries, keys = codes.shape
+    padded = codes.new_full((batch, _padded(queries), _padded(keys)), BLOCKED)
+    padded[:, :queries, :keys] = codes
+    return padded
+
+
+def _padded(size: int) -> int:
+    return _blocks(size, CODE_TILE) * CODE_TILE
 
 
 def runs_on(device: torch.device) -> bool:
@@ -256,9 +277,10 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
     if key.shape != (batch, heads, keys, head_dim) or value.shape != key.shape:
         raise ValueError(f"bucket_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} do not match")
-    if codes.shape != (batch, queries, keys) or codes.dtype != torch.uint8:
-        raise ValueError(f"bucket_attention: codes must be uint8 [{batch}, {queries}, {keys}], got "
-                         f"{codes.dtype} {tuple(codes.shape)}")
+    padded = (batch, _padded(queries), _padded(keys))
+    if codes.shape != padded or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
+        raise ValueError(f"bucket_attention: codes must be uint8 {list(padded)} (padded_codes of the "
+                         f"[{batch}, {queries}, {keys}] codes), got {codes.dtype} {tuple(codes.shape)}")
     forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
     for name, tiles, shape in (
             ("key_tiles", key_tiles,
@@ -282,9 +304,10 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [B, heads, queries, head_dim] in [B, queries, heads, head_dim] memory, fp32 log-sum-exp
     [B, heads, queries], the int64 dropout seed [1], the kept pairs' bits: uint8 [B, heads, queries,
-    ceil(keys / 8)], bit b of byte g the pair of key 8g + b, or [0] without dropout) of
-    softmax(scale x q k^T + table[h, codes]) v with dropout; the seed is drawn from the device's
-    generator (activation checkpointing restores it, so a recomputation draws the same mask)."""
+    keys / 8] both rounded up as the codes are, bit b of byte g the pair of key 8g + b, or [0]
+    without dropout) of softmax(scale x q k^T + table[h, codes]) v with dropout; `codes`:
+    `padded_codes`. The seed is drawn from the device's generator (activation checkpointing
+    restores it, so a recomputation draws the same mask)."""
     from .bucket_attention_triton import attention_forward_kernel
 
     _check(query, key, value, codes, key_tiles, query_tiles, table)
@@ -295,7 +318,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     seed = (torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, device=query.device) if dropout_p > 0
             else torch.zeros(1, dtype=torch.int64, device=query.device))
     threshold, keep_scale = dropout_threshold(dropout_p)
-    keep_bits = query.new_empty((batch, heads, queries, _blocks(keys, 8)) if threshold else (0,), dtype=torch.uint8)
+    keep_bits = query.new_empty(_bits_shape(batch, heads, queries, keys) if threshold else (0,), dtype=torch.uint8)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never touched without dropout (no null pointer passed)
     table_arg = table if table is not None else lse  # never read without a table
@@ -320,8 +343,13 @@ def _(query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale)
     return (_heads_last(batch, queries, heads, head_dim, query),
             query.new_empty(batch, heads, queries, dtype=torch.float32),
             query.new_empty(1, dtype=torch.int64),
-            query.new_empty((batch, heads, queries, _blocks(keys, 8)) if dropout_threshold(dropout_p)[0] else (0,),
+            query.new_empty(_bits_shape(batch, heads, queries, keys) if dropout_threshold(dropout_p)[0] else (0,),
                             dtype=torch.uint8))
+
+
+def _bits_shape(batch: int, heads: int, queries: int, keys: int) -> tuple[int, int, int, int]:
+    """The kept pairs' bits cover the padded codes: the kernels write and read whole tiles."""
+    return batch, heads, _padded(queries), _padded(keys) // 8
 
 
 @torch.library.custom_op("megatron_pmlm::bucket_attention_backward", mutates_args=())
@@ -374,7 +402,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             tensor.zero_()
     if write_scores:
         bins = table.shape[1]
-        table_grad = (bucket_sums.bucket_sums(score_grad, codes, bins) if queries and keys
+        table_grad = (bucket_sums.bucket_sums(score_grad, codes[:, :queries, :keys], bins) if queries and keys
                       else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
     else:
         table_grad = query.new_empty(0, dtype=torch.float32)
@@ -413,16 +441,18 @@ bucket_attention_forward.register_autograd(_backward, setup_context=_setup_conte
 
 def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
                      table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None,
-                     tiles: TileLists | None = None) -> torch.Tensor:
+                     tiles: TileLists | None = None, padded: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
     (-inf where codes is BLOCKED): [B, heads, queries, head_dim] (a view of [B, queries, heads,
-    head_dim] memory), differentiable in q, k, v and the table. `tiles`: `tile_lists(codes)`, made
-    here if not given (the model makes them once per micro batch)."""
+    head_dim] memory), differentiable in q, k, v and the table. `tiles`: `tile_lists(codes)`,
+    `padded`: `padded_codes(codes)`, made here if not given (the model makes both once per micro
+    batch: `kernel_inputs`)."""
     if not runs_on(query.device):
         raise ConfigError(device_problem(query.device))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     tiles = tile_lists(codes) if tiles is None else tiles
-    return bucket_attention_forward(query, key, value, codes, tiles.key_tiles, tiles.query_tiles, table,
+    padded = padded_codes(codes) if padded is None else padded
+    return bucket_attention_forward(query, key, value, padded, tiles.key_tiles, tiles.query_tiles, table,
                                     float(dropout_p), float(scale))[0]
 
 
@@ -444,10 +474,10 @@ def kernel_shapes(forward: KernelShape, key_value: KernelShape):
         FORWARD_SHAPE, KEY_VALUE_SHAPE = saved
 
 
-def stored_keep_mask(keep_bits: torch.Tensor, keys: int) -> torch.Tensor:
+def stored_keep_mask(keep_bits: torch.Tensor, queries: int, keys: int) -> torch.Tensor:
     """bool [B, heads, queries, keys] from the forward's kept-pair bits (tests and checks)."""
     bits = torch.arange(8, device=keep_bits.device, dtype=torch.uint8)
-    return ((keep_bits[..., None] >> bits) & 1).bool().flatten(-2)[..., :keys]
+    return ((keep_bits[..., :queries, :, None] >> bits) & 1).bool().flatten(-2)[..., :keys]
 
 
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,

@@ -67,11 +67,11 @@ def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, thresho
 
 
 @triton.jit
-def stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys):
-    """[rows, cols] booleans: the pairs the forward kept, read from its bits (see `dropout_keep`)."""
-    inside = (rows[:, None] < queries) & (cols[None, :] < keys)
+def stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t):
+    """[rows, cols] booleans: the pairs the forward kept, read from its bits (see `dropout_keep`; the
+    bits cover whole tiles, so no bounds mask)."""
     byte = tl.load(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
-                   + (cols // 8)[None, :], mask=inside, other=0)
+                   + (cols // 8)[None, :])
     return ((byte.to(tl.int32) >> (cols % 8)[None, :]) & 1) != 0
 
 
@@ -100,14 +100,12 @@ def program_tile(heads, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, queries, keys, code_stride_query,
+def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, code_stride_query,
                   scale, HAS_TABLE: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
                   UPCAST: tl.constexpr):
     """scale x q @ k^T plus table[head, code] for the tile's pairs, -inf where the code is BLOCKED
-    or the pair lies outside [queries, keys]; also the allowed mask."""
-    inside = (rows[:, None] < queries) & (cols[None, :] < keys)
-    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :], mask=inside,
-                   other=BLOCKED).to(tl.int32)
+    (the padded codes are BLOCKED past [queries, keys]: no bounds mask); also the allowed mask."""
+    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :]).to(tl.int32)
     allowed = code != BLOCKED
     scores = mm(q, tl.trans(k), PRECISION, UPCAST) * scale
     if HAS_TABLE:
@@ -144,8 +142,8 @@ def attention_forward_kernel(
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
-                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
         p = tl.exp(scores - safe_max[:, None])
@@ -157,7 +155,7 @@ def attention_forward_kernel(
             p = tl.where(keep, p * keep_scale, 0.0)
             groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
             tl.store(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
-                     + groups[None, :], packed, mask=row_valid[:, None] & (groups * 8 < keys)[None, :])
+                     + groups[None, :], packed)  # the bits cover whole tiles
         acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, UPCAST)
         row_max = new_max
     seen = row_sum > 0
@@ -215,12 +213,12 @@ def attention_backward_key_value_kernel(
         do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
         lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
-                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
         p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
-            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys)
+            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t)
             p_dropped = tl.where(keep, p * keep_scale, 0.0)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         else:
@@ -271,12 +269,12 @@ def attention_backward_query_kernel(
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, queries, keys,
-                                        code_stride_t, scale, HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
         p = tl.exp(scores - lse[:, None])
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
-            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t, queries, keys)
+            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t)
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, PRECISION, UPCAST)

@@ -130,7 +130,7 @@ class BertSelfAttention(nn.Module):
         elif isinstance(attention, BucketAttentionInputs):
             context = bucket_attention.bucket_attention(query, key, value, attention.codes, attention.table,
                                                         self.dropout_p if self.training else 0.0,
-                                                        tiles=attention.tiles)
+                                                        tiles=attention.tiles, padded=attention.padded_codes)
         else:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention,
