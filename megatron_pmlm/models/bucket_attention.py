@@ -66,8 +66,8 @@ BLOCK_SIZES = (32, 64, 128)
 CODE_TILE = max(BLOCK_SIZES)
 """The kernels read the codes, and the kept pairs' bits, padded to a multiple of this in both
 dimensions (BLOCKED past the real pairs): every tile any launch walks lies inside them, so the
-kernels load them without bounds masks (a compare and a select a pair less in each kernel's loop:
-19-33% fewer instructions at seq 512's width, `tools/bench_kernel_code.py`)."""
+kernels load them without bounds masks (with `kernel_table`, 33-50% fewer instructions in the
+kernels' loops at seq 512's width: `tools/bench_kernel_code.py`, docs/benchmarks.md)."""
 DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
 DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
 KERNEL_SHAPES_ENV = "PMLM_TRITON_KERNEL_SHAPES"
@@ -174,6 +174,18 @@ def padded_codes(codes: torch.Tensor) -> torch.Tensor:
 
 def _padded(size: int) -> int:
     return _blocks(size, CODE_TILE) * CODE_TILE
+
+
+def kernel_table(table: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(fp32 [heads, BLOCKED + 1]: `table`'s rows, 0 for the codes no bucket uses, -inf at BLOCKED;
+    its row stride) as the kernels read it: a forbidden pair gets -inf from the same load and add as
+    an allowed pair its bias (no mask, no select). Without a table, one row every head reads (stride 0)."""
+    rows = table.shape[0] if table is not None else 1
+    kernel = torch.zeros(rows, BLOCKED + 1, dtype=torch.float32, device=device)
+    if table is not None:
+        kernel[:, :table.shape[1]] = table.detach()
+    kernel[:, BLOCKED] = float("-inf")
+    return kernel, kernel.stride(0) if table is not None else 0
 
 
 def runs_on(device: torch.device) -> bool:
@@ -321,7 +333,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     keep_bits = query.new_empty(_bits_shape(batch, heads, queries, keys) if threshold else (0,), dtype=torch.uint8)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never touched without dropout (no null pointer passed)
-    table_arg = table if table is not None else lse  # never read without a table
+    table_arg, table_stride = kernel_table(table, query.device)
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
@@ -329,9 +341,9 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
             query, key, value, codes, key_tiles, table_arg, seed, out, lse, bits_arg, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table.stride(0) if table is not None else 0, queries, *bits_strides, scale, threshold, keep_scale,
-            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, HAS_TABLE=table is not None,
-            DROPOUT=threshold > 0, BLOCKED=BLOCKED, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
+            table_stride, queries, *bits_strides, scale, threshold, keep_scale,
+            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
+            DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out, lse, seed, keep_bits
 
@@ -375,10 +387,8 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
-    table_arg = table if table is not None else lse
-    common = dict(HEAD_DIM=head_dim, HAS_TABLE=table is not None, DROPOUT=threshold > 0, BLOCKED=BLOCKED,
-                  PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
-    table_stride = table.stride(0) if table is not None else 0
+    table_arg, table_stride = kernel_table(table, query.device)
+    common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
         attention_backward_delta_kernel[(batch * heads, _blocks(queries, ROWSUM_BLOCK))](

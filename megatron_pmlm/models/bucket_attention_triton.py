@@ -100,17 +100,13 @@ def program_tile(heads, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, code_stride_query,
-                  scale, HAS_TABLE: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
-                  UPCAST: tl.constexpr):
-    """scale x q @ k^T plus table[head, code] for the tile's pairs, -inf where the code is BLOCKED
-    (the padded codes are BLOCKED past [queries, keys]: no bounds mask); also the allowed mask."""
-    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :]).to(tl.int32)
-    allowed = code != BLOCKED
-    scores = mm(q, tl.trans(k), PRECISION, UPCAST) * scale
-    if HAS_TABLE:
-        scores += tl.load(table_ptr + table_row + code, mask=allowed, other=0.0)
-    return tl.where(allowed, scores, float("-inf")), allowed
+def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, code_stride_query, scale,
+                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """scale x q @ k^T plus table[head, code] for the tile's pairs. The kernel table's BLOCKED entry is
+    -inf, and the padded codes are BLOCKED past [queries, keys], so the forbidden pairs and those
+    outside the sequence get -inf with no mask: one load and one add a pair."""
+    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :])
+    return mm(q, tl.trans(k), PRECISION, UPCAST) * scale + tl.load(table_ptr + table_row + code)
 
 
 @triton.jit
@@ -122,7 +118,7 @@ def attention_forward_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -142,8 +138,8 @@ def attention_forward_kernel(
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                               PRECISION, UPCAST)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
         p = tl.exp(scores - safe_max[:, None])
@@ -191,8 +187,7 @@ def attention_backward_key_value_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, BLOCKED: tl.constexpr,
-        PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     col_valid = cols < keys
@@ -213,8 +208,8 @@ def attention_backward_key_value_kernel(
         do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
         lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
         delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                               PRECISION, UPCAST)
         p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
@@ -250,7 +245,7 @@ def attention_backward_query_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_TABLE: tl.constexpr, DROPOUT: tl.constexpr, BLOCKED: tl.constexpr, PRECISION: tl.constexpr,
+        DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
         UPCAST: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
@@ -269,8 +264,8 @@ def attention_backward_query_kernel(
         cols = column_start + tl.arange(0, BLOCK_N)
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
-        scores, allowed = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                                        HAS_TABLE, BLOCKED, PRECISION, UPCAST)
+        scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                               PRECISION, UPCAST)
         p = tl.exp(scores - lse[:, None])
         dp = mm(do, tl.trans(v), PRECISION, UPCAST)
         if DROPOUT:
