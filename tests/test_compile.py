@@ -176,6 +176,75 @@ def test_compiled_step_equals_eager_in_losses_and_every_gradient(compiled_step):
             assert counters["stats"]["unique_graphs"] == graphs_before  # nothing compiled anew
 
 
+def test_a_width_whose_compilation_fails_runs_eagerly_and_the_run_goes_on(monkeypatch, capfd):
+    """A width met days into a run whose compilation fails (inductor or Triton failing, a full cache
+    disk) used to end the step, and a requeued run met the same width again. Now the region runs
+    eagerly at that width (announced once), whether the forward's compilation fails or the
+    backward's (compiled in the same call, not at the first backward); with activation
+    checkpointing the recomputation runs eagerly too; the failed width is not compiled again, and
+    the widths that compiled stay compiled. Losses and gradients are the eager model's throughout.
+    A hidden size of its own: no other test's compiled graphs (dynamo's and inductor's caches) can
+    stand in for the compilations that must fail here."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    # compiled, not read from inductor's caches (torch's own config patching restores them)
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
+        _a_width_whose_compilation_fails(monkeypatch, capfd)
+
+
+def _a_width_whose_compilation_fails(monkeypatch, capfd) -> None:
+    import torch._inductor.compile_fx as compile_fx
+
+    config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_size=40, num_attention_heads=4,
+                                      ffn_hidden_size=80, hidden_dropout=0.0, attention_dropout=0.0)
+    eager, model = PMLMForPreTraining(config, init_seed=3), PMLMForPreTraining(config, init_seed=3)
+    compiled.compile_step_regions(model)
+    eager.bert.layout_quantum = model.bert.layout_quantum
+    for m in (eager, model):
+        m.bert.encoder.checkpoint_activations = True
+    original = compile_fx._compile_fx_inner
+    failing = {"graphs": None, "calls": 0}
+
+    def compile_or_fail(graph, example_inputs, **kwargs):
+        if failing["graphs"] is not None:
+            failing["calls"] += 1
+            if failing["graphs"] == "all" or kwargs.get("is_backward"):
+                raise OSError(28, "No space left on device (injected)")
+        return original(graph, example_inputs, **kwargs)
+    monkeypatch.setattr(compile_fx, "_compile_fx_inner", compile_or_fail)
+
+    def step(batch):
+        for m in (eager, model):
+            m.zero_grad(set_to_none=True)
+        expected, got = eager.forward_batch(batch).loss, model.forward_batch(batch).loss
+        expected.backward()
+        got.backward()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        for (name, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+            _fp32_close(p.grad, q.grad, name)
+
+    first, forward_fails, backward_fails = _batch(0, (20, 14)), _batch(1, (60, 41)), _batch(2, (90, 70))
+    step(first)  # compiles
+    failing["graphs"] = "all"
+    capfd.readouterr()
+    step(forward_fails)
+    announced = capfd.readouterr().err
+    assert re.search(r"compiling transformer layer for width \d+ failed \(.*No space left on device", announced), announced
+    assert re.search(r"compiling embed for width \d+ failed", announced), announced
+    assert "runs eagerly at this shape from now on" in announced
+    calls = failing["calls"]
+    step(forward_fails)  # the failed width again: no compilation tried
+    assert failing["calls"] == calls and "failed" not in capfd.readouterr().err
+    failing["graphs"] = "backward"
+    step(backward_fails)
+    announced = capfd.readouterr().err
+    assert re.search(r"compiling transformer layer for width \d+ failed", announced), announced
+    failing["graphs"], failing["calls"] = None, 0
+    step(first)  # the first width stays compiled: nothing compiled, nothing failed
+    assert "compiling" not in capfd.readouterr().err
+
+
 def test_compiled_regions_stay_compiled_after_the_host_sync_counter(compiled_step):
     """HostSyncCounter patches Tensor methods; without its "force_eager" stance dynamo gave up on the
     compiled regions for the rest of the process (a `--profile-trace` after bench_train's proxies

@@ -23,9 +23,10 @@ symbolically (torch 2.13); clearing that private mark was not worth five tiny ke
 The optimizer stays outside (DeepSpeed owns it on the real path; torch's fused AdamW is already
 one kernel on CUDA).
 
-- Regional: each `BertLayer` (PMLM, UniLM v1, seq2seq fine-tuning) is compiled in place with
-  `module.compile()`. Dynamo caches by code object and, inlining nn.Modules, treats parameters as
-  inputs, so identical layers share one compiled graph: a 12-layer model compiles one layer.
+- Regional: the `BertLayer`s of a stack (PMLM, UniLM v1, seq2seq fine-tuning) share one region,
+  `BertLayer.forward` called with each layer as an argument (each layer's `forward` on the
+  instance): dynamo, inlining nn.Modules, treats parameters as inputs, so a 12-layer model
+  compiles one layer graph per shape.
 - Activation checkpointing stays outside: `model.checkpointed_layer` recomputes the compiled layer
   under non-reentrant checkpointing, unchanged.
 - Shapes: the layout width T varies per micro batch. Compiled for static shapes, the model pads T
@@ -50,6 +51,12 @@ one kernel on CUDA).
   and metrics) are regions with `dynamic=True`: their shapes combine the continuation's length
   with the context's, two widths that vary independently, so padding both would still compile a
   graph per pair.
+- A compilation that fails does not end the run: the first call of a region at a new shape also
+  compiles its backward (inductor otherwise compiles it at the first backward, where a failure
+  could not be undone), and when either fails (`BackendCompilerFailed`: an inductor or Triton
+  error, a full cache disk) the region runs eagerly at that shape from then on, announced in one
+  line, recomputations included. A run compiles new widths for days (the layout width varies per
+  micro batch), and a requeued run would meet the same width again.
 - Refused (`compile_problem`, one line, before anything is built): ZeRO-3 (its parameter gather
   hooks fire inside the layer: graph breaks and no gain), tensor parallelism (megatron-core's
   layers are autograd Functions that call collectives) and the flex backend (already a compiled
@@ -61,6 +68,7 @@ dropout the random streams differ from eager's (inductor draws its own), as on a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -68,6 +76,8 @@ import sys
 from typing import Callable
 
 import torch
+import torch._dynamo.exc
+import torch._functorch.config as functorch_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 
@@ -141,6 +151,7 @@ def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None
     compiled = 0
     stage_layer = None  # pipeline stages: one region for the stage's LayerPipes
     decoder_layer = None  # PALM's decoder: one region for its layers
+    model_layer = None  # the stacks' BertLayers: one region
     for module in model.modules():
         if getattr(module, "layout_quantum", 0) is None:  # BertModel, WordEmbeddingPipe: pad for few shapes
             module.layout_quantum = compile_layout_quantum()
@@ -175,7 +186,10 @@ def compile_transformer_layers(model: nn.Module, on_new_shape: Callable[[], None
             continue
         for layer in layers:
             if isinstance(layer, BertLayer):
-                layer.compile(dynamic=False)
+                if model_layer is None:  # announced per stack by `_announce_new_shape`
+                    model_layer = CompiledRegion("transformer layer", BertLayer.forward, dynamic=False,
+                                                 announce=False)
+                layer.forward = functools.partial(model_layer, layer)
                 compiled += 1
         module.register_forward_pre_hook(functools.partial(_announce_new_shape, on_new_shape=on_new_shape))
     return compiled
@@ -250,14 +264,20 @@ class CompiledRegion:
     rank, one line) and counting in `compilations` each new signature it meets, as the layers do.
     `dynamic`: False, static shapes (a new shape is a new compilation); True, symbolic sizes (one
     compilation for every size but 0 and 1, which dynamo specialises). `eager` is the method
-    itself (tests explain it with `torch._dynamo.explain`). `announcing_rank`: the rank that
-    announces (-1: the last, which holds a pipeline's last stage)."""
+    itself (tests explain it with `torch._dynamo.explain`; a shape whose compilation failed runs
+    it). `announcing_rank`: the rank that announces (-1: the last, which holds a pipeline's last
+    stage); `announce` False: the caller announces (the layers' stacks)."""
 
     def __init__(self, name: str, method: Callable, dynamic: bool,
-                 on_new_shape: Callable[[], None] | None = None, announcing_rank: int = 0) -> None:
+                 on_new_shape: Callable[[], None] | None = None, announcing_rank: int = 0,
+                 announce: bool = True) -> None:
         self.name, self.eager, self.dynamic, self.on_new_shape = name, method, dynamic, on_new_shape
-        self.announcing_rank = announcing_rank
+        self.announcing_rank, self.announce = announcing_rank, announce
         self.compiled = torch.compile(method, dynamic=dynamic)
+        self.seen: set[tuple] = set()
+        """Signatures this region has met (compiled, or failed and run eagerly)."""
+        self.eager_signatures: set[tuple] = set()
+        """Signatures whose compilation failed: run eagerly."""
 
     def __call__(self, *args, **kwargs):
         # a pipeline stage's modules take one tuple of activations
@@ -266,16 +286,35 @@ class CompiledRegion:
         shapes = tuple(tuple(t.shape) if not self.dynamic else tuple(min(size, 2) for size in t.shape)
                        for t in tensors)
         signature = (self.name, shapes, tuple(t.dtype for t in tensors), torch.is_grad_enabled())
-        if signature not in _signatures:
+        if signature in self.eager_signatures:
+            return self.eager(*args, **kwargs)
+        if signature in self.seen:
+            return self._compiled(args, kwargs)
+        self.seen.add(signature)
+        shape_text = ("every width" if self.dynamic else
+                      f"width {tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else '?'}")
+        if self.announce and signature not in _signatures:
             _signatures.add(signature)
             if self.on_new_shape is not None:
                 self.on_new_shape()
-            _announce(f"compiled regions: compiling {self.name} "
-                      + ("for every width" if self.dynamic else
-                         f"for width {tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else '?'}")
+            _announce(f"compiled regions: compiling {self.name} for {shape_text}"
                       + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
                       + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
                       f"at most {COMPILE_LIMIT})", self.announcing_rank)
+        try:
+            # the backward compiled now, in this call, rather than at the first backward: a failure
+            # of either arrives here, where the shape can still run eagerly
+            with _backward_compiled_in_the_call():
+                return self._compiled(args, kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            self.eager_signatures.add(signature)
+            reason = str(error.inner_exception if getattr(error, "inner_exception", None) is not None else error)
+            reason = reason.strip().splitlines()[0][:300] if reason.strip() else type(error).__name__
+            _announce(f"compiled regions: compiling {self.name} for {shape_text} failed ({reason}); it runs eagerly "
+                      f"at this shape from now on and the run goes on", self.announcing_rank)
+            return self.eager(*args, **kwargs)
+
+    def _compiled(self, args: tuple, kwargs: dict):
         if not self.dynamic:
             return self.compiled(*args, **kwargs)
         # No duck sizing: two sizes that happen to be equal when the region is traced (a layout that
@@ -283,6 +322,15 @@ class CompiledRegion:
         # call where they differ would compile the region again.
         with fx_config.patch(use_duck_shape=False):
             return self.compiled(*args, **kwargs)
+
+
+def _backward_compiled_in_the_call():
+    """AOT autograd's switch that compiles a graph's backward with its forward, where this torch has
+    it (2.13 does; without it the backward compiles at the first backward, where a failure still
+    ends the step)."""
+    if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+        return functorch_config.patch(force_non_lazy_backward_lowering=True)
+    return contextlib.nullcontext()
 
 
 def _announce(line: str, rank: int = 0) -> None:
