@@ -483,29 +483,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from megatron_pmlm.models import bucket_attention_triton as kernels
 
-POINTER_TYPES = {"codes_ptr": "*u8", "key_tiles_ptr": "*i32", "query_tiles_ptr": "*i32", "table_ptr": "*fp32",
-                 "seed_ptr": "*i64", "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8", "bits_ptr": "*u8"}
-FLOATS = ("scale", "keep_scale")
-
-
-def signature(kernel, dtype, constants):
-    types = {}
-    for parameter in kernel.params:
-        name = parameter.name
-        if parameter.is_constexpr:
-            types[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            types[name] = POINTER_TYPES.get(name, dtype)
-        else:
-            types[name] = "fp32" if name in FLOATS else "i32"
-    return types
-
+sys.path.insert(0, "tools")
+from bench_kernel_code import signature  # the argument types the kernels take, as a launch passes them
 
 report = []
 for capability, dtype, dropout, table in ((80, "*bf16", True, True), (90, "*bf16", True, True),
                                           (90, "*fp16", False, False)):
-    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, HAS_TABLE=table, DROPOUT=dropout, BLOCKED=255,
-                     PRECISION="tf32", UPCAST=False)
+    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, DROPOUT=dropout, PRECISION="tf32", UPCAST=False)
     for kernel in (kernels.attention_forward_kernel, kernels.attention_backward_delta_kernel,
                    kernels.attention_backward_key_value_kernel, kernels.attention_backward_query_kernel):
         own = {name: value for name, value in dict(constants, WRITE_DS=table).items() if name in kernel.arg_names}
@@ -520,7 +504,7 @@ json.dump(report, sys.stdout)
 @needs_triton
 def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
     """Triton's own compiler, without a GPU, down to SM 8.0 and 9.0 machine code (ptxas ships with
-    Triton): the four kernels, bf16 with dropout and the table (both), fp16 without either (9.0);
+    Triton): the four kernels, bf16 with dropout and dS written (both), fp16 without either (9.0);
     each kernel's shared memory within an A100's 164 KiB. What the interpreter cannot catch (types
     the GPU code generator refuses) fails here, not on a lent GPU."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
