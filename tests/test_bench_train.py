@@ -147,9 +147,12 @@ def test_pretrain_s_step_is_timed_and_signals_keep_their_meaning(pretraining_sam
         f"'{micro_batch}', '--iterations', '1', '--warmup', '0', '--deepspeed', '--gradient-accumulation-steps', "
         f"'2', '--data-path', {str(pretraining_samples)!r}, '--json', {str(out)!r}, *{precision!r}]))"
         for micro_batch, out in outputs.items())
-    script = ("import signal, sys; sys.path.insert(0, 'tools'); import bench_train; codes = []; " + calls + "; "
-              "print('handlers', [signal.getsignal(s) is signal.default_int_handler if s == signal.SIGINT "
-              "else signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)]); "
+    # The handlers the process started with (Python's own for SIGINT, or SIG_IGN where its parent
+    # ignores it: pytest-xdist's workers launched from a background job) are the ones it ends with.
+    script = ("import signal, sys; sys.path.insert(0, 'tools'); import bench_train; codes = []; "
+              "signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT); "
+              "before = [signal.getsignal(s) for s in signals]; " + calls + "; "
+              "print('handlers', [signal.getsignal(s) == handler for s, handler in zip(signals, before)]); "
               "sys.exit(max(codes))")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
                             timeout=600, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
