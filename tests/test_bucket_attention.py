@@ -45,9 +45,10 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
     codes = ba.attention_codes(torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8,
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
-    tiles = ba.tile_lists(codes)
-    out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, ba.padded_codes(codes), *tiles, table, dropout,
-                                                            head_dim ** -0.5)
+    inputs = ba.kernel_inputs(codes, table)
+    tiles = inputs.tiles
+    out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, inputs.padded_codes, *tiles, table,
+                                                            inputs.kernel_table, dropout, head_dim ** -0.5)
     keep = ba.dropout_keep_mask(seed, batch, heads, queries, keys, dropout) if dropout else None
     grad = torch.randn(out.shape, generator=generator).to(dtype)
     inputs = [q, k, v] + ([table] if with_table else [])
@@ -98,8 +99,9 @@ with ba.kernel_shapes(ba.KernelShape(128, 32, 8, 2), ba.KernelShape(32, 128, 2, 
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
 codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
-seeds = [ba.bucket_attention_forward(q, q, q, ba.padded_codes(codes), *ba.tile_lists(codes), None, 0.1, 0.25)[2]
-         for _ in range(2)]
+inputs = ba.kernel_inputs(codes, None)
+seeds = [ba.bucket_attention_forward(q, q, q, inputs.padded_codes, *inputs.tiles, None, inputs.kernel_table, 0.1,
+                                     0.25)[2] for _ in range(2)]
 masks = [ba.dropout_keep_mask(seed, 1, 2, 64, 64, 0.1) for seed in (seeds[0], seeds[0], seeds[1])]
 report = {"results": results, "seeds_differ": bool(seeds[0] != seeds[1]),
           "same_seed_same_mask": bool(torch.equal(masks[0], masks[1])),
@@ -109,13 +111,14 @@ report = {"results": results, "seeds_differ": bool(seeds[0] != seeds[1]),
 q, k, v = (torch.randn(2, 2, 130, 16, generator=generator).requires_grad_() for _ in range(3))
 codes = torch.randint(0, 8, (2, 130, 130), dtype=torch.uint8, generator=generator)
 table = torch.randn(2, 8, generator=generator)
-tiles = ba.tile_lists(codes)
-out = ba.bucket_attention(q, k, v, codes, table, tiles=tiles)
+inputs = ba.kernel_inputs(codes, table)
+tiles = inputs.tiles
+out = ba.bucket_attention(q, k, v, inputs)
 dk = torch.autograd.grad(out.sum(), k)[0]
 fewer = ba.TileLists(tiles.key_tiles.clone(), tiles.query_tiles.clone())
 fewer.key_tiles[0, 1, 0] -= 1  # sequence 0, queries 64-127: key block 2 (keys 128-129) left out
 fewer.query_tiles[1, 0, 0] -= 1  # sequence 1, keys 0-63: query block 2 (queries 128-129) left out
-changed_out = ba.bucket_attention(q, k, v, codes, table, tiles=fewer)
+changed_out = ba.bucket_attention(q, k, v, inputs._replace(tiles=fewer))
 changed_dk = torch.autograd.grad(changed_out.sum(), k)[0]
 out_moved = (changed_out - out).abs().amax(dim=(1, 3)) > 0  # [B, queries]
 dk_moved = (changed_dk - dk).abs().amax(dim=(1, 3)) > 0  # [B, keys]
@@ -130,7 +133,8 @@ table = torch.randn(3, 8, requires_grad=True)
 codes = ba.attention_codes(torch.randint(0, 8, (2, 20, 20), dtype=torch.uint8), torch.rand(2, 20, 20) > 0.2)
 torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
                       (k.clone().requires_grad_(), k.clone().requires_grad_(), k.clone().requires_grad_(),
-                       ba.padded_codes(codes), *ba.tile_lists(codes), table, 0.0, 0.25),
+                       ba.padded_codes(codes), *ba.tile_lists(codes), table, ba.kernel_table(table, k.device), 0.0,
+                       0.25),
                       test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 json.dump(report, sys.stdout)
 """

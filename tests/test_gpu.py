@@ -381,7 +381,8 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
                for _ in range(3))
     table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
     grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
-    out = bucket_attention.bucket_attention(q, k, v, codes, table)
+    inputs = bucket_attention.kernel_inputs(codes, table)
+    out = bucket_attention.bucket_attention(q, k, v, inputs)
     ours = [out, *torch.autograd.grad(out, (q, k, v), grad)]
     exact_inputs = [x.detach().double().requires_grad_() for x in (q, k, v)]
     exact = bucket_attention.reference_attention(*exact_inputs, codes, table.detach().double())
@@ -395,8 +396,8 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
         error = float((mine.double() - want).abs().max() / want.abs().max())
         sdpa_error = float((reference.double() - want).abs().max() / want.abs().max())
         assert error <= max(2 * sdpa_error, 4 * 2.0 ** -8), (name, error, sdpa_error)  # or 4 bf16 roundings
-    _, _, seed, bits = bucket_attention.bucket_attention_forward(q, k, v, bucket_attention.padded_codes(codes),
-                                                              *bucket_attention.tile_lists(codes), table, 0.1, 0.125)
+    _, _, seed, bits = bucket_attention.bucket_attention_forward(q, k, v, inputs.padded_codes, *inputs.tiles, table,
+                                                              inputs.kernel_table, 0.1, 0.125)
     keep = bucket_attention.dropout_keep_mask(seed, batch_size, 12, width, width, 0.1)
     assert abs(float(keep.float().mean()) - (1 - 6554 / 65536)) < 0.01
     computed = (codes != bucket_attention.BLOCKED)[:, None].expand_as(keep)  # the bits the backward reads

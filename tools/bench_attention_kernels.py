@@ -151,9 +151,8 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
     if name.startswith("triton"):  # triton, triton-dropout, triton[shapes] (launched by the caller)
         if not bucket_attention.runs_on(query.device):
             raise NotImplementedError(bucket_attention.device_problem(query.device))
-        out = bucket_attention.bucket_attention(query, key, value, kernel_inputs.codes, kernel_inputs.table,
-                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0,
-                                                tiles=kernel_inputs.tiles, padded=kernel_inputs.padded_codes)
+        out = bucket_attention.bucket_attention(query, key, value, kernel_inputs,
+                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0)
         bias = kernel_inputs.table
     elif name in ("sdpa", "sdpa-contiguous-bias"):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)

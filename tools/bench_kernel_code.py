@@ -75,7 +75,7 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
-                            KEYS_BLOCK=bucket_sums.KEYS_BLOCK, PRECISION="ieee", UPCAST=False,
+                            KEYS_BLOCK=bucket_sums.KEYS_BLOCK, UPCAST=False,
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
                             VECTOR=16 // size),
          "options": {"num_warps": 4},

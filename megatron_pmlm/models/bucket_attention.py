@@ -155,12 +155,15 @@ class BucketAttentionInputs(NamedTuple):
     """The tiles the kernels compute (`tile_lists` of the codes)."""
     padded_codes: torch.Tensor
     """The codes as the kernels read them (`padded_codes`)."""
+    kernel_table: torch.Tensor
+    """The table as the kernels read it (`kernel_table`)."""
 
 
 def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None) -> BucketAttentionInputs:
-    """The codes, the table, the codes' tile lists and the padded codes: what the model builds once
-    per micro batch."""
-    return BucketAttentionInputs(codes, table, tile_lists(codes), padded_codes(codes))
+    """The codes, the table, and what the kernels read of them (the codes' tile lists, the padded
+    codes, the kernel table): what the model builds once per micro batch for every layer."""
+    return BucketAttentionInputs(codes, table, tile_lists(codes), padded_codes(codes),
+                                 kernel_table(table, codes.device))
 
 
 def padded_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -176,16 +179,22 @@ def _padded(size: int) -> int:
     return _blocks(size, CODE_TILE) * CODE_TILE
 
 
-def kernel_table(table: torch.Tensor | None, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(fp32 [heads, BLOCKED + 1]: `table`'s rows, 0 for the codes no bucket uses, -inf at BLOCKED;
-    its row stride) as the kernels read it: a forbidden pair gets -inf from the same load and add as
-    an allowed pair its bias (no mask, no select). Without a table, one row every head reads (stride 0)."""
+def kernel_table(table: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """fp32 [heads, BLOCKED + 1]: `table`'s rows, 0 for the codes no bucket uses, -inf at BLOCKED, as
+    the kernels read it: a forbidden pair gets -inf from the same load and add as an allowed pair its
+    bias (no mask, no select). Without a table, [1, BLOCKED + 1], the one row every head reads. Never
+    differentiated: the table's gradient comes from the scores' (`bucket_sums`)."""
     rows = table.shape[0] if table is not None else 1
     kernel = torch.zeros(rows, BLOCKED + 1, dtype=torch.float32, device=device)
     if table is not None:
         kernel[:, :table.shape[1]] = table.detach()
     kernel[:, BLOCKED] = float("-inf")
-    return kernel, kernel.stride(0) if table is not None else 0
+    return kernel
+
+
+def _kernel_table_stride(table: torch.Tensor | None, kernel: torch.Tensor) -> int:
+    """Row stride of the kernel table as the kernels index it: 0 without a table (one shared row)."""
+    return kernel.stride(0) if table is not None else 0
 
 
 def runs_on(device: torch.device) -> bool:
@@ -283,7 +292,7 @@ def _strides(tensor: torch.Tensor) -> tuple[int, int, int]:
     return tensor.stride(0), tensor.stride(1), tensor.stride(2)
 
 
-def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
+def _check(query, key, value, codes, key_tiles, query_tiles, table, kernel) -> None:
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     if key.shape != (batch, heads, keys, head_dim) or value.shape != key.shape:
@@ -304,6 +313,10 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
                              f"got {tiles.dtype} {tuple(tiles.shape)}")
     if table is not None and (table.dim() != 2 or table.shape[0] != heads or table.shape[1] >= BLOCKED):
         raise ValueError(f"bucket_attention: table must be [{heads}, bins < {BLOCKED}], got {tuple(table.shape)}")
+    rows = heads if table is not None else 1
+    if kernel.shape != (rows, BLOCKED + 1) or kernel.dtype != torch.float32 or kernel.stride(-1) != 1:
+        raise ValueError(f"bucket_attention: kernel_table must be float32 [{rows}, {BLOCKED + 1}] (kernel_table of "
+                         f"the table), got {kernel.dtype} {tuple(kernel.shape)}")
     problem = head_dim_problem(head_dim)
     if problem:
         raise ValueError(problem)
@@ -312,17 +325,17 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table) -> None:
 @torch.library.custom_op("megatron_pmlm::bucket_attention", mutates_args=())
 def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
                              key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
-                             dropout_p: float, scale: float
+                             kernel_table: torch.Tensor, dropout_p: float, scale: float
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(output [B, heads, queries, head_dim] in [B, queries, heads, head_dim] memory, fp32 log-sum-exp
     [B, heads, queries], the int64 dropout seed [1], the kept pairs' bits: uint8 [B, heads, queries,
     keys / 8] both rounded up as the codes are, bit b of byte g the pair of key 8g + b, or [0]
     without dropout) of softmax(scale x q k^T + table[h, codes]) v with dropout; `codes`:
-    `padded_codes`. The seed is drawn from the device's generator (activation checkpointing
+    `padded_codes`, `kernel_table`: the function of that name's, of `table`. The seed is drawn from the device's generator (activation checkpointing
     restores it, so a recomputation draws the same mask)."""
     from .bucket_attention_triton import attention_forward_kernel
 
-    _check(query, key, value, codes, key_tiles, query_tiles, table)
+    _check(query, key, value, codes, key_tiles, query_tiles, table, kernel_table)
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     out = _heads_last(batch, queries, heads, head_dim, query)
@@ -333,15 +346,14 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
     keep_bits = query.new_empty(_bits_shape(batch, heads, queries, keys) if threshold else (0,), dtype=torch.uint8)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never touched without dropout (no null pointer passed)
-    table_arg, table_stride = kernel_table(table, query.device)
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
         attention_forward_kernel[grid](
-            query, key, value, codes, key_tiles, table_arg, seed, out, lse, bits_arg, heads, queries, keys,
+            query, key, value, codes, key_tiles, kernel_table, seed, out, lse, bits_arg, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table_stride, queries, *bits_strides, scale, threshold, keep_scale,
+            _kernel_table_stride(table, kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
             DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
@@ -349,7 +361,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
 
 
 @bucket_attention_forward.register_fake
-def _(query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale):
+def _(query, key, value, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale):
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     return (_heads_last(batch, queries, heads, head_dim, query),
@@ -368,7 +380,7 @@ def _bits_shape(batch: int, heads: int, queries: int, keys: int) -> tuple[int, i
 def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               out: torch.Tensor, lse: torch.Tensor, keep_bits: torch.Tensor, codes: torch.Tensor,
                               key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
-                              dropout_p: float, scale: float, table_gradient: bool
+                              kernel_table: torch.Tensor, dropout_p: float, scale: float, table_gradient: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, the table's fp32 gradient [heads, bins], empty without `table_gradient`)."""
     from .bucket_attention_triton import (attention_backward_delta_kernel, attention_backward_key_value_kernel,
@@ -387,7 +399,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
-    table_arg, table_stride = kernel_table(table, query.device)
+    table_stride = _kernel_table_stride(table, kernel_table)
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
@@ -395,14 +407,14 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
             HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
         attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
-            query, key, value, grad_out, codes, query_tiles, table_arg, bits_arg, lse, delta, dk, dv, score_grad,
+            query, key, value, grad_out, codes, query_tiles, kernel_table, bits_arg, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
             query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, *bits_strides, scale, keep_scale,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
         attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
-            query, key, value, grad_out, codes, key_tiles, table_arg, bits_arg, lse, delta, dq,
+            query, key, value, grad_out, codes, key_tiles, kernel_table, bits_arg, lse, delta, dq,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
             table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
@@ -420,8 +432,8 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 @bucket_attention_backward.register_fake
-def _(grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, dropout_p, scale,
-      table_gradient):
+def _(grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table, dropout_p,
+      scale, table_gradient):
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     bins = table.shape[1] if table is not None and table_gradient else None
@@ -431,39 +443,36 @@ def _(grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, codes, key_tiles, query_tiles, table, dropout_p, scale = inputs
+    query, key, value, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale = inputs
     out, lse, _, keep_bits = output
-    ctx.save_for_backward(query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table)
+    ctx.save_for_backward(query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table)
     ctx.dropout_p, ctx.scale = dropout_p, scale
 
 
 def _backward(ctx, grad_out, grad_lse, grad_seed, grad_keep_bits):
-    query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table = ctx.saved_tensors
+    query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table = ctx.saved_tensors
     table_gradient = table is not None and ctx.needs_input_grad[6]
     dq, dk, dv, table_grad = torch.ops.megatron_pmlm.bucket_attention_backward(
-        grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, ctx.dropout_p, ctx.scale,
-        table_gradient)
-    return (dq, dk, dv, None, None, None, table_grad.to(table.dtype) if table_gradient else None, None, None)
+        grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table,
+        ctx.dropout_p, ctx.scale, table_gradient)
+    return (dq, dk, dv, None, None, None, table_grad.to(table.dtype) if table_gradient else None, None, None, None)
 
 
 bucket_attention_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, codes: torch.Tensor,
-                     table: torch.Tensor | None, dropout_p: float = 0.0, scale: float | None = None,
-                     tiles: TileLists | None = None, padded: torch.Tensor | None = None) -> torch.Tensor:
+def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: BucketAttentionInputs,
+                     dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
     """softmax(scale x q k^T + bias) v with attention dropout, bias[b, h, i, j] = table[h, codes[b, i, j]]
     (-inf where codes is BLOCKED): [B, heads, queries, head_dim] (a view of [B, queries, heads,
-    head_dim] memory), differentiable in q, k, v and the table. `tiles`: `tile_lists(codes)`,
-    `padded`: `padded_codes(codes)`, made here if not given (the model makes both once per micro
-    batch: `kernel_inputs`)."""
+    head_dim] memory), differentiable in q, k, v and the table. `inputs`: `kernel_inputs(codes,
+    table)`, which the model makes once per micro batch for every layer."""
     if not runs_on(query.device):
         raise ConfigError(device_problem(query.device))
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    tiles = tile_lists(codes) if tiles is None else tiles
-    padded = padded_codes(codes) if padded is None else padded
-    return bucket_attention_forward(query, key, value, padded, tiles.key_tiles, tiles.query_tiles, table,
-                                    float(dropout_p), float(scale))[0]
+    return bucket_attention_forward(query, key, value, inputs.padded_codes, inputs.tiles.key_tiles,
+                                    inputs.tiles.query_tiles, inputs.table, inputs.kernel_table, float(dropout_p),
+                                    float(scale))[0]
 
 
 @contextlib.contextmanager

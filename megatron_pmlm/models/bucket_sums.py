@@ -150,7 +150,7 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
         bucket_sums_kernel[(programs,)](
             grad, buckets, partial, heads, queries, keys, grad.stride(0) // vector, grad.stride(1) // vector,
             grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, HEADS_BLOCK=heads_block,
-            BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, VECTOR=vector, PRECISION="ieee",
+            BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, VECTOR=vector,
             # the interpreter misreads bf16 tl.dot operands (Triton 3.9); fp16 runs as on a GPU
             UPCAST=INTERPRETED and grad.dtype == torch.bfloat16)
     return partial[:, :heads, :bins].sum(0)  # one kernel, the padding of the blocks left out

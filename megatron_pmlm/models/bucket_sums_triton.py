@@ -25,7 +25,7 @@ import triton.language as tl
 
 @triton.jit
 def tile_sums(total, grad_rows, bucket_rows, row, key, head, bin_ids, heads, queries, keys, grad_stride_query,
-              bucket_stride_query, FULL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+              bucket_stride_query, FULL: tl.constexpr, UPCAST: tl.constexpr):
     """`total` plus one tile's sums. FULL: every key of the tile is inside the gradient, so only
     rows are masked and the loads of a row's keys can be vectors."""
     if FULL:
@@ -39,7 +39,8 @@ def tile_sums(total, grad_rows, bucket_rows, row, key, head, bin_ids, heads, que
     one_hot = bin_ids[:, None] == bucket[None, :]  # [bins, pairs]
     if UPCAST:
         return total + tl.dot(one_hot.to(tl.float32), tl.trans(grad.to(tl.float32)), input_precision="ieee")
-    return total + tl.dot(one_hot.to(grad.dtype), tl.trans(grad), input_precision=PRECISION)
+    # IEEE for fp32 gradients (the GEMMs' sums); half precision ignores it
+    return total + tl.dot(one_hot.to(grad.dtype), tl.trans(grad), input_precision="ieee")
 
 
 @triton.jit
@@ -47,12 +48,10 @@ def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, heads, queries, keys,
                        grad_stride_batch, grad_stride_head, grad_stride_query,
                        bucket_stride_batch, bucket_stride_query, row_blocks,
                        HEADS_BLOCK: tl.constexpr, BINS_BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                       KEYS_BLOCK: tl.constexpr, VECTOR: tl.constexpr, PRECISION: tl.constexpr,
-                       UPCAST: tl.constexpr):
+                       KEYS_BLOCK: tl.constexpr, VECTOR: tl.constexpr, UPCAST: tl.constexpr):
     """The gradient's strides come divided by VECTOR (their common divisor, 1 if none): multiplied
     back here, they tell Triton that a row's keys start at a multiple of VECTOR elements, so a full
-    tile loads them as vectors (asynchronously on SM 8.0+) whatever the width. PRECISION: `tl.dot`'s
-    for fp32 gradients ("ieee": the GEMMs' sums). UPCAST (bf16 in Triton's interpreter, whose tl.dot
+    tile loads them as vectors (asynchronously on SM 8.0+) whatever the width. UPCAST (bf16 in Triton's interpreter, whose tl.dot
     misreads bf16 operands in Triton 3.9) multiplies the same values in fp32, where they and the
     one-hot are exact."""
     program = tl.program_id(0)
@@ -69,8 +68,8 @@ def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, heads, queries, keys,
     full_keys = keys // KEYS_BLOCK * KEYS_BLOCK
     for key_start in range(0, full_keys, KEYS_BLOCK):
         total = tile_sums(total, grad_rows, bucket_rows, row, key_start + column, head, bin_ids, heads, queries,
-                          keys, grad_stride_query * VECTOR, bucket_stride_query, True, PRECISION, UPCAST)
+                          keys, grad_stride_query * VECTOR, bucket_stride_query, True, UPCAST)
     if full_keys < keys:  # the last keys: a tile masked per key
         total = tile_sums(total, grad_rows, bucket_rows, row, full_keys + column, head, bin_ids, heads, queries,
-                          keys, grad_stride_query * VECTOR, bucket_stride_query, False, PRECISION, UPCAST)
+                          keys, grad_stride_query * VECTOR, bucket_stride_query, False, UPCAST)
     tl.store(partial_ptr + program * HEADS_BLOCK * BINS_BLOCK + head[None, :] * BINS_BLOCK + bin_ids[:, None], total)

@@ -308,8 +308,8 @@ class CompiledRegion:
                 return self._compiled(args, kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             self.eager_signatures.add(signature)
-            reason = str(error.inner_exception if getattr(error, "inner_exception", None) is not None else error)
-            reason = reason.strip().splitlines()[0][:300] if reason.strip() else type(error).__name__
+            cause = str(getattr(error, "inner_exception", None) or error).strip()
+            reason = cause.splitlines()[0][:300] if cause else type(error).__name__
             _announce(f"compiled regions: compiling {self.name} for {shape_text} failed ({reason}); it runs eagerly "
                       f"at this shape from now on and the run goes on", self.announcing_rank)
             return self.eager(*args, **kwargs)

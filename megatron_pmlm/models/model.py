@@ -128,9 +128,8 @@ class BertSelfAttention(nn.Module):
         if isinstance(attention, FlexAttentionMask):
             context = flex_attention_forward(query, key, value, attention)
         elif isinstance(attention, BucketAttentionInputs):
-            context = bucket_attention.bucket_attention(query, key, value, attention.codes, attention.table,
-                                                        self.dropout_p if self.training else 0.0,
-                                                        tiles=attention.tiles, padded=attention.padded_codes)
+            context = bucket_attention.bucket_attention(query, key, value, attention,
+                                                        self.dropout_p if self.training else 0.0)
         else:
             context = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention,
