@@ -3,10 +3,13 @@ once several test folders have one)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
@@ -93,3 +96,14 @@ def damage_in_place(path: Path) -> None:
         handle.seek(size // 2)
         handle.write(bytes(b ^ 0x5A for b in block))
     assert path.stat().st_size == size
+
+
+def kernel_code(*flags: str) -> dict:
+    """tools/bench_kernel_code.py's figures (Triton's compiler and cuobjdump, no GPU)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), *flags, "--json", "-"],
+                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode and "is missing" in result.stderr:
+        pytest.skip(result.stderr.strip().splitlines()[-1][:200])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)

@@ -20,7 +20,7 @@ import pytest
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.models import bucket_attention
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT, torchrun
+from pmlm_testing import REPO_ROOT, kernel_code, torchrun
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -94,7 +94,7 @@ results.append(case(2, 3, 40, 37, 16, 8, torch.bfloat16, 0.25, False, generator)
 for dtype, dropout in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
     results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
 # Other tiles and launch options (what the attention tool times): the same attention, the same dropout.
-with ba.kernel_shapes(ba.KernelShape(128, 32, 8, 2), ba.KernelShape(32, 128, 2, 1)):
+with ba.kernel_shapes(ba.KernelShape(128, 64, 8, 2), ba.KernelShape(32, 128, 2, 1)):
     results.append(case(2, 2, 150, 140, 16, 8, torch.float32, 0.1, True, generator, blocked_tiles=True))
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
@@ -208,10 +208,13 @@ _, plain = twins(dropout, False)
 _, checkpointed = twins(dropout, True)
 plain_loss, plain_grads = step(plain, batch, seed=5)
 checkpointed_loss, checkpointed_grads = step(checkpointed, batch, seed=5)
-other_loss, _ = step(plain, batch, seed=6)
+other_loss, other_grads = step(plain, batch, seed=6)
 report["dropout"] = {"checkpointed": difference(checkpointed_grads, plain_grads),
                      "loss": float((plain_loss - checkpointed_loss).abs()),
-                     "other_seed_changes_loss": float((plain_loss - other_loss).abs())}
+                     "other_seed_changes_loss": float((plain_loss - other_loss).abs()),
+                     # the gradients, not the loss alone: two masks can leave a tiny model's loss
+                     # within 2e-5 of each other (1 pair of seeds in 28 here)
+                     "other_seed_changes_grads": difference(other_grads, plain_grads)}
 # --compile: the custom op is opaque to inductor; compiled = eager.
 _, ours = twins(config, False)
 compiled = copy.deepcopy(ours)
@@ -291,7 +294,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
         assert result["loss"] <= 1e-5 and result["worst"] <= 1e-4 and result["table_grad_norm"] > 0, result
     dropout = report["dropout"]
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
-    assert report["dropout"]["other_seed_changes_loss"] > 1e-4, report["dropout"]
+    assert dropout["other_seed_changes_loss"] > 0 and dropout["other_seed_changes_grads"] > 1e-2, dropout
     assert report["compiled"]["calls"] == 6 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
     assert report["graphs"] == {"layer": [1, 0, []], "embed": [1, 0, []]}, report["graphs"]
 
@@ -406,14 +409,16 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
     assert tiles.key_tiles[0, 0].tolist() == [3, 0, 2, 3, 1] and tiles.key_tiles[1, 2, 0] == 0
     assert tiles.key_tiles[0, 1, 0] == 4 and tiles.query_tiles[2, 3].tolist() == [0, 0, 1, 2]
     shape = bucket_attention.KernelShape
-    with bucket_attention.kernel_shapes(shape(128, 32, 8, 2), shape(32, 128)):
+    with bucket_attention.kernel_shapes(shape(128, 64, 8, 2), shape(32, 128)):
         other = bucket_attention.tile_lists(codes)
-    assert other.key_tiles.tolist() == _listed_by_loop(codes, 128, 32)
+    assert other.key_tiles.tolist() == _listed_by_loop(codes, 128, 64)
     assert other.query_tiles.tolist() == _listed_by_loop(codes.transpose(1, 2), 128, 32)
     assert bucket_attention.FORWARD_SHAPE == shape(64, 64, 4, 3)  # restored
-    with pytest.raises(ValueError, match="kernel shape 48x64w4s3: tile sides must be among 32, 64, 128"):
-        with bucket_attention.kernel_shapes(shape(48, 64), shape(64, 64)):
-            pass
+    for wrong in (shape(48, 64), shape(64, 32)):  # keys in blocks of 64 at least: dropout's groups span 64
+        with pytest.raises(ValueError, match=f"kernel shape {wrong}: blocks of queries must be 32 or 64 or 128, "
+                                             "of keys 64 or 128"):
+            with bucket_attention.kernel_shapes(wrong, shape(64, 64)):
+                pass
 
 
 def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
@@ -493,7 +498,7 @@ from bench_kernel_code import signature  # the argument types the kernels take, 
 report = []
 for capability, dtype, dropout, table in ((80, "*bf16", True, True), (90, "*bf16", True, True),
                                           (90, "*fp16", False, False)):
-    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, DROPOUT=dropout, PRECISION="tf32", UPCAST=False)
+    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, DROPOUT=dropout, PRECISION="tf32", INTERPRETED=False)
     for kernel in (kernels.attention_forward_kernel, kernels.attention_backward_delta_kernel,
                    kernels.attention_backward_key_value_kernel, kernels.attention_backward_query_kernel):
         own = {name: value for name, value in dict(constants, WRITE_DS=table).items() if name in kernel.arg_names}
@@ -522,6 +527,20 @@ def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
     assert len(report) == 12
     for entry in report:
         assert entry["cubin"] > 0 and 0 < entry["shared"] <= 164 * 1024, entry
+
+
+@needs_triton
+def test_the_kernels_loops_issue_few_instructions_per_tile():
+    """The CPU proxy of kernels bound by what they issue (tools/bench_kernel_code.py, SM 9.0, bf16,
+    the recipe's dropout, seq 512's width; docs/benchmarks.md "The triton backend's kernels"): the
+    instructions of each kernel's loop per tile. The bounds leave room for other Triton versions'
+    code, not for the forms before the base-2 softmax and the thread-local dropout groups (forward
+    1,612, dK dV dS 1,334, dQ 865; now ~1,080, ~1,060 and ~660), and no spills."""
+    report = kernel_code("--kernels", "attention forward,attention dK dV dS,attention dQ")
+    loops = {row["kernel"]: row["loop_instructions"] for row in report["kernels"]}
+    assert loops["attention forward"] <= 1300 and loops["attention dK dV dS"] <= 1250, loops
+    assert loops["attention dQ"] <= 800, loops
+    assert all(row["spilled_bytes"] == 0 for row in report["kernels"]), report
 
 
 @needs_triton

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from megatron_pmlm.models import bucket_sums
-from pmlm_testing import REPO_ROOT
+from pmlm_testing import REPO_ROOT, kernel_code
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -228,17 +228,6 @@ def test_a_kernel_that_cannot_compile_falls_back_to_the_gemms_with_one_warning()
     (warning,) = report["warnings"]
     assert "Triton kernel failed here (RuntimeError: Failed to find C compiler" in warning
     assert "PMLM_TABLE_GRADIENT=gemm" in warning
-
-
-def kernel_code(*flags: str) -> dict:
-    """tools/bench_kernel_code.py's figures (Triton's compiler and cuobjdump, no GPU)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), *flags, "--json", "-"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode and "is missing" in result.stderr:
-        pytest.skip(result.stderr.strip().splitlines()[-1][:200])
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
 
 
 def test_the_kernel_compiles_for_the_gpus_and_its_loop_issues_few_instructions_per_byte():

@@ -62,7 +62,7 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
         table_stride_h=bucket_attention.BLOCKED + 1,  # bucket_attention.kernel_table's rows
         code_stride_b=tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
-        ds_stride_b=H * T * padded, ds_stride_h=T * padded, ds_stride_t=padded,
+        ds_stride_b=H * T * tiled, ds_stride_h=T * tiled, ds_stride_t=tiled,  # dS rows padded to whole tiles
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})
@@ -71,7 +71,7 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
         query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
     forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
-    attention = dict(HEAD_DIM=head_dim, DROPOUT=True, PRECISION="tf32", UPCAST=False)
+    attention = dict(HEAD_DIM=head_dim, DROPOUT=True, PRECISION="tf32", INTERPRETED=False)
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,

@@ -40,7 +40,6 @@ import torch
 
 from ..config import ConfigError
 from . import bucket_sums
-from .relative_bias import aligned_bias_buffer
 
 BLOCKED = 255
 """The code of a query-key pair the attention rule forbids (its score is -inf)."""
@@ -49,7 +48,7 @@ DROPOUT_RESOLUTION = 1 << 16
 
 
 class KernelShape(NamedTuple):
-    """How a kernel is launched: its tile (queries x keys, powers of two in BLOCK_SIZES) and
+    """How a kernel is launched: its tile (queries x keys: BLOCK_SIZES x KEY_BLOCK_SIZES) and
     Triton's launch options. Written `64x64w4s3` (tools/bench_attention_kernels.py --triton-shapes)."""
 
     block_queries: int
@@ -62,7 +61,9 @@ class KernelShape(NamedTuple):
 
 
 BLOCK_SIZES = (32, 64, 128)
-"""Tile sides the kernels take: tl.dot wants powers of two >= 16, dropout groups of 8 keys."""
+"""Blocks of queries the kernels take: tl.dot wants powers of two >= 16."""
+KEY_BLOCK_SIZES = (64, 128)
+"""Blocks of keys the kernels take: dropout draws and stores its bits in groups that span 64 keys."""
 CODE_TILE = max(BLOCK_SIZES)
 """The kernels read the codes, and the kept pairs' bits, padded to a multiple of this in both
 dimensions (BLOCKED past the real pairs): every tile any launch walks lies inside them, so the
@@ -98,8 +99,9 @@ def parse_kernel_shapes(text: str) -> tuple[KernelShape, KernelShape]:
 
 def shape_problem(shape: KernelShape) -> str | None:
     """Why the kernels cannot be launched as `shape`, or None."""
-    if shape.block_queries not in BLOCK_SIZES or shape.block_keys not in BLOCK_SIZES:
-        return f"kernel shape {shape}: tile sides must be among {', '.join(map(str, BLOCK_SIZES))}"
+    if shape.block_queries not in BLOCK_SIZES or shape.block_keys not in KEY_BLOCK_SIZES:
+        return (f"kernel shape {shape}: blocks of queries must be {' or '.join(map(str, BLOCK_SIZES))}, "
+                f"of keys {' or '.join(map(str, KEY_BLOCK_SIZES))}")
     if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
         return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
     return None
@@ -180,14 +182,16 @@ def _padded(size: int) -> int:
 
 
 def kernel_table(table: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """fp32 [heads, BLOCKED + 1]: `table`'s rows, 0 for the codes no bucket uses, -inf at BLOCKED, as
-    the kernels read it: a forbidden pair gets -inf from the same load and add as an allowed pair its
-    bias (no mask, no select). Without a table, [1, BLOCKED + 1], the one row every head reads. Never
-    differentiated: the table's gradient comes from the scores' (`bucket_sums`)."""
+    """fp32 [heads, BLOCKED + 1]: `table`'s rows times log2 e, 0 for the codes no bucket uses, -inf at
+    BLOCKED, as the kernels read it: they compute the softmax in base 2 (`exp2`), the scale, the bias
+    and the change of base one fused multiply-add a pair; a forbidden pair gets -inf from the same
+    load and add as an allowed pair its bias (no mask, no select). Without a table, [1, BLOCKED + 1],
+    the one row every head reads. Never differentiated: the table's gradient comes from the scores'
+    (`bucket_sums`)."""
     rows = table.shape[0] if table is not None else 1
     kernel = torch.zeros(rows, BLOCKED + 1, dtype=torch.float32, device=device)
     if table is not None:
-        kernel[:, :table.shape[1]] = table.detach()
+        kernel[:, :table.shape[1]] = table.detach() * math.log2(math.e)
     kernel[:, BLOCKED] = float("-inf")
     return kernel
 
@@ -266,7 +270,7 @@ def dropout_threshold(dropout_p: float) -> tuple[int, float]:
     """(the 16-bit threshold below which a draw drops its pair, the scale of the kept values)."""
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention dropout must be in [0, 1), got {dropout_p}")
-    threshold = round(dropout_p * DROPOUT_RESOLUTION)
+    threshold = min(round(dropout_p * DROPOUT_RESOLUTION), DROPOUT_RESOLUTION - 1)  # a draw can pass
     return threshold, DROPOUT_RESOLUTION / (DROPOUT_RESOLUTION - threshold)
 
 
@@ -355,7 +359,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
             _kernel_table_stride(table, kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
-            DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED,
+            DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out, lse, seed, keep_bits
 
@@ -394,13 +398,15 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dk = _heads_last(batch, keys, heads, head_dim, key)
     dv = _heads_last(batch, keys, heads, head_dim, value)
     write_scores = table is not None and table_gradient
-    score_grad = (aligned_bias_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
+    # dS rows padded to whole tiles of keys: the kernel stores them without a mask per key, two
+    # values a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums` reads [:keys]
+    score_grad = (query.new_empty(batch, heads, queries, _padded(keys))[..., :keys] if write_scores
                   else dq)  # never written without a table gradient
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
     table_stride = _kernel_table_stride(table, kernel_table)
-    common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), UPCAST=INTERPRETED)
+    common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
         attention_backward_delta_kernel[(batch * heads, _blocks(queries, ROWSUM_BLOCK))](
@@ -494,9 +500,12 @@ def kernel_shapes(forward: KernelShape, key_value: KernelShape):
 
 
 def stored_keep_mask(keep_bits: torch.Tensor, queries: int, keys: int) -> torch.Tensor:
-    """bool [B, heads, queries, keys] from the forward's kept-pair bits (tests and checks)."""
+    """bool [B, heads, queries, keys] from the forward's kept-pair bits (tests and checks): in each
+    block of 64 keys, bit k of byte c is key 8k + c (the kernels' `dropout_keep`)."""
     bits = torch.arange(8, device=keep_bits.device, dtype=torch.uint8)
-    return ((keep_bits[..., :queries, :, None] >> bits) & 1).bool().flatten(-2)[..., :keys]
+    kept = (keep_bits[..., :queries, :, None] >> bits) & 1  # [.., groups, k]
+    kept = kept.unflatten(-2, (-1, 8)).transpose(-1, -2)  # [.., block, k, c]
+    return kept.bool().flatten(-3)[..., :keys]
 
 
 def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, keys: int,

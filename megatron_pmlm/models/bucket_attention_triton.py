@@ -2,12 +2,14 @@
 
 Flash attention (online softmax, nothing [T, T] kept between the passes) whose additive bias is read
 per tile from a uint8 code per query-key pair: the pair's relative-distance bucket, whose bias is
-`table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). Attention
-dropout is drawn in the forward kernel from Philox, keyed by a seed tensor and the pair's index;
-each Philox call gives 128 bits, cut into eight 16-bit draws, so a tile needs one call per eight
-pairs. The forward also writes what it kept as bits (1/8 byte a pair and head), which both backward
-kernels read instead of drawing again: Philox's ten rounds (~100 integer operations a call, at half
-the rate of float arithmetic) would cost each pass more than its matrix products. A tile whose
+`table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). The softmax
+runs in base 2 (`exp2`, the kernel table holding the bias times log2 e). Attention dropout is drawn
+in the forward kernel from Philox, keyed by a seed tensor and the pair's row and group; each Philox
+call gives 128 bits, cut into eight 16-bit draws for eight keys a thread of the tensor cores'
+layout holds, so a tile needs one call per eight pairs and no exchange between threads. The
+forward also writes what it kept as bits (1/8 byte a pair and head), which both backward kernels
+read instead of drawing again: Philox's ten rounds (~60 integer instructions a call, at half the
+rate of float arithmetic) would cost each pass more than its matrix products. A tile whose
 pairs are all BLOCKED (PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the
 tiles on real data) is skipped: each program walks a list of the tiles it has work in
 (`bucket_attention.tile_lists`).
@@ -29,50 +31,85 @@ import triton.language as tl
 
 
 @triton.jit
-def mm(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """a @ b with fp32 accumulation. UPCAST (Triton's interpreter, whose tl.dot misreads bf16
-    operands in Triton 3.9) multiplies the same values in fp32: operands are rounded to the input
-    dtype first, as on a GPU."""
-    if UPCAST:
+def mm(a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """a @ b with fp32 accumulation. In Triton's interpreter (whose tl.dot misreads bf16 operands in
+    Triton 3.9) the same values are multiplied in fp32: operands are rounded to the input dtype
+    first, as on a GPU."""
+    if INTERPRETED:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+PHILOX_ROUNDS = tl.constexpr(7)
+"""Philox4x32 rounds a dropout draw takes: 7, as FlashAttention's dropout (and PyTorch's SDPA flash
+kernel built from it: 6 rounds and a last one in `philox.cuh`), the fewest its authors found to pass
+TestU01's BigCrush (Salmon et al., 2011); Triton's default 10 would cost 30% more of the forward's
+Philox instructions, the largest part of its loop."""
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
 @triton.jit
-def dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def exp2(x, INTERPRETED: tl.constexpr):
+    """2^x in fp32. On a GPU with results under 2^-126 flushed to 0: one MUFU.EX2 an element instead
+    of MUFU.EX2 behind a range check and two multiplies (`tl.exp2`'s subnormal handling), and a
+    softmax term 2^-126 below its row's largest adds nothing to the row."""
+    if INTERPRETED:
+        return tl.exp2(x)
+    return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """([BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps, the same as
-    [BLOCK_M, BLOCK_N / 8] uint8 bytes: bit b of byte g is the pair of key column_start + 8g + b).
-    A pair is kept when its 16-bit draw is >= threshold (the drop probability x 65536). Pairs are
-    drawn in groups of 8 consecutive keys, one Philox call per group; the group index counts from
-    the sequence and head's first pair, so any tiling draws the same bits."""
-    groups_per_row = (keys + 7) // 8
-    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
-    offsets = ((sequence_head.to(tl.int64) * queries + rows[:, None].to(tl.int64)) * groups_per_row
-               + groups[None, :].to(tl.int64))
-    r0, r1, r2, r3 = tl.randint4x(seed, offsets)
-    low = 0xFFFF
-    # draws < 2^16: compared as int32 (no mixed signedness)
-    k0, k1 = (r0 & low).to(tl.int32) >= threshold, (r0 >> 16).to(tl.int32) >= threshold
-    k2, k3 = (r1 & low).to(tl.int32) >= threshold, (r1 >> 16).to(tl.int32) >= threshold
-    k4, k5 = (r2 & low).to(tl.int32) >= threshold, (r2 >> 16).to(tl.int32) >= threshold
-    k6, k7 = (r3 & low).to(tl.int32) >= threshold, (r3 >> 16).to(tl.int32) >= threshold
-    # Nested joins put draw k(4n + 2m + l) at key 4l + 2m + n of its group (each join a new minor
-    # dimension); the bytes follow the same order.
-    keep = tl.reshape(tl.join(tl.join(tl.join(k0, k1), tl.join(k2, k3)), tl.join(tl.join(k4, k5), tl.join(k6, k7))),
-                      (BLOCK_M, BLOCK_N))
-    packed = (k0.to(tl.int32) | (k4.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k6.to(tl.int32) << 3)
-              | (k1.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k3.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
-    return keep, packed.to(tl.uint8)
+    [BLOCK_M, BLOCK_N / 8] uint8 bytes: `stored_keep`'s layout). A pair is kept when its 16-bit
+    draw is >= threshold (the drop probability x 65536). One Philox call (counter: the group, the
+    row, the sequence and head) draws the 8 pairs of a group: in each block of 64 keys, group c
+    (0-7) holds keys c, c + 8, ..., c + 56, its draw k the key 8k + c and bit k of byte 8 x block + c.
+    A thread of the tensor cores' accumulator layout holds whole groups (columns 8k + c for its c),
+    so the draws and the bytes need no exchange between threads; the groups are counted from the
+    row's first key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
+    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)  # 8 x block + c
+    zeros = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.uint32)
+    group = zeros + groups[None, :].to(tl.uint32)
+    row = zeros + rows[:, None].to(tl.uint32)
+    stream = zeros + sequence_head.to(tl.uint32)
+    r0, r1, r2, r3 = tl.philox(seed, group, row, stream, zeros, PHILOX_ROUNDS)
+    # The draws are the 16-bit halves; each compared in the high half of an unsigned word (the high
+    # half as it is: one instruction), with the threshold shifted there too.
+    high = threshold.to(tl.uint32) << 16
+    k0, k1 = (r0 << 16) >= high, r0 >= high
+    k2, k3 = (r1 << 16) >= high, r1 >= high
+    k4, k5 = (r2 << 16) >= high, r2 >= high
+    k6, k7 = (r3 << 16) >= high, r3 >= high
+    packed = (k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
+              | (k4.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k6.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
+    return spread(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
 
 
 @triton.jit
-def stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t):
-    """[rows, cols] booleans: the pairs the forward kept, read from its bits (see `dropout_keep`; the
-    bits cover whole tiles, so no bounds mask)."""
+def spread(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] from eight [BLOCK_M, BLOCK_N / 8] tensors, k_i[.., 8 x block + c] going to
+    key 64 x block + 8i + c (`dropout_keep`'s groups). Nested joins put k_(4l + 2m + n) at 4l + 2m + n
+    of the new minor dimension (l the innermost join's): [.., group, draw], then [.., block, c, k]
+    -> [.., block, k, c]. In the tensor cores' accumulator layout a thread's groups are its own
+    columns, so this moves values between registers only."""
+    draws = tl.reshape(tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7))),
+                       (BLOCK_M, BLOCK_N // 64, 8, 8))
+    return tl.reshape(tl.permute(draws, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] booleans: the pairs (rows, column_start + j) the forward kept, read from its
+    bits, a byte a group (`dropout_keep`; the bits cover whole tiles, so no bounds mask)."""
+    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
     byte = tl.load(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
-                   + (cols // 8)[None, :])
-    return ((byte.to(tl.int32) >> (cols % 8)[None, :]) & 1) != 0
+                   + groups[None, :]).to(tl.int32)
+    return spread((byte & 1) != 0, (byte & 2) != 0, (byte & 4) != 0, (byte & 8) != 0, (byte & 16) != 0,
+                  (byte & 32) != 0, (byte & 64) != 0, (byte & 128) != 0, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -101,12 +138,14 @@ def program_tile(heads, BLOCK: tl.constexpr):
 
 @triton.jit
 def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, code_stride_query, scale,
-                  PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """scale x q @ k^T plus table[head, code] for the tile's pairs. The kernel table's BLOCKED entry is
-    -inf, and the padded codes are BLOCKED past [queries, keys], so the forbidden pairs and those
-    outside the sequence get -inf with no mask: one load and one add a pair."""
+                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The tile's scores in base 2 (log2 e x (scale x q @ k^T + table[head, code])), which `exp2`
+    takes as they are: the kernel table holds the bias times log2 e, so the scale, the bias and the
+    change of base are one fused multiply-add a pair. Its BLOCKED entry is -inf, and the padded
+    codes are BLOCKED past [queries, keys], so the forbidden pairs and those outside the sequence
+    get -inf with no mask: one load and one add a pair."""
     code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :])
-    return mm(q, tl.trans(k), PRECISION, UPCAST) * scale + tl.load(table_ptr + table_row + code)
+    return mm(q, tl.trans(k), PRECISION, INTERPRETED) * (scale * LOG2E) + tl.load(table_ptr + table_row + code)
 
 
 @triton.jit
@@ -119,7 +158,7 @@ def attention_forward_kernel(
         bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr):
+        INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
@@ -139,24 +178,25 @@ def attention_forward_kernel(
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, UPCAST)
+                               PRECISION, INTERPRETED)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
-        p = tl.exp(scores - safe_max[:, None])
-        correction = tl.exp(row_max - safe_max)
+        p = exp2(scores - safe_max[:, None], INTERPRETED)
+        correction = exp2(row_max - safe_max, INTERPRETED)
         row_sum = row_sum * correction + tl.sum(p, 1)
         if DROPOUT:
-            keep, packed = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold,
-                                        BLOCK_M, BLOCK_N)
-            p = tl.where(keep, p * keep_scale, 0.0)
+            keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)  # the kept terms; 1 / (1 - dropout) applied to the output once
             groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
             tl.store(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
                      + groups[None, :], packed)  # the bits cover whole tiles
-        acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, INTERPRETED)
         row_max = new_max
     seen = row_sum > 0
     out = acc / tl.where(seen, row_sum, 1.0)[:, None]
-    lse = tl.where(seen, row_max + tl.log(tl.where(seen, row_sum, 1.0)), float("inf"))
+    if DROPOUT:
+        out *= keep_scale
+    lse = tl.where(seen, (row_max + tl.log2(tl.where(seen, row_sum, 1.0))) * LN2, float("inf"))  # natural log
     store_rows(out_ptr, out, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries)
     tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
 
@@ -187,10 +227,9 @@ def attention_backward_key_value_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    col_valid = cols < keys
     tiles = query_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     tile_count = tl.load(tiles)
     k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
@@ -206,31 +245,33 @@ def attention_backward_key_value_kernel(
         row_valid = rows < queries
         q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
         do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
-        lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
+        lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf")) * LOG2E  # base 2
         delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, UPCAST)
-        p = tl.exp(scores - lse[:, None])  # 0 where blocked, and in rows that see no key (lse = +inf)
-        dp = mm(do, tl.trans(v), PRECISION, UPCAST)
-        if DROPOUT:
-            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t)
-            p_dropped = tl.where(keep, p * keep_scale, 0.0)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
+                               PRECISION, INTERPRETED)
+        p = exp2(scores - lse[:, None], INTERPRETED)  # 0 where blocked, and in rows that see no key (lse = +inf)
+        dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
+        if DROPOUT:  # 1 / (1 - dropout) applied to dV once, and in dS's fused multiply-add
+            keep = stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N, bits_stride_bh, bits_stride_t,
+                               BLOCK_M, BLOCK_N)
+            p_dropped = tl.where(keep, p, 0.0)
+            ds = p * (tl.where(keep, dp, 0.0) * keep_scale - delta[:, None])
         else:
             p_dropped = p
-        dv += mm(tl.trans(p_dropped.to(do.dtype)), do, PRECISION, UPCAST)
-        ds = p * (dp - delta[:, None])
-        if WRITE_DS:
+            ds = p * (dp - delta[:, None])
+        dv += mm(tl.trans(p_dropped.to(do.dtype)), do, PRECISION, INTERPRETED)
+        if WRITE_DS:  # rows padded to whole tiles of keys: no mask per key (0 past the keys: BLOCKED)
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty),
-                     mask=row_valid[:, None] & col_valid[None, :])
-        dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, UPCAST)
+                     mask=row_valid[:, None])
+        dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, INTERPRETED)
     if WRITE_DS:  # the skipped tiles' dS is 0 (every pair blocked): written, as the table's sums read it
         for tile in range(tile_count, tl.cdiv(queries, BLOCK_M)):
             rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
-                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty),
-                     mask=(rows < queries)[:, None] & col_valid[None, :])
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty), mask=(rows < queries)[:, None])
     dk *= scale
+    if DROPOUT:
+        dv *= keep_scale
     store_rows(dk_ptr, dk, sequence, head, dk_stride_b, dk_stride_h, dk_stride_t, cols, dims, keys)
     store_rows(dv_ptr, dv, sequence, head, dv_stride_b, dv_stride_h, dv_stride_t, cols, dims, keys)
 
@@ -246,14 +287,14 @@ def attention_backward_query_kernel(
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-        UPCAST: tl.constexpr):
+        INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
     stats_base = sequence_head.to(tl.int64) * lse_stride_bh
-    lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf"))
+    lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf")) * LOG2E  # base 2
     delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
@@ -265,14 +306,16 @@ def attention_backward_query_kernel(
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, UPCAST)
-        p = tl.exp(scores - lse[:, None])
-        dp = mm(do, tl.trans(v), PRECISION, UPCAST)
+                               PRECISION, INTERPRETED)
+        p = exp2(scores - lse[:, None], INTERPRETED)
+        dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
         if DROPOUT:
-            keep = stored_keep(bits_ptr, sequence_head, rows, cols, bits_stride_bh, bits_stride_t)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += mm(ds.to(k.dtype), k, PRECISION, UPCAST)
+            keep = stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
+                               BLOCK_M, BLOCK_N)
+            ds = p * (tl.where(keep, dp, 0.0) * keep_scale - delta[:, None])
+        else:
+            ds = p * (dp - delta[:, None])
+        dq += mm(ds.to(k.dtype), k, PRECISION, INTERPRETED)
     dq *= scale
     store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
 
@@ -287,6 +330,6 @@ def dropout_keep_kernel(seed_ptr, keep_ptr, heads, queries, keys, threshold,
     seed = tl.load(seed_ptr)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
-        keep, _ = dropout_keep(seed, sequence_head, rows, column_start, queries, keys, threshold, BLOCK_M, BLOCK_N)
+        keep, _ = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N)
         tl.store(keep_ptr + (sequence_head.to(tl.int64) * queries + rows[:, None]) * keys + cols[None, :],
                  keep.to(tl.int8), mask=(rows[:, None] < queries) & (cols[None, :] < keys))
