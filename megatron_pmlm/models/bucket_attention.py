@@ -519,7 +519,7 @@ def dropout_keep_mask(seed: torch.Tensor, batch: int, heads: int, queries: int, 
     if keep.numel():
         block = 64  # any tile draws the same bits
         dropout_keep_kernel[(batch * heads, _blocks(queries, block))](
-            seed, keep, heads, queries, keys, threshold, BLOCK_M=block, BLOCK_N=block)
+            seed, keep, heads, queries, keys, threshold, BLOCK_M=block, BLOCK_N=block, INTERPRETED=INTERPRETED)
     return keep.bool()
 
 

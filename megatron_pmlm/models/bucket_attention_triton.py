@@ -61,7 +61,20 @@ def exp2(x, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def computed_once(x, INTERPRETED: tl.constexpr):
+    """x, through an opaque copy on a GPU. The draws feed two layouts (the kept bits' coalesced store,
+    the accumulator's), and Triton recomputes a cheap-looking chain in each layout rather than move
+    values between threads: Philox twice a tile. It does not duplicate inline PTX with side effects,
+    so behind this copy Philox runs once and the draws move (the forward's loop: 1,077 -> 1,006
+    instructions a tile, `tools/bench_kernel_code.py`)."""
+    if INTERPRETED:
+        return x
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
+
+
+@triton.jit
+def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     """([BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps, the same as
     [BLOCK_M, BLOCK_N / 8] uint8 bytes: `stored_keep`'s layout). A pair is kept when its 16-bit
     draw is >= threshold (the drop probability x 65536). One Philox call (counter: the group, the
@@ -76,6 +89,8 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     row = zeros + rows[:, None].to(tl.uint32)
     stream = zeros + sequence_head.to(tl.uint32)
     r0, r1, r2, r3 = tl.philox(seed, group, row, stream, zeros, PHILOX_ROUNDS)
+    r0, r1 = computed_once(r0, INTERPRETED), computed_once(r1, INTERPRETED)
+    r2, r3 = computed_once(r2, INTERPRETED), computed_once(r3, INTERPRETED)
     # The draws are the 16-bit halves; each compared in the high half of an unsigned word (the high
     # half as it is: one instruction), with the threshold shifted there too.
     high = threshold.to(tl.uint32) << 16
@@ -185,7 +200,8 @@ def attention_forward_kernel(
         correction = exp2(row_max - safe_max, INTERPRETED)
         row_sum = row_sum * correction + tl.sum(p, 1)
         if DROPOUT:
-            keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N)
+            keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N,
+                                        INTERPRETED)
             p = tl.where(keep, p, 0.0)  # the kept terms; 1 / (1 - dropout) applied to the output once
             groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
             tl.store(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
@@ -322,7 +338,7 @@ def attention_backward_query_kernel(
 
 @triton.jit
 def dropout_keep_kernel(seed_ptr, keep_ptr, heads, queries, keys, threshold,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
     """The [B x heads, queries, keys] keep mask the attention kernels draw (for tests and checks)."""
     sequence_head = tl.program_id(0)
     query_block = tl.program_id(1)
@@ -330,6 +346,6 @@ def dropout_keep_kernel(seed_ptr, keep_ptr, heads, queries, keys, threshold,
     seed = tl.load(seed_ptr)
     for column_start in range(0, keys, BLOCK_N):
         cols = column_start + tl.arange(0, BLOCK_N)
-        keep, _ = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N)
+        keep, _ = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N, INTERPRETED)
         tl.store(keep_ptr + (sequence_head.to(tl.int64) * queries + rows[:, None]) * keys + cols[None, :],
                  keep.to(tl.int8), mask=(rows[:, None] < queries) & (cols[None, :] < keys))
