@@ -247,6 +247,17 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert "| 64 | 4 x 8 a step | fp32 | eager | 30,592 |" in gpu_check.markdown(accumulated)
     assert f"{gpu_check._percent(step.get('mfu'))} | 3.00 |" in gpu_check.markdown(accumulated)
 
+    # A triton row beside sdpa's: the step time's ratio, which decides the default backend.
+    with_triton = copy.deepcopy(report)
+    sdpa_row = next(row for row in with_triton["bench"] if row["name"] == "tiny-seq64-fp32-sdpa")
+    triton_row = copy.deepcopy(sdpa_row)
+    triton_row.update(name="tiny-seq64-fp32-triton", attention_backend="triton")
+    triton_row["figures"]["deepspeed"]["seconds_per_step"] = 0.8 * sdpa_row["figures"]["deepspeed"]["seconds_per_step"]
+    with_triton["bench"].append(triton_row)
+    assert ("The triton backend against sdpa (pretrain's step, same sequence, micro batch and mode; below 1: triton "
+            "is faster): seq 64 x 4 eager 0.80x (faster)." in gpu_check.markdown(with_triton))
+    assert "The triton backend against sdpa" not in markdown
+
     # The report of a run whose pretrain step was skipped and whose other row failed.
     changed = copy.deepcopy(report)
     changed["bench"][0]["figures"]["deepspeed"] = {"skipped": "../shared/data absent"}

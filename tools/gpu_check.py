@@ -384,6 +384,25 @@ def _outside_ops(figures: dict) -> str:
     return f"{figures['host_ms_outside_ops']:,.1f}" if "host_ms_outside_ops" in figures else "?"
 
 
+def backend_comparison(real_rows: list[dict]) -> list[str]:
+    """Lines comparing pretrain's step with the triton backend to sdpa's at the same sequence length,
+    micro batch and mode: what decides the default backend (docs/gpu.md, "The triton backend")."""
+    steps = {}
+    for row in real_rows:
+        real = row["figures"].get("deepspeed", {})
+        if "seconds_per_step" in real:
+            key = (row["seq_length"], row["micro_batch_size"], "compiled" if real.get("compile") else "eager")
+            steps.setdefault(key, {})[row.get("attention_backend", "sdpa")] = real["seconds_per_step"]
+    pairs = [(key, backends["triton"] / backends["sdpa"]) for key, backends in steps.items()
+             if "sdpa" in backends and "triton" in backends]
+    if not pairs:
+        return []
+    return ["", "The triton backend against sdpa (pretrain's step, same sequence, micro batch and mode; below 1: "
+            "triton is faster): " + "; ".join(
+                f"seq {seq} x {micro_batch} {mode} {ratio:.2f}x ({'faster' if ratio < 1 else 'slower'})"
+                for (seq, micro_batch, mode), ratio in pairs) + "."]
+
+
 def markdown(report: dict) -> str:
     device = report["device"]
     budget = f" (budget {report['budget_seconds']:.0f} s)" if report.get("budget_seconds") else ""
@@ -456,6 +475,7 @@ def markdown(report: dict) -> str:
                       "the fastest in the attention table (ms over its shapes: " + ", ".join(
                           f"{launch} {ms:.2f}" for launch, ms in sorted(fastest["ms"].items(), key=lambda i: i[1]))
                       + ")."]
+        lines += backend_comparison(real_rows)
         paths = sorted({row["figures"]["deepspeed"]["table_gradient"] for row in real_rows
                         if "table_gradient" in row["figures"].get("deepspeed", {})})
         if paths:
