@@ -6,7 +6,7 @@ per tile from a uint8 code per query-key pair: the pair's relative-distance buck
 runs in base 2 (`exp2`, the kernel table holding the bias times log2 e). Attention dropout is drawn
 in the forward kernel from Philox, keyed by a seed tensor and the pair's row and group; each Philox
 call gives 128 bits, cut into eight 16-bit draws for eight keys a thread of the tensor cores'
-layout holds, so a tile needs one call per eight pairs and no exchange between threads. The
+layout holds, so a tile needs one call per eight pairs. The
 forward also writes what it kept as bits (1/8 byte a pair and head), which both backward kernels
 read instead of drawing again: Philox's ten rounds (~60 integer instructions a call, at half the
 rate of float arithmetic) would cost each pass more than its matrix products. A tile whose
@@ -81,8 +81,8 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     row, the sequence and head) draws the 8 pairs of a group: in each block of 64 keys, group c
     (0-7) holds keys c, c + 8, ..., c + 56, its draw k the key 8k + c and bit k of byte 8 x block + c.
     A thread of the tensor cores' accumulator layout holds whole groups (columns 8k + c for its c),
-    so the draws and the bytes need no exchange between threads; the groups are counted from the
-    row's first key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
+    so a group's draws spread to its keys in registers; the groups are counted from the row's first
+    key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
     groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)  # 8 x block + c
     zeros = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.uint32)
     group = zeros + groups[None, :].to(tl.uint32)
