@@ -228,6 +228,14 @@ KernelCalls.count = 0
 with KernelCalls():
     _, compiled_grads = step(compiled, batch)
 report["compiled"] = {"calls": KernelCalls.count, "worst": difference(compiled_grads, eager_grads)}
+# The bias bytes proxy (bench_train's bias_bytes_per_step): no bias built, each layer's dS buffer.
+from megatron_pmlm.models.bucket_attention import score_grad_buffer
+from megatron_pmlm.models.relative_bias import bias_bytes_per_step
+_, fresh = twins(config, False)
+width = batch.input_ids.shape[1]
+one_layer = score_grad_buffer(batch.input_ids.shape[0], config.num_attention_heads, width, width, torch.float32,
+                              torch.device("meta")).untyped_storage().nbytes()
+report["bias_bytes"] = [bias_bytes_per_step(fresh, batch, width=width)["bias_bytes"], config.num_layers * one_layer]
 # One graph each, no break: a layer (the custom op is one node) and the embedding region that builds
 # the codes, the table's copy and the tile lists.
 layer = ours.bert.encoder.layer[0]
@@ -287,7 +295,8 @@ def test_the_triton_backend_trains_as_sdpa_does():
     (no dropout), with and without activation checkpointing, one forward and one backward kernel
     call per layer (and the recomputation's forward); with attention dropout a checkpointed layer's
     recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
-    another; compiled = eager, a layer and the region building the kernels' inputs one graph each."""
+    another; compiled = eager, a layer and the region building the kernels' inputs one graph each;
+    the bias-bytes proxy counts each layer's dS buffer and nothing else (no bias is built)."""
     report = run_interpreted(MODEL)
     for checkpointing in ("False", "True"):
         result = report[checkpointing]
@@ -298,6 +307,8 @@ def test_the_triton_backend_trains_as_sdpa_does():
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
     assert dropout["other_seed_changes_loss"] > 0 and dropout["other_seed_changes_grads"] > 1e-2, dropout
     assert report["compiled"]["calls"] == 6 and report["compiled"]["worst"] <= 1e-5, report["compiled"]
+    measured, expected = report["bias_bytes"]
+    assert measured == expected, report["bias_bytes"]
     assert report["graphs"] == {"layer": [1, 0, []], "embed": [1, 0, []]}, report["graphs"]
 
 

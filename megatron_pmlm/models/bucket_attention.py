@@ -177,6 +177,14 @@ def padded_codes(codes: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def score_grad_buffer(batch: int, heads: int, queries: int, keys: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+    """An uninitialised [batch, heads, queries, keys] view of the buffer the backward writes dS into:
+    its rows padded to whole tiles of keys (CODE_TILE), so the kernel stores them with no mask per
+    key, 16 bytes a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums` reads the view."""
+    return torch.empty(batch, heads, queries, _padded(keys), dtype=dtype, device=device)[..., :keys]
+
+
 def _padded(size: int) -> int:
     return _blocks(size, CODE_TILE) * CODE_TILE
 
@@ -398,9 +406,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dk = _heads_last(batch, keys, heads, head_dim, key)
     dv = _heads_last(batch, keys, heads, head_dim, value)
     write_scores = table is not None and table_gradient
-    # dS rows padded to whole tiles of keys: the kernel stores them without a mask per key, two
-    # values a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums` reads [:keys]
-    score_grad = (query.new_empty(batch, heads, queries, _padded(keys))[..., :keys] if write_scores
+    score_grad = (score_grad_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)

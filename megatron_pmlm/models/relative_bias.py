@@ -278,12 +278,14 @@ class _BiasShapedWrites(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func is self.kernel_backward:
             # The triton backend's score gradient (the bias's gradient), written inside its backward
-            # op, which this mode does not see into: the aligned buffer `bucket_attention_backward` allocates.
+            # op, which this mode does not see into: the buffer `bucket_attention_backward` allocates.
+            from .bucket_attention import score_grad_buffer
+
             named = dict(zip((argument.name for argument in func._schema.arguments), args))
             if named["table_gradient"] and named["table"] is not None:
                 query = named["query"]
-                self.bytes += aligned_bias_buffer(*query.shape[:3], named["key"].shape[2], query.dtype,
-                                                  torch.device("meta")).untyped_storage().nbytes()
+                self.bytes += score_grad_buffer(*query.shape[:3], named["key"].shape[2], query.dtype,
+                                                torch.device("meta")).untyped_storage().nbytes()
                 self.ops["bucket_attention_backward (dS)"] += 1
             return out
         if isinstance(func, torch._ops.HigherOrderOperator) or not self._counted(func, args):
