@@ -40,10 +40,11 @@ POINTER_TYPES = {"grad_ptr": "{dtype}", "bucket_ptr": "*u8", "partial_ptr": "*fp
 FLOAT_ARGUMENTS = ("scale", "keep_scale")
 
 
-def kernel_specs(dtype: str, width: int) -> list[dict]:
+def kernel_specs(dtype: str, width: int, dropout: float | None = None) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
-    loads, bucket_attention.py's default shapes and buffers; batch 1)."""
+    loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
+    `dropout` (None: the recipe's)."""
     from megatron_pmlm.config import ModelConfig
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
@@ -54,10 +55,9 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
     tiled = -(-T // bucket_attention.CODE_TILE) * bucket_attention.CODE_TILE  # the codes' and bits' padding
     qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
-    # the recipe's attention dropout, as the kernels take it
-    recipe_dropout = next(field.default for field in dataclasses.fields(ModelConfig)
-                          if field.name == "attention_dropout")
-    threshold = bucket_attention.dropout_threshold(recipe_dropout)[0]
+    if dropout is None:  # the recipe's attention dropout, as the kernels take it
+        dropout = next(field.default for field in dataclasses.fields(ModelConfig) if field.name == "attention_dropout")
+    threshold = bucket_attention.dropout_threshold(dropout)[0]
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
         table_stride_h=bucket_attention.BLOCKED + 1,  # bucket_attention.kernel_table's rows
@@ -71,9 +71,9 @@ def kernel_specs(dtype: str, width: int) -> list[dict]:
         query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
     forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
-    attention = dict(HEAD_DIM=head_dim, DROPOUT=True, PRECISION="tf32", INTERPRETED=False)
+    attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False)
     return [
-        {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
+        {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel, "dropout": dropout,
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
                             KEYS_BLOCK=bucket_sums.KEYS_BLOCK, UPCAST=False,
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
@@ -199,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                         "bucket_sums, attention forward, attention dK dV dS, attention dQ")
     parser.add_argument("--width", type=int, default=674,
                         help="the layout width T the launch is modelled at (674: seq 512's; 176: seq 128's)")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="the attention kernels' dropout (default: the recipe's; 0: the kernels without it)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
@@ -213,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     cuobjdump = binary_tools()
     if args.width < 1:
         parser.error(f"--width {args.width}: give a layout width of at least 1")
-    specs = kernel_specs("*" + args.dtype, args.width)
+    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+        parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
+    specs = kernel_specs("*" + args.dtype, args.width, args.dropout)
     wanted = [name.strip() for name in args.kernels.split(",") if name.strip()]
     unknown = sorted(set(wanted) - {spec["name"] for spec in specs})
     if unknown:
@@ -224,14 +228,16 @@ def main(argv: list[str] | None = None) -> int:
         report(args, rows)
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
-                                              "width": args.width, "kernels": rows}, indent=1)
+                                              "width": args.width, "dropout": specs[0]["dropout"],
+                                              "kernels": rows}, indent=1)
     return 0
 
 
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
-    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}: "
+    dropout = "the recipe's" if args.dropout is None else args.dropout
+    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {dropout}: "
           "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
           "| warp instructions / KB | loop's commonest |", file=out)
