@@ -554,6 +554,13 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     assert loops["attention forward"] <= 1250 and loops["attention dK dV dS"] <= 1000, loops
     assert loops["attention dQ"] <= 800, loops
     assert all(row["spilled_bytes"] == 0 for row in report["kernels"]), report
+    # --dropout 0: the forward as a run without attention dropout launches it (no Philox, no bits)
+    plain = kernel_code("--kernels", "attention forward", "--dropout", "0")
+    assert report["dropout"] == 0.1 and plain["dropout"] == 0.0, (report["dropout"], plain["dropout"])
+    assert plain["kernels"][0]["loop_instructions"] < loops["attention forward"] - 200, plain
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), "--dropout", "1"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--dropout 1.0: give a probability in [0, 1)" in refused.stderr, refused.stderr
 
 
 @needs_triton
