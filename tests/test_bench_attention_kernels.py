@@ -58,6 +58,26 @@ def test_a_probe_that_cannot_run_is_reported_and_is_not_a_failure(tmp_path):
     assert table["2 layers: each, kernel"] == {"unavailable": "needs CUDA"}
 
 
+def test_the_split_sdpa_computes_the_same_attention_over_fewer_pairs(tmp_path):
+    """sdpa-split: the context rows against the context keys, the appended rows against all keys
+    (two sdpa calls, each bias part a leaf of its own): the same output and q/k/v and bias gradients
+    as one sdpa call over T x T; its share of the pairs is reported; its dropout row is timed only."""
+    code = bench_attention_kernels.main(["--preset", "tiny", "--shapes", "64x3", "--variants",
+                                         "sdpa,sdpa-split,sdpa-split-dropout", "--iterations", "1", "--warmup", "1",
+                                         "--json", str(tmp_path / "out.json")])
+    assert code == 0
+    shape = json.loads((tmp_path / "out.json").read_text())["shapes"][0]
+    rows = {r["variant"]: r for r in shape["rows"]}
+    split = rows["sdpa-split"]
+    assert split["same_attention"] and set(split["relative_difference"]) == {
+        "output", "grad_query", "grad_key", "grad_value", "grad_bias"}, split
+    assert max(split["relative_difference"].values()) < 1e-5, split
+    width, context = shape["width"], shape["context_width"]
+    assert 64 <= context < width
+    assert shape["split_pairs_fraction"] == pytest.approx((context ** 2 + (width - context) * width) / width ** 2)
+    assert rows["sdpa-split-dropout"]["ms"] > 0 and "relative_difference" not in rows["sdpa-split-dropout"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (pyproject's test "
                     "extra installs it on x86_64 Linux)")
 def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table_gradient(tmp_path):

@@ -227,11 +227,12 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert all(variants[name]["ms"] > 0 for name in TIMED_ONLY if not name.startswith("triton")), variants
     for name in ("triton", "triton-dropout", *launched_otherwise):  # CUDA (or Triton's interpreter)
         assert "runs on CUDA GPUs" in variants[name]["unavailable"], variants[name]
-    for name in ("flex-dense-bias", "sdpa-contiguous-bias"):  # the bias's gradient compared too
+    for name in ("flex-dense-bias", "sdpa-contiguous-bias", "sdpa-split"):  # the bias's gradient compared too
         assert "grad_bias" in variants[name]["relative_difference"], name
     # a probe that cannot run here says why, and is not a failure of the check
     assert variants["sdpa-cudnn"]["unavailable"] == "NotImplementedError: cuDNN's attention runs on CUDA only"
     assert "## The attention kernel alone" in markdown and "| flex-dense-bias |" in markdown
+    assert f"context width {shape['context_width']} (sdpa-split's pairs " in markdown
     assert "| sdpa-cudnn | not available: NotImplementedError: cuDNN's attention runs on CUDA only | | |" in markdown
     # which path pretrain's step took for the table gradient (the CPU's: the GEMMs)
     assert ("The relative-bias table's gradient (`models/bucket_sums.py`): the layers' summed bias gradient, "

@@ -31,8 +31,14 @@ attention alone, per variant:
   stages) for its forward and dQ kernels / its dK, dV, dS kernel (`bucket_attention.kernel_shapes`),
   compared with sdpa as `triton` is; a shape the GPU cannot hold (shared memory) is reported as not
   available: which launch to make the default;
-- `sdpa-dropout`, `triton-dropout`: sdpa and triton with the recipe's attention dropout (0.1), timed
-  only (their outputs are random): what the dropout costs each kernel;
+- `sdpa-split`: sdpa in two calls split at the layout's context width N (the corrupted sequences):
+  the context rows, which see only the context keys, as N x N, the appended rows against all T keys,
+  each with its part of the bias as a leaf of its own (views of the model's buffer, so each part's
+  gradient comes alone, no slice of the whole); ~18% fewer pairs than T x T at seq 512: whether
+  the model's sdpa path should do this (not built into the model: this row decides);
+- `sdpa-dropout`, `sdpa-split-dropout`, `triton-dropout`: sdpa, the split sdpa and triton with the
+  recipe's attention dropout (0.1), timed only (their outputs are random): what the dropout costs
+  each kernel;
 - `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
@@ -56,6 +62,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -66,13 +73,13 @@ import torch.nn.functional as F  # noqa: E402
 from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positive_int  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
 
-VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "flex-dense-bias", "flex-table",
-            "triton", "sdpa-dropout", "triton-dropout", "flash-no-bias")
+VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
+            "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
-TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "triton-dropout")
+TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -116,8 +123,8 @@ def attention_flops(batch: int, heads: int, width: int, head_size: int) -> float
 def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.device, dtype: torch.dtype,
                   seed: int = 1):
     """(config, dense bias [B, heads, T, T] as the model builds it, flex mask, table, the [B, T, T]
-    relative-distance buckets behind the bias) of a real micro batch."""
-    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    relative-distance buckets behind the bias, the context width N) of a real micro batch."""
+    from megatron_pmlm.models.layout import ORIGINAL, PSEUDO, pmlm_attention_allowed
     from megatron_pmlm.models.model import RelativePositionBias, attention_inputs
     from megatron_pmlm.models.relative_bias import relative_buckets
     from tools.bench_train import make_examples, pmlm_batch
@@ -133,7 +140,9 @@ def layout_inputs(preset: str, seq_length: int, micro_batch: int, device: torch.
     flex = attention_inputs("flex", rel_pos_bias, pmlm_attention_allowed, batch.position_ids, batch.roles,
                             batch.steps, dtype)
     buckets = relative_buckets(batch.position_ids, batch.position_ids, config.rel_pos_bins, config.max_rel_pos)
-    return config, dense, flex, rel_pos_bias, buckets
+    appended = ((batch.roles == ORIGINAL) | (batch.roles == PSEUDO)).any(0)
+    context_width = int(appended.float().argmax()) if bool(appended.any()) else batch.roles.shape[1]
+    return config, dense, flex, rel_pos_bias, buckets, context_width
 
 
 def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_inputs=None,
@@ -146,7 +155,8 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
     from megatron_pmlm.models import bucket_attention
     from megatron_pmlm.models import flex_attention as flex_module
 
-    for tensor in (query, key, value, bias, flex.distance_bias) + ((kernel_inputs.table,) if kernel_inputs else ()):
+    parts = (bias.context_part, bias.appended_part) if isinstance(bias, SplitBias) else (bias,)
+    for tensor in (query, key, value, *parts, flex.distance_bias) + ((kernel_inputs.table,) if kernel_inputs else ()):
         tensor.grad = None
     if name.startswith("triton"):  # triton, triton-dropout, triton[shapes] (launched by the caller)
         if not bucket_attention.runs_on(query.device):
@@ -158,6 +168,10 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
     elif name == "sdpa-dropout":
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, dropout_p=RECIPE_ATTENTION_DROPOUT)
+    elif name in ("sdpa-split", "sdpa-split-dropout"):
+        if bias.context >= query.shape[2]:
+            raise NotImplementedError("the layout has no appended rows to split off")
+        out = split_attention(query, key, value, bias, RECIPE_ATTENTION_DROPOUT if name.endswith("dropout") else 0.0)
     elif name == "sdpa-cudnn":
         if query.device.type != "cuda":
             raise NotImplementedError("cuDNN's attention runs on CUDA only")
@@ -184,9 +198,41 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
     if not keep:
         return None
     grads = [query.grad, key.grad, value.grad]
-    if bias.grad is not None and name != "sdpa-bias-frozen":
+    if isinstance(bias, SplitBias):
+        grads.append(bias.whole_gradient())
+    elif bias.grad is not None and name != "sdpa-bias-frozen":
         grads.append(bias.grad)
     return out.detach(), [g.detach().clone() for g in grads]
+
+
+class SplitBias(NamedTuple):
+    """The bias of `sdpa-split`: the context rows' part [B, heads, N, N] and the appended rows' part
+    [B, heads, T - N, T], leaves of their own."""
+
+    context: int
+    context_part: torch.Tensor
+    appended_part: torch.Tensor
+
+    def whole_gradient(self) -> torch.Tensor:
+        """The two parts' gradients as one [B, heads, T, T] (0 where the context rows meet the
+        appended keys: pairs no rule allows), to compare with sdpa's."""
+        appended = self.appended_part.grad
+        whole = appended.new_zeros(appended.shape[0], appended.shape[1], self.context + appended.shape[2],
+                                   appended.shape[3])
+        whole[:, :, :self.context, :self.context] = self.context_part.grad
+        whole[:, :, self.context:] = appended
+        return whole
+
+
+def split_attention(query, key, value, bias: SplitBias, dropout_p: float) -> torch.Tensor:
+    """sdpa as two calls: the context rows against the context keys (they see no other key: the
+    pseudo-masked layout's rule), the appended rows against all keys."""
+    n = bias.context
+    context = F.scaled_dot_product_attention(query[:, :, :n], key[:, :, :n], value[:, :, :n],
+                                             attn_mask=bias.context_part, dropout_p=dropout_p)
+    appended = F.scaled_dot_product_attention(query[:, :, n:], key, value, attn_mask=bias.appended_part,
+                                              dropout_p=dropout_p)
+    return torch.cat([context, appended], dim=2)
 
 
 def relative_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -207,7 +253,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
 
     triton_shapes = triton_shapes or {}
     seq_length, micro_batch = shape
-    config, dense_built, flex, rel_pos_bias, buckets = layout_inputs(preset, seq_length, micro_batch, device, dtype)
+    config, dense_built, flex, rel_pos_bias, buckets, context = layout_inputs(preset, seq_length, micro_batch, device,
+                                                                               dtype)
     batch, heads, width, _ = dense_built.shape
     head_size = config.hidden_size // config.num_attention_heads
     generator = torch.Generator(device=device).manual_seed(0)
@@ -218,6 +265,10 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     grad_out = torch.randn(batch, heads, width, head_size, generator=generator, device=device).to(dtype)
     dense = dense_built.detach().requires_grad_()  # the model's aligned layout (a view of a padded buffer)
     biases = {"sdpa-contiguous-bias": dense_built.detach().contiguous().requires_grad_()}  # else `dense`
+    # the split's two parts, each a leaf viewing the model's buffer (its strides stay SDPA-aligned)
+    split = SplitBias(context, dense_built.detach()[:, :, :context, :context].requires_grad_(),
+                      dense_built.detach()[:, :, context:, :].requires_grad_())
+    biases["sdpa-split"] = biases["sdpa-split-dropout"] = split
     flex = flex.with_distance_bias(flex.distance_bias.detach().requires_grad_())  # a leaf, as dense is
     flops = attention_flops(batch, heads, width, head_size)
     rows, reference = [], None
@@ -263,7 +314,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "rows": rows}
     return {"seq_length": seq_length, "micro_batch": micro_batch, "width": width, "heads": heads,
             "head_size": head_size, "dtype": str(dtype).replace("torch.", ""), "flops": flops,
-            "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "rows": rows,
+            "allowed_fraction": float(torch.isfinite(dense_built).float().mean()), "context_width": context,
+            "split_pairs_fraction": (context * context + (width - context) * width) / (width * width), "rows": rows,
             "table_gradient": table_gradient_timings(reference[1][3], buckets, config.rel_pos_bins, config.num_layers,
                                                      iterations, device)}
 
@@ -385,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
         results["shapes"].append(figures)
         print(f"{results['device']} | {args.preset}, seq {figures['seq_length']} (layout width {figures['width']}), "
               f"micro batch {figures['micro_batch']}, {figures.get('dtype', '?')}; pairs the rule allows "
-              f"{figures.get('allowed_fraction', 0):.1%}")
+              f"{figures.get('allowed_fraction', 0):.1%}; context width {figures.get('context_width', '?')} (the "
+              f"split's pairs {figures.get('split_pairs_fraction', 0):.1%} of T x T)")
         for row in figures["rows"]:
             if "error" in row or "unavailable" in row:
                 print(f"  {row['variant']:<20} " + (f"failed: {row['error']}" if "error" in row

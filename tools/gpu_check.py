@@ -528,7 +528,9 @@ def _attention_section(attention: dict | None) -> list[str]:
                   f"{attention.get('error', '')[:300]}"]
     for shape in attention.get("figures", {}).get("shapes", []):
         lines += ["", f"seq {shape['seq_length']} (width {shape['width']}), micro batch {shape['micro_batch']}, "
-                  f"{shape.get('dtype', '?')}; pairs the rule allows {shape.get('allowed_fraction', 0):.1%}", "",
+                  f"{shape.get('dtype', '?')}; pairs the rule allows {shape.get('allowed_fraction', 0):.1%}; "
+                  f"context width {shape.get('context_width', '?')} (sdpa-split's pairs "
+                  f"{shape.get('split_pairs_fraction', 0):.1%} of T x T)", "",
                   "| variant | ms | TFLOP/s | same attention as sdpa (largest relative difference) |", "|---|---|---|---|"]
         for row in shape["rows"]:
             if "error" in row or "unavailable" in row:
