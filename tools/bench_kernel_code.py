@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import importlib.util
 import os
 import re
@@ -40,12 +39,18 @@ POINTER_TYPES = {"grad_ptr": "{dtype}", "bucket_ptr": "*u8", "partial_ptr": "*fp
 FLOAT_ARGUMENTS = ("scale", "keep_scale")
 
 
-def kernel_specs(dtype: str, width: int, dropout: float | None = None) -> list[dict]:
+def recipe_attention_dropout() -> float:
+    """ModelConfig's attention dropout (the recipe's 0.1)."""
+    from megatron_pmlm.config import ModelConfig
+
+    return ModelConfig.attention_dropout
+
+
+def kernel_specs(dtype: str, width: int, dropout: float) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
     loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
-    `dropout` (None: the recipe's)."""
-    from megatron_pmlm.config import ModelConfig
+    `dropout`."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
@@ -55,8 +60,6 @@ def kernel_specs(dtype: str, width: int, dropout: float | None = None) -> list[d
     tiled = -(-T // bucket_attention.CODE_TILE) * bucket_attention.CODE_TILE  # the codes' and bits' padding
     qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
-    if dropout is None:  # the recipe's attention dropout, as the kernels take it
-        dropout = next(field.default for field in dataclasses.fields(ModelConfig) if field.name == "attention_dropout")
     threshold = bucket_attention.dropout_threshold(dropout)[0]
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
@@ -73,7 +76,7 @@ def kernel_specs(dtype: str, width: int, dropout: float | None = None) -> list[d
     forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
     attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False)
     return [
-        {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel, "dropout": dropout,
+        {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
                             KEYS_BLOCK=bucket_sums.KEYS_BLOCK, UPCAST=False,
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
@@ -215,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     cuobjdump = binary_tools()
     if args.width < 1:
         parser.error(f"--width {args.width}: give a layout width of at least 1")
-    if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
+    if args.dropout is None:
+        args.dropout = recipe_attention_dropout()
+    elif not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
     specs = kernel_specs("*" + args.dtype, args.width, args.dropout)
     wanted = [name.strip() for name in args.kernels.split(",") if name.strip()]
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         report(args, rows)
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
-                                              "width": args.width, "dropout": specs[0]["dropout"],
+                                              "width": args.width, "dropout": args.dropout,
                                               "kernels": rows}, indent=1)
     return 0
 
@@ -236,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
-    dropout = "the recipe's" if args.dropout is None else args.dropout
-    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {dropout}: "
+    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}: "
           "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
           "| warp instructions / KB | loop's commonest |", file=out)

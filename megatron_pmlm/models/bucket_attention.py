@@ -204,9 +204,10 @@ def kernel_table(table: torch.Tensor | None, device: torch.device) -> torch.Tens
     return kernel
 
 
-def _kernel_table_stride(table: torch.Tensor | None, kernel: torch.Tensor) -> int:
-    """Row stride of the kernel table as the kernels index it: 0 without a table (one shared row)."""
-    return kernel.stride(0) if table is not None else 0
+def _kernel_table_stride(kernel: torch.Tensor) -> int:
+    """Row stride of the kernel table as the kernels index it: 0 for a single row (no table, or
+    one head), which every head reads."""
+    return kernel.stride(0) if kernel.shape[0] > 1 else 0
 
 
 def runs_on(device: torch.device) -> bool:
@@ -365,7 +366,7 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
             query, key, value, codes, key_tiles, kernel_table, seed, out, lse, bits_arg, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            _kernel_table_stride(table, kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
+            _kernel_table_stride(kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
             DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
@@ -411,7 +412,7 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
-    table_stride = _kernel_table_stride(table, kernel_table)
+    table_stride = _kernel_table_stride(kernel_table)
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE

@@ -120,11 +120,18 @@ def stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bit
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] booleans: the pairs (rows, column_start + j) the forward kept, read from its
     bits, a byte a group (`dropout_keep`; the bits cover whole tiles, so no bounds mask)."""
-    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
-    byte = tl.load(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
-                   + groups[None, :]).to(tl.int32)
+    byte = tl.load(bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
+                                BLOCK_N)).to(tl.int32)
     return spread((byte & 1) != 0, (byte & 2) != 0, (byte & 4) != 0, (byte & 8) != 0, (byte & 16) != 0,
                   (byte & 32) != 0, (byte & 64) != 0, (byte & 128) != 0, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t, BLOCK_N: tl.constexpr):
+    """[rows, BLOCK_N / 8] addresses of the kept pairs' bytes for keys column_start... (a byte a
+    `dropout_keep` group): where the forward stores them and the backward reads them."""
+    groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
+    return bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t + groups[None, :]
 
 
 @triton.jit
@@ -203,9 +210,8 @@ def attention_forward_kernel(
             keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N,
                                         INTERPRETED)
             p = tl.where(keep, p, 0.0)  # the kept terms; 1 / (1 - dropout) applied to the output once
-            groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)
-            tl.store(bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t
-                     + groups[None, :], packed)  # the bits cover whole tiles
+            tl.store(bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
+                                  BLOCK_N), packed)  # the bits cover whole tiles
         acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, INTERPRETED)
         row_max = new_max
     seen = row_sum > 0
