@@ -61,11 +61,14 @@ def kernel_specs(dtype: str, width: int, dropout: float) -> list[dict]:
     qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
     threshold = bucket_attention.dropout_threshold(dropout)[0]
+    # dS rows padded to whole tiles of keys (bucket_attention.score_grad_buffer)
+    key_block = bucket_attention.DEFAULT_KEY_VALUE_SHAPE.block_keys
+    ds_row = -(-T // key_block) * key_block
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
         table_stride_h=bucket_attention.BLOCKED + 1,  # bucket_attention.kernel_table's rows
         code_stride_b=tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
-        ds_stride_b=H * T * tiled, ds_stride_h=T * tiled, ds_stride_t=tiled,  # dS rows padded to whole tiles
+        ds_stride_b=H * T * ds_row, ds_stride_h=T * ds_row, ds_stride_t=ds_row,
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})

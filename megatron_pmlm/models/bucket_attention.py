@@ -180,9 +180,11 @@ def padded_codes(codes: torch.Tensor) -> torch.Tensor:
 def score_grad_buffer(batch: int, heads: int, queries: int, keys: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     """An uninitialised [batch, heads, queries, keys] view of the buffer the backward writes dS into:
-    its rows padded to whole tiles of keys (CODE_TILE), so the kernel stores them with no mask per
-    key, 16 bytes a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums` reads the view."""
-    return torch.empty(batch, heads, queries, _padded(keys), dtype=dtype, device=device)[..., :keys]
+    its rows padded to whole tiles of keys (the dK, dV, dS kernel's), so the kernel stores them with
+    no mask per key, 16 bytes a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums`
+    reads the view."""
+    block = KEY_VALUE_SHAPE.block_keys
+    return torch.empty(batch, heads, queries, _blocks(keys, block) * block, dtype=dtype, device=device)[..., :keys]
 
 
 def _padded(size: int) -> int:
