@@ -19,6 +19,10 @@ class ConfigError(ValueError):
 
 
 ATTENTION_BACKENDS = ("sdpa", "flex", "triton")
+"""The attention backends a model computes with (`ModelConfig.attention_backend`)."""
+ATTENTION_BACKEND_CHOICES = ("auto",) + ATTENTION_BACKENDS
+"""What the entry points' --attention-backend takes: `auto` (their default) picks the fastest backend
+that runs here when the run starts (`models.model.resolve_attention_backend`)."""
 
 
 @dataclass
@@ -49,7 +53,9 @@ class ModelConfig:
     attention_backend: str = "sdpa"
     """sdpa: torch's scaled_dot_product_attention over a dense additive bias (mask + relative
     position); flex: FlexAttention with a block mask built from roles/steps and the bias as a
-    score_mod (no dense [B, heads, T, T] tensor; no attention dropout)."""
+    score_mod (no dense [B, heads, T, T] tensor; no attention dropout); triton: our flash attention
+    reading the bias per tile from the table (CUDA, SM 8.0+). The entry points' `auto` resolves to
+    triton or sdpa before a config is built."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",

@@ -18,7 +18,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Sequence
 
-from .config import ATTENTION_BACKENDS, ConfigError, HelpFormatter, positive_float
+from .config import ATTENTION_BACKEND_CHOICES, ConfigError, HelpFormatter, positive_float
 from .files import quiet_libraries
 from .parallel.distributed import ends_process_groups
 from .training.checkpoint_files import LATEST_FILE, add_no_checksums_argument
@@ -85,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="validation micro-batches per evaluation (default: the whole validation set)")
     train.add_argument("--hidden-dropout", type=float, default=None, help="default: the model's")
     train.add_argument("--attention-dropout", type=float, default=None, help="default: the model's")
-    train.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
-                       help="as pretrain's: sdpa (a dense bias per batch), flex (needs --attention-dropout 0) or "
+    train.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                       help="as pretrain's: auto (triton where it runs, else sdpa; the default), sdpa (a dense "
+                            "bias per batch), flex (needs --attention-dropout 0) or "
                             "triton (our flash attention reading the relative bias per tile; CUDA, SM 8.0+; "
                             "docs/gpu.md); how the model is trained, not what it is: the weights are the same")
     precision = train.add_mutually_exclusive_group()
@@ -192,12 +193,15 @@ def run(args: argparse.Namespace) -> int:
     dropout = {k: v for k, v in (("hidden_dropout", args.hidden_dropout), ("attention_dropout", args.attention_dropout))
                if v is not None}
     try:
-        config = replace(loaded.config, padded_vocab_size=0, attention_backend=args.attention_backend,
+        config = replace(loaded.config, padded_vocab_size=0,
                          max_position_embeddings=max(loaded.config.max_position_embeddings, s2s.max_length), **dropout)
     except ConfigError as error:
         raise ConfigError(f"model config: {error}") from None
     from .models.accelerated import training_device_type
-    from .models.model import check_attention_backend
+    from .models.model import check_attention_backend, resolve_attention_backend
+
+    config = replace(config, attention_backend=resolve_attention_backend(args.attention_backend, config,
+                                                                         training_device_type()))
 
     check_attention_backend(config, training_device_type())
     from .training.training_config import read_deepspeed_config

@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Sequence
 
-from .config import (ATTENTION_BACKENDS, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
+from .config import (ATTENTION_BACKEND_CHOICES, PRESETS, ConfigError, HelpFormatter, ModelConfig, UniLMMaskingConfig,
                      add_dataclass_arguments, dataclass_overrides, non_negative_int)
 from .files import quiet_libraries
 from .models.objectives import DEFAULT_OBJECTIVE, OBJECTIVES, get_objective
@@ -41,8 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--hidden-dropout", type=float, help=f"default: {ModelConfig.hidden_dropout}")
     model.add_argument("--attention-dropout", type=float, help=f"default: {ModelConfig.attention_dropout}")
     model.add_argument("--no-rel-pos", action="store_true", help="plain BERT: no relative position bias")
-    model.add_argument("--attention-backend", default="sdpa", choices=ATTENTION_BACKENDS,
-                       help="sdpa: a dense additive mask + relative bias per batch; flex: torch FlexAttention "
+    model.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKEND_CHOICES,
+                       help="auto: triton on CUDA GPUs of compute capability 8.0+ with Triton, else sdpa; "
+                            "sdpa: a dense additive mask + relative bias per batch; flex: torch FlexAttention "
                             "(block mask from roles/steps, relative bias as a score_mod; needs --attention-dropout 0); "
                             "triton: our flash attention reading the relative bias per tile, dropout drawn in the "
                             "kernel (CUDA, SM 8.0+; docs/gpu.md)")

@@ -25,6 +25,7 @@ import bench_attention_kernels  # noqa: E402
     (["--triton-shapes", "64x64w4s3"], "'64x64w4s3': give FORWARD/KEY_VALUE"),
     (["--triton-shapes", "64x64/64x64w4s3"], "kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES"),
     (["--triton-shapes", "48x64w4s3/64x64w4s3"], "kernel shape 48x64w4s3: blocks of queries must be 32 or 64 or 128, of keys 64 or 128"),
+    (["--triton-shapes", "64x64w4s3/32x64w4s3"], "kernel shape 32x64w4s3 for dK, dV, dS: its blocks of queries must be 64 or 128"),
 ])
 def test_bad_arguments_are_refused_in_one_line(args, message, tmp_path):
     result = run_module("tools.bench_attention_kernels", *args, "--json", str(tmp_path / "out.json"), timeout=120)
@@ -91,13 +92,13 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
-         "sdpa,triton,sdpa-dropout,triton-dropout", "--triton-shapes", "32x64w2s1/32x64w4s2", "--iterations", "1",
+         "sdpa,triton,sdpa-dropout,triton-dropout", "--triton-shapes", "32x64w2s1/64x64w4s3", "--iterations", "1",
          "--warmup", "1", "--json", str(out)],
         cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
         text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
-    for name, launch in (("triton", "64x64w4s3/64x64w4s3"), ("triton[32x64w2s1/32x64w4s2]", "32x64w2s1/32x64w4s2")):
+    for name, launch in (("triton", "64x64w4s2/64x64w4s2"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3")):
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
     for name in ("sdpa-dropout", "triton-dropout"):

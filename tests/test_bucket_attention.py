@@ -94,7 +94,7 @@ results.append(case(2, 3, 40, 37, 16, 8, torch.bfloat16, 0.25, False, generator)
 for dtype, dropout in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
     results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
 # Other tiles and launch options (what the attention tool times): the same attention, the same dropout.
-with ba.kernel_shapes(ba.KernelShape(128, 64, 8, 2), ba.KernelShape(32, 128, 2, 1)):
+with ba.kernel_shapes(ba.KernelShape(32, 64, 2, 2), ba.KernelShape(128, 128, 8, 1)):
     results.append(case(2, 2, 150, 140, 16, 8, torch.float32, 0.1, True, generator, blocked_tiles=True))
 with ba.kernel_shapes(ba.KernelShape(64, 128, 4, 2), ba.KernelShape(64, 128, 4, 2)):  # 2 dropout blocks a tile
     results.append(case(2, 2, 150, 140, 16, 8, torch.float32, 0.1, True, generator, blocked_tiles=True))
@@ -422,16 +422,22 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
     assert tiles.key_tiles[0, 0].tolist() == [3, 0, 2, 3, 1] and tiles.key_tiles[1, 2, 0] == 0
     assert tiles.key_tiles[0, 1, 0] == 4 and tiles.query_tiles[2, 3].tolist() == [0, 0, 1, 2]
     shape = bucket_attention.KernelShape
-    with bucket_attention.kernel_shapes(shape(128, 64, 8, 2), shape(32, 128)):
+    with bucket_attention.kernel_shapes(shape(32, 64, 2, 2), shape(64, 128)):
         other = bucket_attention.tile_lists(codes)
-    assert other.key_tiles.tolist() == _listed_by_loop(codes, 128, 64)
-    assert other.query_tiles.tolist() == _listed_by_loop(codes.transpose(1, 2), 128, 32)
-    assert bucket_attention.FORWARD_SHAPE == shape(64, 64, 4, 3)  # restored
+    assert other.key_tiles.tolist() == _listed_by_loop(codes, 32, 64)
+    assert other.query_tiles.tolist() == _listed_by_loop(codes.transpose(1, 2), 128, 64)
+    assert bucket_attention.FORWARD_SHAPE == shape(64, 64, 4, 2)  # restored
     for wrong in (shape(48, 64), shape(64, 32)):  # keys in blocks of 64 at least: dropout's groups span 64
         with pytest.raises(ValueError, match=f"kernel shape {wrong}: blocks of queries must be 32 or 64 or 128, "
                                              "of keys 64 or 128"):
             with bucket_attention.kernel_shapes(wrong, shape(64, 64)):
                 pass
+    # dK, dV, dS with 32 queries a tile gave wrong dK on an H100 (sixth gpu-check): refused
+    with pytest.raises(ValueError, match="kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be 64 "
+                                         "or 128"):
+        with bucket_attention.kernel_shapes(shape(64, 64), shape(32, 128)):
+            pass
+    assert bucket_attention.KEY_VALUE_SHAPE == shape(64, 64, 4, 2)
 
 
 def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
@@ -446,7 +452,7 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
              "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
              "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
     outputs = {}
-    for value in ("128x64w8s3/32x128w4s2", "64x64/64x64w4s3", None):
+    for value in ("32x64w8s3/128x128w4s1", "64x64/64x64w4s3", "64x64w4s2/32x128w4s3", None):
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
         if value:
@@ -455,12 +461,15 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         outputs[value] = result.stdout.splitlines()
-    assert outputs["128x64w8s3/32x128w4s2"] == ["128x64w8s3 32x128w4s2"]
-    assert outputs[None] == ["64x64w4s3 64x64w4s3"]
+    assert outputs["32x64w8s3/128x128w4s1"] == ["32x64w8s3 128x128w4s1"]
+    assert outputs[None] == ["64x64w4s2 64x64w4s2"]
     default, refusal = outputs["64x64/64x64w4s3"]
-    assert default == "64x64w4s3 64x64w4s3"
+    assert default == "64x64w4s2 64x64w4s2"
     assert refusal == ("refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
                        "e.g. 128x64w8s3"), refusal
+    assert outputs["64x64w4s2/32x128w4s3"][1] == (
+        "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
+        "64 or 128")
 
 
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):
@@ -496,6 +505,24 @@ def test_the_triton_backend_is_refused_where_it_cannot_run():
         with pytest.raises(ConfigError, match="runs on CUDA GPUs .* this run is on cpu: use --attention-backend sdpa"):
             check_attention_backend(config, "cpu")
     check_attention_backend(config)  # the configuration alone is fine
+
+
+def test_auto_is_triton_where_its_kernels_run_and_sdpa_elsewhere(monkeypatch):
+    """--attention-backend auto (pretrain's and finetune_s2s's default): triton on a CUDA GPU the kernels
+    run on with a head size they take, sdpa on the CPU, on an older GPU, without Triton, or with
+    another head size; a named backend stays as it is."""
+    from megatron_pmlm.models.model import resolve_attention_backend
+
+    config = model_config_from_preset("tiny")
+    odd_heads = dataclasses.replace(config, hidden_size=96, num_attention_heads=4)  # head size 24
+    assert resolve_attention_backend("auto", config, "cpu") == "sdpa"
+    monkeypatch.setattr(bucket_attention, "device_problem", lambda device: None)  # a GPU of SM 8.0+ with Triton
+    assert resolve_attention_backend("auto", config, "cuda") == "triton"
+    assert resolve_attention_backend("auto", odd_heads, "cuda") == "sdpa"
+    monkeypatch.setattr(bucket_attention, "device_problem", lambda device: "a GPU of compute capability 7.0")
+    assert resolve_attention_backend("auto", config, "cuda") == "sdpa"
+    for backend in ("sdpa", "flex", "triton"):
+        assert resolve_attention_backend(backend, config, "cuda") == backend
 
 
 COMPILED_FOR_GPUS = r"""

@@ -78,7 +78,8 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     assert [gpu_check.bench_name(spec, "base") for spec in kernels][6:10] == [
         "base-seq128-bf16-sdpa-compile-mb256", "base-seq512-bf16-sdpa-compile-mb64",
         "base-seq128-bf16-triton-compile-mb256", "base-seq512-bf16-triton-compile-mb64"]
-    assert all(spec["flags"] == list(gpu_check.COMPILE_FLAGS) and not spec["traced"] for spec in kernels[8:10])
+    assert all(spec["flags"] == list(gpu_check.COMPILE_FLAGS) and spec["traced"] for spec in kernels[8:10])
+    assert not any(spec["traced"] for spec in kernels[4:6])  # triton eager: not traced
     # Without --compile in bench_train: the large batches eager only.
     no_compile = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
                                       large_batches=gpu_check.LARGE_BATCH_SHAPES)
@@ -197,7 +198,7 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
     assert ", compiled, by" not in markdown
     compiled = json.loads(json.dumps(report))  # a traced --compile row (the large micro batch's) says so
     next(row for row in compiled["bench"] if row["name"] == "tiny-seq64-fp32-sdpa")["kind"] = "compile"
-    assert "(seq 64, micro batch 4, fp32, compiled, by self CPU time;" in gpu_check.markdown(compiled)
+    assert "(seq 64, micro batch 4, fp32, sdpa, compiled, by self CPU time;" in gpu_check.markdown(compiled)
     assert f"| `{real['top_kernels'][0]['name'][:120]}` | {real['top_kernels'][0]['calls']} |" in markdown
     assert markdown.count("GPU timeline: none (no GPU events in this trace).") == 2
     has_compile = gpu_check.bench_has_compile()

@@ -81,12 +81,13 @@ ATTENTION_KERNEL_SHAPES = "512x64"
 bias and its gradient against FlexAttention with the dense bias, the model's flex, and no bias) at
 seq 512, where attention weighs most (~60 TFLOP/s on the first H100s: 20% of the compiled step at
 seq 128, more at 512); after the eager rows at the large micro batches, before the compiled ones."""
-TRITON_KERNEL_SHAPES = "128x64w8s3/64x64w4s3,128x64w8s3/32x128w4s3,64x64w4s2/64x64w4s2,128x128w8s2/64x128w8s2"
-"""The triton backend's kernels launched otherwise beside its default (64x64w4s3 for all three), as
-`bench_attention_kernels.py --triton-shapes` rows: forward and dQ / dK, dV, dS (tiles queries x keys,
-warps, pipeline stages), from Triton's own flash-attention tutorial's choices on SM 9.0 (128-query
-forward tiles, 8 warps; a 32 x 128 key/value pass) and fewer stages; the fastest that is the same
-attention becomes `bucket_attention`'s default."""
+TRITON_KERNEL_SHAPES = "64x64w4s3/64x64w4s3,128x64w8s2/64x64w4s2,64x64w4s2/128x64w8s2,64x128w8s2/64x128w8s2"
+"""The triton backend's kernels launched otherwise beside its default (64x64w4s2 for all three, the
+fastest of five on the sixth run's H100), as `bench_attention_kernels.py --triton-shapes` rows:
+forward and dQ / dK, dV, dS (tiles queries x keys, warps, pipeline stages): the former default (3
+stages), 128 queries a tile with 8 warps for either pass, 128 keys a tile for all three; the fastest
+that is the same attention launches the triton rows after it (`fastest_triton_launch`), and a GPU
+where another wins says which default to choose."""
 ATTENTION_PRIORITY = 0.55
 """After sdpa's eager rows at the large micro batches (0.5), before the triton rows there (0.6),
 which then launch the triton kernels as the fastest row of the attention table did
@@ -269,8 +270,8 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     of each of `accumulation` (seq, micro batch, k; eager, named `-ga<k>`); then the --compile row per
     shape (pretrain's step compiled too); then the other backends at the preferred precision; then the
     other precisions. Each of `kernel_backends` (triton) times pretrain's step at the large micro
-    batches, eager right after sdpa's eager rows there, compiled right after sdpa's compiled ones:
-    the same step with another attention kernel.
+    batches, eager right after sdpa's eager rows there, compiled (and traced, at every length) right
+    after sdpa's compiled ones: the same step with another attention kernel.
     `priority` says which group a row is in (0-3)."""
     plan = []
     traced_length = TRACED_SEQ_LENGTH if any(shape[0] == TRACED_SEQ_LENGTH for shape in shapes) else shapes[0][0]
@@ -304,7 +305,9 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                 plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                              "backend": backend, "kind": kind, "real": True,
                              "flags": list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"],
-                             "traced": False, "name_suffix": f"-mb{micro_batch}",
+                             # compiled, traced at every length: the default path's step where
+                             # triton runs (auto), whose kernels say where its time goes
+                             "traced": kind == "compile", "name_suffix": f"-mb{micro_batch}",
                              "priority": 0.6 if kind == "eager" else 1.1})
     for seq_length, micro_batch, steps in accumulation:
         plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
@@ -502,7 +505,7 @@ def markdown(report: dict) -> str:
                       if figures.get("top_kernels")]
             for what, f in traced:
                 lines += ["", f"## Top {len(f['top_kernels'])} kernels of {what} (seq {row['seq_length']}, micro batch "
-                          f"{row['micro_batch_size']}, {row['precision']}"
+                          f"{row['micro_batch_size']}, {row['precision']}, {row['attention_backend']}"
                           + (", compiled" if row["kind"] == "compile" else "")
                           + f", by {unit}; trace: {f['profile_trace']})", "",
                           _timeline(f.get("device_timeline")), "", "| kernel | calls | ms |", "|---|---|---|"]

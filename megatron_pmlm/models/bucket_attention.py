@@ -69,8 +69,15 @@ CODE_TILE = max(BLOCK_SIZES)
 dimensions (BLOCKED past the real pairs): every tile any launch walks lies inside them, so the
 kernels load them without bounds masks (with `kernel_table`, 33-50% fewer instructions in the
 kernels' loops at seq 512's width: `tools/bench_kernel_code.py`, docs/benchmarks.md)."""
-DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
-DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=3)
+DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=2)
+DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=2)
+"""The fastest launch of the five `make gpu-check` timed on one H100 (sixth run, seq 512 x 64: 5.84
+ms a layer's forward and backward against 7.68 with 3 stages, 6.31 with 3 stages for dK dV dS only,
+6.36-8.23 with 128 queries a tile; docs/benchmarks.md)."""
+KEY_VALUE_BLOCK_SIZES = (64, 128)
+"""Blocks of queries the dK, dV, dS kernel takes: launched with 32 queries x 128 keys (4 warps, 3
+stages) it gave dK 3.2e-2 from sdpa's on an H100 (Triton 3.6; the others 4e-3), while Triton's
+interpreter agrees with float64 there: a launch no GPU has shown right is refused."""
 KERNEL_SHAPES_ENV = "PMLM_TRITON_KERNEL_SHAPES"
 """`FORWARD/KEY_VALUE` (e.g. `128x64w8s3/64x64w4s3`): launch the kernels so instead of the defaults,
 read at import (how `make gpu-check` runs pretrain's step with the launch its attention table found
@@ -94,7 +101,11 @@ def parse_kernel_shapes(text: str) -> tuple[KernelShape, KernelShape]:
     halves = text.split("/")
     if len(halves) != 2:
         raise ValueError(f"{text!r}: give FORWARD/KEY_VALUE, e.g. 128x64w8s3/64x64w4s3")
-    return parse_kernel_shape(halves[0]), parse_kernel_shape(halves[1])
+    forward, key_value = parse_kernel_shape(halves[0]), parse_kernel_shape(halves[1])
+    problem = key_value_shape_problem(key_value)
+    if problem:
+        raise ValueError(problem)
+    return forward, key_value
 
 
 def shape_problem(shape: KernelShape) -> str | None:
@@ -105,6 +116,14 @@ def shape_problem(shape: KernelShape) -> str | None:
     if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
         return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
     return None
+
+
+def key_value_shape_problem(shape: KernelShape) -> str | None:
+    """Why the dK, dV, dS kernel cannot be launched as `shape` (beyond `shape_problem`), or None."""
+    if shape.block_queries not in KEY_VALUE_BLOCK_SIZES:
+        return (f"kernel shape {shape} for dK, dV, dS: its blocks of queries must be "
+                f"{' or '.join(map(str, KEY_VALUE_BLOCK_SIZES))}")
+    return shape_problem(shape)
 
 
 def _launch_from_environment() -> tuple[KernelShape, KernelShape, str | None]:
@@ -120,7 +139,7 @@ def _launch_from_environment() -> tuple[KernelShape, KernelShape, str | None]:
 FORWARD_SHAPE, KEY_VALUE_SHAPE, LAUNCH_PROBLEM = _launch_from_environment()
 """FORWARD_SHAPE: the forward's and the dQ kernel's launch (both walk the key blocks of a block of
 queries: `key_tiles`); KEY_VALUE_SHAPE: the dK, dV, dS kernel's (it walks the query blocks of a
-block of keys: `query_tiles`). The defaults are untuned: `make gpu-check` times others beside them
+block of keys: `query_tiles`). `make gpu-check` times other launches beside the defaults
 (docs/gpu.md). LAUNCH_PROBLEM: what is wrong with KERNEL_SHAPES_ENV (the model refuses to start)."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
@@ -496,10 +515,9 @@ def kernel_shapes(forward: KernelShape, key_value: KernelShape):
     how the attention tool times other tiles and launch options. Tile lists made inside the block
     are in its tiles (the kernels refuse lists of other tiles)."""
     global FORWARD_SHAPE, KEY_VALUE_SHAPE
-    for shape in (forward, key_value):
-        problem = shape_problem(shape)
-        if problem:
-            raise ValueError(problem)
+    problem = shape_problem(forward) or key_value_shape_problem(key_value)
+    if problem:
+        raise ValueError(problem)
     saved = FORWARD_SHAPE, KEY_VALUE_SHAPE
     FORWARD_SHAPE, KEY_VALUE_SHAPE = forward, key_value
     try:

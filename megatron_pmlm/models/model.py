@@ -355,6 +355,20 @@ class KeyValueCache:
         self.positions, self.roles, self.steps = (t.index_select(0, index) for t in (self.positions, self.roles, self.steps))
 
 
+def resolve_attention_backend(requested: str, config: ModelConfig, device_type: str) -> str:
+    """The backend `--attention-backend requested` means for `config` on `device_type`: `auto` is
+    triton on a CUDA GPU of compute capability 8.0 or more with Triton installed and a head size its
+    kernels take (faster than sdpa in pretrain's compiled step on one H100: 1.10x at seq 512 x 64,
+    1.02x at seq 128 x 256, the recipe's dropout included; docs/benchmarks.md, sixth run), else sdpa;
+    any other value is returned as it is (`check_attention_backend` refuses what cannot run)."""
+    if requested != "auto":
+        return requested
+    if (device_type == "cuda" and not bucket_attention.head_dim_problem(config.head_dim)
+            and not bucket_attention.device_problem(torch.device("cuda"))):
+        return "triton"
+    return "sdpa"
+
+
 def check_attention_backend(config: ModelConfig, device_type: str | None = None) -> None:
     """Refuse what a backend cannot compute: FlexAttention has no attention dropout, and does not run
     on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); the

@@ -122,7 +122,7 @@ def run_palm(args: argparse.Namespace) -> int:
                           "encoder's final states; use tensor and data parallelism")
     if args.no_rel_pos:
         raise ConfigError("--no-rel-pos is for --model pmlm: PALM has absolute positions only")
-    if args.attention_backend != "sdpa":
+    if args.attention_backend not in ("sdpa", "auto"):  # auto: sdpa, PALM's only backend
         raise ConfigError(f"--attention-backend {args.attention_backend} is for --model pmlm: PALM's attention "
                           "runs on sdpa")
     if args.objective != DEFAULT_OBJECTIVE:

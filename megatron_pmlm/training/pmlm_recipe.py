@@ -11,7 +11,7 @@ from dataclasses import replace
 from ..config import ConfigError, ModelConfig, UniLMMaskingConfig, model_config_from_preset
 from ..models.accelerated import training_device_type
 from ..models.compiled import check_compile
-from ..models.model import check_attention_backend
+from ..models.model import check_attention_backend, resolve_attention_backend
 from ..models.objectives import Objective, get_objective, objective_metrics
 from ..models.unilm import TYPE_VOCAB_SIZE as UNILM_TYPE_VOCAB_SIZE
 from ..parallel.deepspeed_import import import_deepspeed
@@ -21,14 +21,17 @@ from .training_config import check_precision_supported, check_zero_with_pipeline
 
 
 def model_config_from_args(args: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    return model_config_from_preset(
+    """The model --preset and the model flags describe; --attention-backend auto resolved for the device
+    this run trains on (`resolve_attention_backend`)."""
+    config = model_config_from_preset(
         args.preset, vocab_size=vocab_size, num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
         max_position_embeddings=args.max_position_embeddings, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, rel_pos=False if args.no_rel_pos else None,
-        attention_backend=args.attention_backend,
         # UniLM v1's segment ids 0-5 also tell the LM type (unilm.py).
         type_vocab_size=UNILM_TYPE_VOCAB_SIZE if get_objective(args.objective).is_unilm else None)
+    return replace(config, attention_backend=resolve_attention_backend(args.attention_backend, config,
+                                                                       training_device_type()))
 
 
 def run_pmlm(args: argparse.Namespace, unilm_masking: UniLMMaskingConfig) -> int:
@@ -106,7 +109,8 @@ def pmlm_pretraining_run(args: argparse.Namespace, unilm_masking: UniLMMaskingCo
         describe_model=f"model: preset {args.preset} ({model_config.num_layers} layers, hidden "
                        f"{model_config.hidden_size}, {model_config.num_attention_heads} heads, vocabulary {vocab_size} "
                        f"padded to {model_config.embedding_rows}), objective {objective.name}, relative position bias "
-                       f"{'on' if model_config.rel_pos else 'off'}",
+                       f"{'on' if model_config.rel_pos else 'off'}, attention backend {model_config.attention_backend}"
+                       + (" (auto)" if args.attention_backend == "auto" else ""),
         flops_per_token=flops_per_token(model_config, seq_length), metrics=objective_metrics(objective),
         build_loaders=build_loaders,
         describe_data=lambda loaders: (
