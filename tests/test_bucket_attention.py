@@ -138,6 +138,29 @@ torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention.default,
                        ba.padded_codes(codes), *ba.tile_lists(codes), table, ba.kernel_table(table, k.device), 0.0,
                        0.25),
                       test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+# The packed op (q, k, v side by side in a fused projection's output, their gradient one tensor):
+# the same attention and gradients as the op taking them apart, the same dropout for the same seed.
+qkv = torch.randn(2, 20, 3 * 3 * 16, generator=generator)
+inputs = ba.kernel_inputs(codes, table)
+packed_report = {}
+for dropout in (0.0, 0.1):
+    leaf = qkv.clone().requires_grad_()
+    apart = [t.detach().clone().requires_grad_() for t in ba.unpacked(qkv, 3)]
+    grad = torch.randn(2, 3, 20, 16, generator=generator)
+    torch.manual_seed(3)
+    out = ba.bucket_attention_packed(leaf, 3, inputs, dropout)
+    got = [out, *torch.autograd.grad(out, (leaf, table), grad)]
+    torch.manual_seed(3)
+    ref = ba.bucket_attention(*apart, inputs, dropout)
+    want = [ref, *torch.autograd.grad(ref, (*apart, table), grad)]
+    want = [want[0], torch.stack([g.transpose(1, 2) for g in want[1:4]], 2).reshape(qkv.shape), want[4]]
+    packed_report[str(dropout)] = [float((a - b).abs().max()) for a, b in zip(got, want)]
+report["packed"] = packed_report
+report["packed_grad_shape"] = list(got[1].shape)
+torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention_packed.default,
+                      (qkv.clone().requires_grad_(), 3, ba.padded_codes(codes), *ba.tile_lists(codes), table,
+                       ba.kernel_table(table, k.device), 0.0, 0.25),
+                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 json.dump(report, sys.stdout)
 """
 
@@ -159,11 +182,14 @@ bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = False  # the sdpa twin as
 
 
 class KernelCalls(TorchDispatchMode):
-    count = 0
+    count = packed = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         KernelCalls.count += func in (torch.ops.megatron_pmlm.bucket_attention.default,
-                                      torch.ops.megatron_pmlm.bucket_attention_backward.default)
+                                      torch.ops.megatron_pmlm.bucket_attention_backward.default,
+                                      torch.ops.megatron_pmlm.bucket_attention_packed.default,
+                                      torch.ops.megatron_pmlm.bucket_attention_packed_backward.default)
+        KernelCalls.packed += func is torch.ops.megatron_pmlm.bucket_attention_packed_backward.default
         return func(*args, **(kwargs or {}))
 
 
@@ -196,12 +222,12 @@ batch = pmlm_batch(make_examples(3, 24, config.vocab_size, seed=3))
 report = {}
 for checkpointing in (False, True):
     sdpa, ours = twins(config, checkpointing)
-    KernelCalls.count = 0
+    KernelCalls.count = KernelCalls.packed = 0
     with KernelCalls():
         loss, grads = step(ours, batch)
-    calls = KernelCalls.count
+    calls, packed = KernelCalls.count, KernelCalls.packed
     ref_loss, ref_grads = step(sdpa, batch)
-    report[str(checkpointing)] = {"calls": calls, "loss": float((loss - ref_loss).abs()),
+    report[str(checkpointing)] = {"calls": calls, "packed_backwards": packed, "loss": float((loss - ref_loss).abs()),
                                   "worst": difference(grads, ref_grads), "same": sorted(grads) == sorted(ref_grads),
                                   "table_grad_norm": float(grads["bert.rel_pos_bias.weight"].norm())}
 # Attention dropout drawn in the kernel: recomputing a checkpointed layer redraws the same mask.
@@ -287,13 +313,16 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     listed = report["listed_tiles_only"]
     assert listed["out_rows"] == listed["out_rows_expected"], listed
     assert listed["dk_rows_sequence_1"] > 0 and not listed["dk_moved_in_sequence_1_past_key_63"], listed
+    assert report["packed"] == {"0.0": [0.0, 0.0, 0.0], "0.1": [0.0, 0.0, 0.0]}, report["packed"]
+    assert report["packed_grad_shape"] == [2, 20, 144]
 
 
 @needs_triton
 def test_the_triton_backend_trains_as_sdpa_does():
     """A 3-layer model with the triton backend: loss and every gradient equal the sdpa backend's
     (no dropout), with and without activation checkpointing, one forward and one backward kernel
-    call per layer (and the recomputation's forward); with attention dropout a checkpointed layer's
+    call per layer (and the recomputation's forward), the packed op's (q, k, v from the fused
+    projection's output, their gradient one tensor); with attention dropout a checkpointed layer's
     recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
     another; compiled = eager, a layer and the region building the kernels' inputs one graph each;
     the bias-bytes proxy counts each layer's dS buffer and nothing else (no bias is built)."""
@@ -302,6 +331,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
         result = report[checkpointing]
         # 3 forward and 3 backward calls; checkpointed, 3 more forward calls (the recomputation)
         assert result["calls"] == (9 if checkpointing == "True" else 6) and result["same"], result
+        assert result["packed_backwards"] == 3, result  # q, k, v read from the fused projection's output
         assert result["loss"] <= 1e-5 and result["worst"] <= 1e-4 and result["table_grad_norm"] > 0, result
     dropout = report["dropout"]
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout

@@ -28,7 +28,7 @@ from . import bucket_attention, bucket_sums
 from .bucket_attention import BucketAttentionInputs
 from .relative_bias import (LayerBiasUse, PerLayerBias, blocked_bias, query_dtype, relative_attention_bias,
                             relative_buckets, relative_position_bucket)
-from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear
+from ..parallel.layers import LocalLayers, ParallelLayers, fused_column_linear, fused_column_output
 
 if TYPE_CHECKING:
     from .unilm import UniLMLosses
@@ -122,18 +122,22 @@ class BertSelfAttention(nn.Module):
                 cache: "LayerKeyValues | None" = None) -> torch.Tensor:
         """`attention`: the dense additive bias (sdpa), a FlexAttentionMask (flex) or the
         BucketAttentionInputs (triton), see `attention_inputs`."""
-        query, key, value = self._project(hidden, self.query, self.key, self.value)
-        if cache is not None:
-            key, value = cache.extend(key, value)
-        if isinstance(attention, FlexAttentionMask):
-            context = flex_attention_forward(query, key, value, attention)
-        elif isinstance(attention, BucketAttentionInputs):
-            context = bucket_attention.bucket_attention(query, key, value, attention,
-                                                        self.dropout_p if self.training else 0.0)
+        dropout_p = self.dropout_p if self.training else 0.0
+        packed = (fused_column_output(hidden, (self.query, self.key, self.value))
+                  if isinstance(attention, BucketAttentionInputs) and cache is None and self.fuse_projections
+                  else None)
+        if packed is not None:  # triton reads q, k, v from the one GEMM's output, writes their gradient as one
+            context = bucket_attention.bucket_attention_packed(packed, self.heads_per_partition, attention, dropout_p)
         else:
-            context = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention,
-                dropout_p=self.dropout_p if self.training else 0.0)
+            query, key, value = self._project(hidden, self.query, self.key, self.value)
+            if cache is not None:
+                key, value = cache.extend(key, value)
+            if isinstance(attention, FlexAttentionMask):
+                context = flex_attention_forward(query, key, value, attention)
+            elif isinstance(attention, BucketAttentionInputs):
+                context = bucket_attention.bucket_attention(query, key, value, attention, dropout_p)
+            else:
+                context = F.scaled_dot_product_attention(query, key, value, attn_mask=attention, dropout_p=dropout_p)
         batch, _, length, _ = context.shape
         return context.transpose(1, 2).reshape(batch, length, -1)
 

@@ -253,7 +253,7 @@ class _BiasShapedWrites(TorchDispatchMode):
         self.graphs, self.batch, self.heads, self.width = graphs, batch, heads, width
         self.bytes = 0
         self.ops: Counter = Counter()
-        self.kernel_backward = _bucket_attention_backward()
+        self.kernel_backwards = _bucket_attention_backwards()
 
     def _bias_shaped(self, tensor) -> bool:
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 4:
@@ -276,15 +276,16 @@ class _BiasShapedWrites(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is self.kernel_backward:
+        if func in self.kernel_backwards:
             # The triton backend's score gradient (the bias's gradient), written inside its backward
             # op, which this mode does not see into: the buffer `bucket_attention_backward` allocates.
-            from .bucket_attention import score_grad_buffer
+            from .bucket_attention import score_grad_buffer, unpacked
 
             named = dict(zip((argument.name for argument in func._schema.arguments), args))
             if named["table_gradient"] and named["table"] is not None:
-                query = named["query"]
-                self.bytes += score_grad_buffer(*query.shape[:3], named["key"].shape[2], query.dtype,
+                query, key = ((named["query"], named["key"]) if "query" in named
+                              else unpacked(named["qkv"], named["heads"])[:2])
+                self.bytes += score_grad_buffer(*query.shape[:3], key.shape[2], query.dtype,
                                                 torch.device("meta")).untyped_storage().nbytes()
                 self.ops["bucket_attention_backward (dS)"] += 1
             return out
@@ -299,11 +300,13 @@ class _BiasShapedWrites(TorchDispatchMode):
         return out
 
 
-def _bucket_attention_backward():
-    """The triton backend's backward op where it is registered (models/bucket_attention.py imported)."""
+def _bucket_attention_backwards() -> tuple:
+    """The triton backend's backward ops where they are registered (models/bucket_attention.py
+    imported): q, k, v apart and packed."""
     namespace = getattr(torch.ops, "megatron_pmlm", None)
-    return namespace.bucket_attention_backward.default if namespace is not None and hasattr(
-        namespace, "bucket_attention_backward") else None
+    return tuple(getattr(namespace, name).default for name in ("bucket_attention_backward",
+                                                               "bucket_attention_packed_backward")
+                 if namespace is not None and hasattr(namespace, name))
 
 
 def bias_bytes_per_step(model: torch.nn.Module, batch, autocast_dtype: torch.dtype | None = None,

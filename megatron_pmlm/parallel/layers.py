@@ -367,16 +367,24 @@ def fused_column_linear(input_: torch.Tensor, linears: Sequence[nn.Module]) -> t
     forward is more than "replicated input, local linear" (sequence parallelism, gradient
     accumulation fusion, deferred weight gradients, gathered outputs, separate bias).
     """
-    if not _can_fuse(linears):
+    output = fused_column_output(input_, linears)
+    if output is None:
         return tuple(linear(input_) for linear in linears)
+    return output.split([linear.weight.shape[0] for linear in linears], dim=-1)
+
+
+def fused_column_output(input_: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor | None:
+    """`fused_column_linear`'s one GEMM, its output unsplit ([..., the linears' outputs side by side]),
+    for a consumer that reads it whole and returns its gradient whole (the triton attention's packed
+    q, k, v: no concatenation of three gradients); None where the linears cannot be fused."""
+    if not _can_fuse(linears):
+        return None
     weight = torch.cat([linear.weight for linear in linears])
     bias = torch.cat([linear.bias for linear in linears])
     first = linears[0]
     if isinstance(first, nn.Linear):
-        output = F.linear(input_, weight, bias)
-    else:
-        output = _megatron_column_linear(first, input_, weight, bias)
-    return output.split([linear.weight.shape[0] for linear in linears], dim=-1)
+        return F.linear(input_, weight, bias)
+    return _megatron_column_linear(first, input_, weight, bias)
 
 
 def _can_fuse(linears: Sequence[nn.Module]) -> bool:
