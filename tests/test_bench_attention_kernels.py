@@ -92,7 +92,8 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
-         "sdpa,triton,sdpa-dropout,triton-dropout", "--triton-shapes", "32x64w2s1/64x64w4s3", "--iterations", "1",
+         "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias", "--triton-shapes", "32x64w2s1/64x64w4s3",
+         "--iterations", "1",
          "--warmup", "1", "--json", str(out)],
         cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
         text=True, timeout=300)
@@ -101,7 +102,7 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     for name, launch in (("triton", "64x64w4s2/64x64w4s2"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3")):
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
-    for name in ("sdpa-dropout", "triton-dropout"):
+    for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 
 

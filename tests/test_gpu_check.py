@@ -115,7 +115,7 @@ def test_a_step_starts_only_with_its_own_minimum_left():
 
 def test_the_triton_rows_launch_as_the_fastest_row_of_the_attention_table():
     """`fastest_triton_launch`: the triton launch that is the same attention as sdpa at every shape in
-    the least total time; the dropout row (timed only) and a launch that differed or failed at any
+    the least total time; the dropout and no-bias rows (timed only) and a launch that differed or failed at any
     shape are not candidates; none without a triton row."""
     def row(variant, launch, ms, same=True):
         return {"variant": variant, "launch": launch, "ms": ms, "same_attention": same}
@@ -126,7 +126,8 @@ def test_the_triton_rows_launch_as_the_fastest_row_of_the_attention_table():
                   row("triton[64x64w4s2/64x64w4s2]", "64x64w4s2/64x64w4s2", 1.0, same=False),
                   {"variant": "triton[128x128w8s2/64x128w8s2]", "launch": "128x128w8s2/64x128w8s2",
                    "unavailable": "OutOfResources: shared memory"},
-                  row("triton-dropout", "64x64w4s3/64x64w4s3", 0.5)]},
+                  row("triton-dropout", "64x64w4s3/64x64w4s3", 0.5),
+                  {"variant": "triton-no-bias", "launch": "64x64w4s3/64x64w4s3", "ms": 0.4}]},  # timed only
         {"rows": [row("triton", "64x64w4s3/64x64w4s3", 2.0),
                   row("triton[128x64w8s3/64x64w4s3]", "128x64w8s3/64x64w4s3", 2.5),
                   row("triton[64x64w4s2/64x64w4s2]", "64x64w4s2/64x64w4s2", 1.0)]}]}

@@ -39,7 +39,10 @@ attention alone, per variant:
 - `sdpa-dropout`, `sdpa-split-dropout`, `triton-dropout`: sdpa, the split sdpa and triton with the
   recipe's attention dropout (0.1), timed only (their outputs are random): what the dropout costs
   each kernel;
-- `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches).
+- `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches);
+- `triton-no-bias`: the triton kernels on the same work as `flash-no-bias` (every pair, no table,
+  no dropout; timed only): what our kernels' own machinery costs against FlashAttention's, apart
+  from the bias, the skipped tiles and the table's gradient.
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
 GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
@@ -74,12 +77,13 @@ from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positi
 from megatron_pmlm.files import OutputError, check_output, write_json_atomically  # noqa: E402
 
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
-            "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias")
+            "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias",
+            "triton-no-bias")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
-TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout")
+TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "triton-no-bias")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -156,7 +160,8 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
     from megatron_pmlm.models import flex_attention as flex_module
 
     parts = (bias.context_part, bias.appended_part) if isinstance(bias, SplitBias) else (bias,)
-    for tensor in (query, key, value, *parts, flex.distance_bias) + ((kernel_inputs.table,) if kernel_inputs else ()):
+    table = kernel_inputs.table if kernel_inputs is not None else None
+    for tensor in (query, key, value, *parts, flex.distance_bias) + ((table,) if table is not None else ()):
         tensor.grad = None
     if name.startswith("triton"):  # triton, triton-dropout, triton[shapes] (launched by the caller)
         if not bucket_attention.runs_on(query.device):
@@ -200,7 +205,7 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
     grads = [query.grad, key.grad, value.grad]
     if isinstance(bias, SplitBias):
         grads.append(bias.whole_gradient())
-    elif bias.grad is not None and name != "sdpa-bias-frozen":
+    elif bias is not None and bias.grad is not None and name != "sdpa-bias-frozen":
         grads.append(bias.grad)
     return out.detach(), [g.detach().clone() for g in grads]
 
@@ -278,7 +283,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                     else contextlib.nullcontext())
         try:
             with launched:
-                kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias)  # tile lists in its tiles
+                kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias,  # tile lists in its tiles
+                                               every_pair=name == "triton-no-bias")
                 for _ in range(max(warmup, 1)):
                     out, grads = run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
                                              kernel_inputs)
@@ -320,11 +326,14 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                                                      iterations, device)}
 
 
-def _kernel_inputs(dense: torch.Tensor, buckets: torch.Tensor, rel_pos_bias):
+def _kernel_inputs(dense: torch.Tensor, buckets: torch.Tensor, rel_pos_bias, every_pair: bool = False):
     """The triton backend's inputs for the same attention: each pair's code (its bucket, or BLOCKED
-    where the dense bias is -inf) and the table the dense bias was built from, as a leaf."""
+    where the dense bias is -inf) and the table the dense bias was built from, as a leaf; with
+    `every_pair`, no pair blocked and no table (`triton-no-bias`: flash-no-bias's work)."""
     from megatron_pmlm.models.bucket_attention import attention_codes, kernel_inputs
 
+    if every_pair:
+        return kernel_inputs(attention_codes(None, torch.ones_like(dense[:, 0], dtype=torch.bool)), None)
     allowed = torch.isfinite(dense[:, 0])
     table = rel_pos_bias.weight.detach().float().requires_grad_()
     return kernel_inputs(attention_codes(buckets, allowed), table)
