@@ -409,3 +409,26 @@ def test_resume_refuses_another_objective_and_lists_changed_settings(pretraining
                         str(ckpt), "--finetune", "--save", str(tmp_path / "g"))
     assert result.returncode == 2 and "holds a different model (num_layers: saved 2, now 3)" in result.stderr, \
         result.stderr[-2000:]
+
+
+def test_a_resume_on_another_attention_backend_says_it_will_not_repeat_the_saved_run(tmp_path):
+    """--attention-backend auto picks by the GPU: a run requeued onto other GPUs may resume on another
+    backend. It continues the same model, listed among the changed settings, with a note that the
+    dropout masks differ (so the run is not repeated bit for bit) and how to keep the saved one."""
+    from megatron_pmlm.training.preflight import check_resumed_settings
+
+    def state(backend, flag):
+        return {"args": {"attention_backend": flag, "model_config": {"hidden_size": 768, "attention_backend": backend}},
+                "training_config": {"lr": 1e-4}}
+
+    lines = []
+    check_resumed_settings(tmp_path, state("sdpa", "auto"), state("triton", "auto")["args"], {"lr": 1e-4}, False,
+                           lines.append)
+    assert lines == ["resuming with changed settings: attention_backend sdpa -> triton",
+                     "note: the triton attention backend computes the same model as sdpa did, with other "
+                     "attention-dropout masks: this run continues the saved one but does not repeat it bit for bit "
+                     "(--attention-backend sdpa would)"], lines
+    for same in (state("sdpa", "sdpa"), state("sdpa", "auto")):  # the flag alone changed: the same kernels
+        lines = []
+        check_resumed_settings(tmp_path, state("sdpa", "auto"), same["args"], {"lr": 1e-4}, False, lines.append)
+        assert not any(line.startswith("note:") for line in lines), lines
