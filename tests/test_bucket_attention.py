@@ -618,6 +618,14 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     refused = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), "--dropout", "1"],
                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--dropout 1.0: give a probability in [0, 1)" in refused.stderr, refused.stderr
+    # --launch: another launch as gpu-check times it (8 warps, 128 queries a tile)
+    wide = kernel_code("--kernels", "attention dK dV dS", "--launch", "64x64w4s2/128x64w8s2")
+    assert report["launch"] == "64x64w4s2/64x64w4s2" and wide["launch"] == "64x64w4s2/128x64w8s2", wide["launch"]
+    assert wide["kernels"][0]["num_warps"] == 8 and wide["kernels"][0]["spilled_bytes"] == 0, wide
+    refused = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), "--launch",
+                              "64x64w4s2/32x128w4s3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and ("--launch: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries "
+                                        "must be 64 or 128") in refused.stderr, refused.stderr
 
 
 @needs_triton

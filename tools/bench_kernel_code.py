@@ -46,11 +46,12 @@ def recipe_attention_dropout() -> float:
     return ModelConfig.attention_dropout
 
 
-def kernel_specs(dtype: str, width: int, dropout: float) -> list[dict]:
+def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = None) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
     loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
-    `dropout`."""
+    `dropout`; the attention kernels launched as `launch` (forward and dQ shape, dK dV dS shape;
+    default: bucket_attention's defaults)."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
@@ -62,7 +63,8 @@ def kernel_specs(dtype: str, width: int, dropout: float) -> list[dict]:
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
     threshold = bucket_attention.dropout_threshold(dropout)[0]
     # dS rows padded to whole tiles of keys (bucket_attention.score_grad_buffer)
-    key_block = bucket_attention.DEFAULT_KEY_VALUE_SHAPE.block_keys
+    forward, key_value = launch or (bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE)
+    key_block = key_value.block_keys
     ds_row = -(-T // key_block) * key_block
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
@@ -76,7 +78,6 @@ def kernel_specs(dtype: str, width: int, dropout: float) -> list[dict]:
     def tiles(forward_shape, key_value_shape):
         query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
-    forward, key_value = bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE
     attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False)
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
@@ -207,8 +208,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="the layout width T the launch is modelled at (674: seq 512's; 176: seq 128's)")
     parser.add_argument("--dropout", type=float, default=None,
                         help="the attention kernels' dropout (default: the recipe's; 0: the kernels without it)")
+    parser.add_argument("--launch", help="the attention kernels launched as FORWARD/KEY_VALUE, e.g. "
+                        "128x64w8s2/64x64w4s2 (default: bucket_attention's defaults)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
+    launch = None
+    if args.launch:
+        from megatron_pmlm.models.bucket_attention import parse_kernel_shapes
+
+        try:
+            launch = parse_kernel_shapes(args.launch)
+        except ValueError as error:
+            parser.error(f"--launch: {error}")
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     if args.json:
@@ -225,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         args.dropout = recipe_attention_dropout()
     elif not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
-    specs = kernel_specs("*" + args.dtype, args.width, args.dropout)
+    specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch)
+    from megatron_pmlm.models import bucket_attention
+
+    args.launch = "/".join(map(str, launch or (bucket_attention.DEFAULT_FORWARD_SHAPE,
+                                               bucket_attention.DEFAULT_KEY_VALUE_SHAPE)))
     wanted = [name.strip() for name in args.kernels.split(",") if name.strip()]
     unknown = sorted(set(wanted) - {spec["name"] for spec in specs})
     if unknown:
@@ -236,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         report(args, rows)
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
-                                              "width": args.width, "dropout": args.dropout,
+                                              "width": args.width, "dropout": args.dropout, "launch": args.launch,
                                               "kernels": rows}, indent=1)
     return 0
 
@@ -244,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
 def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
-    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}: "
-          "instructions of each kernel's hot loop (one iteration = one tile)", file=out)
+    print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}, "
+          f"attention launch {args.launch}: instructions of each kernel's hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
           "| warp instructions / KB | loop's commonest |", file=out)
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
