@@ -156,6 +156,25 @@ for dropout in (0.0, 0.1):
     want = [want[0], torch.stack([g.transpose(1, 2) for g in want[1:4]], 2).reshape(qkv.shape), want[4]]
     packed_report[str(dropout)] = [float((a - b).abs().max()) for a, b in zip(got, want)]
 report["packed"] = packed_report
+# dQ by the GEMM over dS (the default where dS is written) against dQ's own kernel: the same dQ up to
+# the order of the fp32 sums, in fp32 and bf16, with dropout (the same seed) and without.
+dq_report = {}
+for dtype in (torch.float32, torch.bfloat16):
+    for dropout in (0.0, 0.1):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in ba.unpacked(qkv, 3)]
+        grad = torch.randn(2, 3, 20, 16, generator=generator).to(dtype)
+        found = []
+        for by_gemm in (True, False):
+            with ba.dq_from_scores(by_gemm):
+                torch.manual_seed(5)
+                out = ba.bucket_attention(*leaves, inputs, dropout)
+                found.append(torch.autograd.grad(out, (leaves[0], table), grad))
+        (dq_gemm, table_gemm), (dq_kernel, table_kernel) = found
+        dq_report[f"{dtype}-{dropout}"] = [float((dq_gemm.double() - dq_kernel.double()).abs().max()
+                                                 / dq_kernel.double().abs().max()),
+                                           float((table_gemm - table_kernel).abs().max())]
+report["dq_from_scores"] = dq_report
+report["dq_default"] = ba.DQ_FROM_SCORES
 report["packed_grad_shape"] = list(got[1].shape)
 torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention_packed.default,
                       (qkv.clone().requires_grad_(), 3, ba.padded_codes(codes), *ba.tile_lists(codes), table,
@@ -315,6 +334,11 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     assert listed["dk_rows_sequence_1"] > 0 and not listed["dk_moved_in_sequence_1_past_key_63"], listed
     assert report["packed"] == {"0.0": [0.0, 0.0, 0.0], "0.1": [0.0, 0.0, 0.0]}, report["packed"]
     assert report["packed_grad_shape"] == [2, 20, 144]
+    assert report["dq_default"], "dQ by the GEMM over dS is the default"
+    for case, (dq_difference, table_difference) in report["dq_from_scores"].items():
+        # fp32: rounding of reordered sums; bf16: the same bf16 dS, one rounding of dQ either way
+        assert dq_difference <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, dq_difference)
+        assert table_difference == 0.0, (case, table_difference)  # dS itself is the same
 
 
 @needs_triton

@@ -40,6 +40,9 @@ attention alone, per variant:
   recipe's attention dropout (0.1), timed only (their outputs are random): what the dropout costs
   each kernel;
 - `flash-no-bias`: SDPA without any bias (not the model's attention: the floor a fused kernel reaches);
+- `triton-dq-kernel`: `triton` with dQ from its own kernel (recomputing the scores, their softmax and
+  dP per tile) instead of the batched GEMM over dS the backward computes it by now
+  (`bucket_attention.DQ_FROM_SCORES`): which way is faster, checked against sdpa as `triton` is;
 - `triton-no-bias`: the triton kernels on the same work as `flash-no-bias` (every pair, no table,
   no dropout; timed only): what our kernels' own machinery costs against FlashAttention's, apart
   from the bias, the skipped tiles and the table's gradient.
@@ -78,7 +81,7 @@ from megatron_pmlm.files import OutputError, check_output, write_json_atomically
 
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
             "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias",
-            "triton-no-bias")
+            "triton-no-bias", "triton-dq-kernel")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
@@ -280,6 +283,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
     for name in [REFERENCE] + [v for v in variants if v != REFERENCE]:
         row = {"variant": name}
         launched = (bucket_attention.kernel_shapes(*triton_shapes[name]) if name in triton_shapes
+                    else bucket_attention.dq_from_scores(False) if name == "triton-dq-kernel"
                     else contextlib.nullcontext())
         try:
             with launched:

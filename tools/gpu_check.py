@@ -231,7 +231,7 @@ def run_attention_kernels(output_dir: Path, shapes: str, preset: str, iterations
 
 def fastest_triton_launch(figures: dict | None) -> dict | None:
     """From tools/bench_attention_kernels.py's figures: the launch (`FORWARD/KEY_VALUE`) of the triton
-    row (`triton` or a `triton[...]` launch; not the dropout and no-bias rows, timed only) that ran at every shape
+    row (`triton` or a `triton[...]` launch; not the other triton rows: dropout, no bias, dQ's kernel) that ran at every shape
     as the same attention as sdpa in the least time over the shapes, with every candidate's ms; or
     None when no such row ran."""
     totals: dict[str, float] = {}
@@ -239,7 +239,7 @@ def fastest_triton_launch(figures: dict | None) -> dict | None:
     for shape in (figures or {}).get("shapes", []):
         for row in shape.get("rows", []):
             launch = row.get("launch")
-            if not launch or row["variant"] in ("triton-dropout", "triton-no-bias"):
+            if not launch or not (row["variant"] == "triton" or row["variant"].startswith("triton[")):
                 continue
             if row.get("same_attention") and "ms" in row:
                 totals[launch] = totals.get(launch, 0.0) + row["ms"]

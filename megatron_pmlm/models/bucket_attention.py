@@ -146,6 +146,16 @@ HEAD_DIMS = (16, 32, 64, 128)
 ROWSUM_BLOCK = 64
 """Query rows per program of the backward's rowsum(dO * O) kernel (a pass over O and dO alone)."""
 ROWSUM_WARPS = 4
+DQ_ENV = "PMLM_TRITON_DQ"
+"""`kernel`: compute dQ with its own kernel (recomputing the scores, their softmax and dP tile by
+tile) also where the backward writes dS; by default dQ = scale x dS @ K there, one batched GEMM."""
+DQ_FROM_SCORES = os.environ.get(DQ_ENV, "gemm") != "kernel"
+"""Where the backward writes the score gradient dS for the table (training with a relative bias),
+dQ comes from it by one batched GEMM (cuBLAS: 2 x B x heads x T^2 x head size FLOPs reading dS once,
+0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
+kept bits and dP for every tile (a quarter of the three kernels' loop instructions). The same dS
+in the same dtype enters the same products (the kernel too rounds dS to the inputs' dtype for
+them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it."""
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
@@ -433,6 +443,18 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     return dq, dk, dv, table_grad
 
 
+def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:
+    """dq <- scale x dS @ K, one batched GEMM over the [B, heads, queries, keys] score gradient (a
+    view of the padded dS buffer: its rows are the GEMM's leading dimension, no copy), the scale
+    applied in fp32 before the one rounding to dq's dtype (baddbmm's alpha)."""
+    batch, heads, queries, keys = score_grad.shape
+    scores = score_grad.reshape(batch * heads, queries, keys)  # a view: the heads' rows are evenly spaced
+    keys_matrix = key.reshape(batch * heads, keys, key.shape[-1])  # a copy where K is a view of packed q, k, v
+    product = torch.baddbmm(scores.new_empty(()).expand(batch * heads, queries, key.shape[-1]), scores, keys_matrix,
+                            beta=0.0, alpha=scale)
+    dq.copy_(product.view(batch, heads, queries, -1))
+
+
 def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table,
                    kernel_table, dropout_p: float, scale: float, table_gradient: bool) -> torch.Tensor:
     """The backward kernels' launches for either op, writing dq, dk, dv (given: apart, or views of one
@@ -447,6 +469,7 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     write_scores = table is not None and table_gradient
     score_grad = (score_grad_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
+    dq_by_gemm = write_scores and DQ_FROM_SCORES
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
@@ -464,12 +487,15 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
             query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, *bits_strides, scale, keep_scale,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
-        attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
-            query, key, value, grad_out, codes, key_tiles, kernel_table, bits_arg, lse, delta, dq,
-            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-            *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-            table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
-            BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
+        if dq_by_gemm:
+            _query_grad_from_scores(dq, score_grad, key, scale)
+        else:
+            attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
+                query, key, value, grad_out, codes, key_tiles, kernel_table, bits_arg, lse, delta, dq,
+                heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+                *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
+                table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
+                BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
@@ -607,6 +633,18 @@ def bucket_attention_packed(qkv: torch.Tensor, heads: int, inputs: BucketAttenti
     return bucket_attention_packed_forward(qkv, heads, inputs.padded_codes, inputs.tiles.key_tiles,
                                            inputs.tiles.query_tiles, inputs.table, inputs.kernel_table,
                                            float(dropout_p), float(scale))[0]
+
+
+@contextlib.contextmanager
+def dq_from_scores(enabled: bool):
+    """dQ by the GEMM over dS (`DQ_FROM_SCORES`) or by its own kernel inside the block: how the
+    attention tool times both."""
+    global DQ_FROM_SCORES
+    saved, DQ_FROM_SCORES = DQ_FROM_SCORES, enabled
+    try:
+        yield
+    finally:
+        DQ_FROM_SCORES = saved
 
 
 @contextlib.contextmanager
