@@ -670,3 +670,33 @@ def test_check_leakage_passes_with_the_triton_backend_and_catches_a_broken_mask(
     result = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--attention-backend", "triton"],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "runs on CUDA GPUs" in result.stderr, result.stderr[-2000:]
+
+
+def test_a_kernel_triton_cannot_build_here_stops_the_run_in_one_line_naming_the_way_out(monkeypatch):
+    """`--attention-backend auto` runs the triton kernels by default on SM 8.0+: where Triton cannot
+    compile or launch one (its ptxas, an old driver, a launch too large for the GPU), a ConfigError
+    (pretrain's one-line "error: ...", exit 2) names the kernel, Triton's reason and
+    --attention-backend sdpa, Triton's error kept as the cause; in the interpreter errors pass as they are."""
+    class OutOfResources(Exception):  # the type Triton raises for a launch that does not fit
+        pass
+
+    def attention_forward_kernel(*args, **kwargs):
+        raise OutOfResources("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    class Kernel:
+        fn = attention_forward_kernel
+
+        def __getitem__(self, grid):
+            return attention_forward_kernel
+
+    monkeypatch.setattr(bucket_attention, "INTERPRETED", False)
+    with pytest.raises(ConfigError) as refused:
+        bucket_attention._launch(Kernel(), (1, 1), 1, 2, BLOCK_M=64)
+    assert str(refused.value) == (
+        "the triton attention backend's attention_forward_kernel could not be compiled or launched here "
+        "(OutOfResources: out of resource: shared memory, Required: 262144, Hardware limit: 232448); run with "
+        "--attention-backend sdpa (auto picks triton on CUDA GPUs of compute capability 8.0+ with Triton)")
+    assert type(refused.value.__cause__).__name__ == "OutOfResources"
+    monkeypatch.setattr(bucket_attention, "INTERPRETED", True)
+    with pytest.raises(OutOfResources):
+        bucket_attention._launch(Kernel(), (1, 1))

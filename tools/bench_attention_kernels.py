@@ -301,7 +301,8 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             # not on this device; or a launch that does not fit this GPU (Triton's OutOfResources)
             unavailable = (name in PROBES or isinstance(error, NotImplementedError)
-                           or (name in triton_shapes and type(error).__name__ == "OutOfResources"))
+                           or (name in triton_shapes and "OutOfResources" in
+                               (type(error).__name__, type(error.__cause__).__name__)))
             row["unavailable" if unavailable else "error"] = reason
             rows.append(row)
             continue

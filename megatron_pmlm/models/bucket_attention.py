@@ -399,7 +399,7 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
-        attention_forward_kernel[grid](
+        _launch(attention_forward_kernel, grid,
             query, key, value, codes, key_tiles, kernel_table, seed, out, lse, bits_arg, heads, queries, keys,
             *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
@@ -443,6 +443,23 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     return dq, dk, dv, table_grad
 
 
+def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """kernel[grid](*args, **kwargs); where Triton cannot compile or launch it on this machine (its
+    ptxas, a driver older than its PTX, too little shared memory for a launch), a ConfigError naming
+    the kernel and the way out (pretrain and finetune_s2s print it in one line), the error kept as
+    its cause. In Triton's interpreter (the tests) errors pass as they are."""
+    try:
+        kernel[grid](*args, **kwargs)
+    except Exception as error:
+        if INTERPRETED:
+            raise
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+        first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+        raise ConfigError(f"the triton attention backend's {name} could not be compiled or launched here "
+                          f"({type(error).__name__}: {first_line}); run with --attention-backend sdpa "
+                          f"(auto picks triton on CUDA GPUs of compute capability 8.0+ with Triton)") from error
+
+
 def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:
     """dq <- scale x dS @ K, one batched GEMM over the [B, heads, queries, keys] score gradient (a
     view of the padded dS buffer: its rows are the GEMM's leading dimension, no copy), the scale
@@ -477,10 +494,10 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
-        attention_backward_delta_kernel[(batch * heads, _blocks(queries, ROWSUM_BLOCK))](
+        _launch(attention_backward_delta_kernel, (batch * heads, _blocks(queries, ROWSUM_BLOCK)),
             out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
             HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
-        attention_backward_key_value_kernel[(batch * heads, _blocks(keys, key_value.block_keys))](
+        _launch(attention_backward_key_value_kernel, (batch * heads, _blocks(keys, key_value.block_keys)),
             query, key, value, grad_out, codes, query_tiles, kernel_table, bits_arg, lse, delta, dk, dv, score_grad,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
             *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
@@ -490,7 +507,7 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
-            attention_backward_query_kernel[(batch * heads, _blocks(queries, forward.block_queries))](
+            _launch(attention_backward_query_kernel, (batch * heads, _blocks(queries, forward.block_queries)),
                 query, key, value, grad_out, codes, key_tiles, kernel_table, bits_arg, lse, delta, dq,
                 heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                 *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
