@@ -497,7 +497,7 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
 def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
-    triton model refuse to start, naming the variable (sdpa is not concerned)."""
+    triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ likewise."""
     probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
@@ -524,6 +524,16 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
     assert outputs["64x64w4s2/32x128w4s3"][1] == (
         "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
         "64 or 128")
+    # PMLM_TRITON_DQ: gemm (the default) or kernel; anything else refused the same way
+    dq_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", "print(ba.DQ_FROM_SCORES)")
+    for value, expected in (("kernel", ["False"]), ("gemm", ["True"]),
+                            ("GEMM", ["True", "refused: PMLM_TRITON_DQ='GEMM': give gemm (the default) or kernel"])):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_attention.DQ_ENV: value}
+        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
+        result = subprocess.run([sys.executable, "-c", dq_probe], cwd=REPO_ROOT, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
+                                                                                   result.stderr[-2000:])
 
 
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):

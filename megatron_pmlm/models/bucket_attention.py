@@ -149,13 +149,23 @@ ROWSUM_WARPS = 4
 DQ_ENV = "PMLM_TRITON_DQ"
 """`kernel`: compute dQ with its own kernel (recomputing the scores, their softmax and dP tile by
 tile) also where the backward writes dS; by default dQ = scale x dS @ K there, one batched GEMM."""
-DQ_FROM_SCORES = os.environ.get(DQ_ENV, "gemm") != "kernel"
+
+
+def _dq_from_environment() -> tuple[bool, str | None]:
+    value = os.environ.get(DQ_ENV, "gemm")
+    if value not in ("gemm", "kernel"):
+        return True, f"{DQ_ENV}={value!r}: give gemm (the default) or kernel"
+    return value == "gemm", None
+
+
+DQ_FROM_SCORES, DQ_PROBLEM = _dq_from_environment()
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
 dQ comes from it by one batched GEMM (cuBLAS: 2 x B x heads x T^2 x head size FLOPs reading dS once,
 0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
 kept bits and dP for every tile (a quarter of the three kernels' loop instructions). The same dS
 in the same dtype enters the same products (the kernel too rounds dS to the inputs' dtype for
-them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it."""
+them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
+DQ_PROBLEM: what is wrong with DQ_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"

@@ -386,8 +386,9 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     if config.attention_backend == "flex" and device_type:
         problem = flex_capability_problem(device_type)
     elif config.attention_backend == "triton":
-        problem = bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM or (
-            bucket_attention.device_problem(torch.device(device_type)) if device_type else None)
+        problem = (bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM
+                   or bucket_attention.DQ_PROBLEM
+                   or (bucket_attention.device_problem(torch.device(device_type)) if device_type else None))
     if problem:
         raise ConfigError(problem)
 

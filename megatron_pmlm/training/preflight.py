@@ -265,7 +265,7 @@ def check_resumed_settings(tag_dir: Path, saved: dict[str, Any], run_args: dict[
     if changed:
         log(f"resuming with changed settings: {', '.join(changed)}")
     backends = [(config or {}).get("attention_backend")
-                for config in ((saved.get("args") or {}).get("model_config"), _plain(run_args).get("model_config"))]
+                for config in ((saved.get("args") or {}).get("model_config"), run_args.get("model_config"))]
     if not finetune and None not in backends and backends[0] != backends[1]:
         log(f"note: the {backends[1]} attention backend computes the same model as {backends[0]} did, with other "
             f"attention-dropout masks: this run continues the saved one but does not repeat it bit for bit "
