@@ -45,7 +45,11 @@ attention alone, per variant:
   (`bucket_attention.DQ_FROM_SCORES`): which way is faster, checked against sdpa as `triton` is;
 - `triton-no-bias`: the triton kernels on the same work as `flash-no-bias` (every pair, no table,
   no dropout; timed only): what our kernels' own machinery costs against FlashAttention's, apart
-  from the bias, the skipped tiles and the table's gradient.
+  from the bias, the skipped tiles and the table's gradient;
+- `triton-kv-rows`, `triton-dropout-kv-rows`: `triton`, `triton-dropout` with the dK, dV, dS
+  kernel's tiles computed as [queries, keys] (SM 8.x's orientation) instead of transposed
+  (`bucket_attention.key_value_transposed`: SM 9.0's, FlashAttention-2's): on an H100, which
+  orientation is faster (the first checked against sdpa as `triton` is, the second timed only).
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
 GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
@@ -81,12 +85,13 @@ from megatron_pmlm.files import OutputError, check_output, write_json_atomically
 
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
             "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias",
-            "triton-no-bias", "triton-dq-kernel")
+            "triton-no-bias", "triton-dq-kernel", "triton-kv-rows", "triton-dropout-kv-rows")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
-TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "triton-no-bias")
+TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "triton-no-bias",
+              "triton-dropout-kv-rows")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -170,7 +175,7 @@ def run_variant(name: str, query, key, value, bias, flex, grad_out, kernel_input
         if not bucket_attention.runs_on(query.device):
             raise NotImplementedError(bucket_attention.device_problem(query.device))
         out = bucket_attention.bucket_attention(query, key, value, kernel_inputs,
-                                                RECIPE_ATTENTION_DROPOUT if name == "triton-dropout" else 0.0)
+                                                RECIPE_ATTENTION_DROPOUT if "dropout" in name else 0.0)
         bias = kernel_inputs.table
     elif name in ("sdpa", "sdpa-contiguous-bias"):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
@@ -284,6 +289,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         row = {"variant": name}
         launched = (bucket_attention.kernel_shapes(*triton_shapes[name]) if name in triton_shapes
                     else bucket_attention.dq_from_scores(False) if name == "triton-dq-kernel"
+                    else bucket_attention.key_value_tiles(False) if name.endswith("-kv-rows")
                     else contextlib.nullcontext())
         try:
             with launched:

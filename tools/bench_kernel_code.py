@@ -46,12 +46,14 @@ def recipe_attention_dropout() -> float:
     return ModelConfig.attention_dropout
 
 
-def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = None) -> list[dict]:
+def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = None,
+                 transposed: bool = True) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
     loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
     `dropout`; the attention kernels launched as `launch` (forward and dQ shape, dK dV dS shape;
-    default: bucket_attention's defaults)."""
+    default: bucket_attention's defaults), the dK dV dS kernel's tiles `transposed` or not
+    (`bucket_attention.key_value_transposed`)."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
@@ -62,15 +64,18 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
     qkv = (T * 3 * H * head_dim, head_dim, 3 * H * head_dim)  # the fused projection's [B, T, 3, H, D]
     heads_last = (T * H * head_dim, head_dim, H * head_dim)  # outputs and gradients: [B, T, H, D]
     threshold = bucket_attention.dropout_threshold(dropout)[0]
-    # dS rows padded to whole tiles of keys (bucket_attention.score_grad_buffer)
+    # dS padded to whole tiles of the dK dV dS kernel (bucket_attention.score_grad_buffer)
     forward, key_value = launch or (bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE)
     key_block = key_value.block_keys
     ds_row = -(-T // key_block) * key_block
+    ds_rows = -(-T // key_value.block_queries) * key_value.block_queries
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
         table_stride_h=bucket_attention.BLOCKED + 1,  # bucket_attention.kernel_table's rows
-        code_stride_b=tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
-        ds_stride_b=H * T * ds_row, ds_stride_h=T * ds_row, ds_stride_t=ds_row,
+        # padded_codes: the codes and their transpose, [B, 2, tiled, tiled]
+        code_stride_b=2 * tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
+        stats_stride_bh=tiled,  # the backward's padded per-row statistics
+        ds_stride_b=H * ds_rows * ds_row, ds_stride_h=ds_rows * ds_row, ds_stride_t=ds_row,
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})
@@ -98,7 +103,8 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          # a tile of keys and values, and the tile's codes
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
-         "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=True),
+         "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
+                            TRANSPOSED=transposed, WRITE_DS=True),
          "options": {"num_warps": key_value.num_warps, "num_stages": key_value.num_stages},
          "arguments": dict(attention_arguments, **tiles(key_value, forward)),
          # a tile of queries and output gradients, codes, kept bits, and dS written
@@ -146,6 +152,28 @@ def opcode(text: str) -> str:
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
+SHARED_WIDTHS = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+"""Bytes a thread moves by an LDS/STS with that width suffix (none: 4)."""
+
+
+def shared_traffic(loop: list[str]) -> tuple[int, int]:
+    """(bytes a thread moves through shared memory with LDS, STS, LDSM and STSM, the block's barriers)
+    in one iteration of `loop`: what changing a tensor's layout between threads costs, beside the
+    pipeline's asynchronous copies (LDGSTS) and the tensor cores' own reads. LDSM/STSM .4 move 16
+    bytes a thread (.2 8, .1 4)."""
+    moved = barriers = 0
+    for text in loop:
+        parts = re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")
+        name, suffixes = parts[0], parts[1:]
+        if name in ("LDS", "STS"):
+            moved += next((SHARED_WIDTHS[suffix] for suffix in suffixes if suffix in SHARED_WIDTHS), 4)
+        elif name in ("LDSM", "STSM"):  # e.g. LDSM.16.M88.4: four 8 x 8 matrices
+            moved += 4 * int(suffixes[-1]) if suffixes and suffixes[-1] in ("1", "2", "4") else 16
+        elif name == "BAR":
+            barriers += 1
+    return moved, barriers
+
+
 def hot_loop(sass: str) -> list[str]:
     """The instructions of the largest innermost loop (a backward branch's range holding no other)."""
     lines = [(int(address, 16), text) for address, text in INSTRUCTION.findall(sass)]
@@ -188,11 +216,14 @@ def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> d
     loop = hot_loop(sass)
     mix = collections.Counter(opcode(text) for text in loop)
     warps = spec["options"]["num_warps"]
+    shared_moved, barriers = shared_traffic(loop)
     return {"kernel": spec["name"], "capability": capability, "dtype": dtype.lstrip("*"),
             "num_warps": warps, "registers": int(resources.get("REG", 0)),
-            "spilled_bytes": int(resources.get("LOCAL", 0)), "shared_bytes": compiled.metadata.shared,
+            # ptxas reports a kernel's spills as its stack (Triton's kernels call no functions)
+            "spilled_bytes": int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), "shared_bytes": compiled.metadata.shared,
             "instructions": len(INSTRUCTION.findall(sass)), "loop_instructions": len(loop),
             "loop_bytes": spec["loop_bytes"],
+            "loop_shared_bytes": shared_moved * warps * 32, "loop_barriers": barriers,
             "warp_instructions_per_kb": round(len(loop) * warps * 1024 / spec["loop_bytes"], 1) if loop else None,
             "loop_mix": mix.most_common(12)}
 
@@ -210,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the attention kernels' dropout (default: the recipe's; 0: the kernels without it)")
     parser.add_argument("--launch", help="the attention kernels launched as FORWARD/KEY_VALUE, e.g. "
                         "128x64w8s2/64x64w4s2 (default: bucket_attention's defaults)")
+    parser.add_argument("--key-value-tiles", choices=("transposed", "rows"),
+                        help="the dK dV dS kernel's tiles keys x queries or queries x keys (default: as "
+                        "bucket_attention.transposed_tiles picks them for --capability and the launch)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     launch = None
@@ -236,8 +270,13 @@ def main(argv: list[str] | None = None) -> int:
         args.dropout = recipe_attention_dropout()
     elif not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
-    specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch)
     from megatron_pmlm.models import bucket_attention
+
+    if args.key_value_tiles is None:
+        transposed = bucket_attention.transposed_tiles((args.capability // 10, args.capability % 10),
+                                                       launch[1] if launch else bucket_attention.KEY_VALUE_SHAPE)
+        args.key_value_tiles = "transposed" if transposed else "rows"
+    specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch, args.key_value_tiles == "transposed")
 
     args.launch = "/".join(map(str, launch or (bucket_attention.DEFAULT_FORWARD_SHAPE,
                                                bucket_attention.DEFAULT_KEY_VALUE_SHAPE)))
@@ -252,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
                                               "width": args.width, "dropout": args.dropout, "launch": args.launch,
+                                              "key_value_tiles": args.key_value_tiles,
                                               "kernels": rows}, indent=1)
     return 0
 
@@ -260,15 +300,17 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
     print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}, "
-          f"attention launch {args.launch}: instructions of each kernel's hot loop (one iteration = one tile)", file=out)
+          f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}: instructions of each kernel's "
+          "hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
-          "| warp instructions / KB | loop's commonest |", file=out)
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
+          "| warp instructions / KB | shared-memory KB a tile | barriers a tile | loop's commonest |", file=out)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
     for row in rows:
         mix = ", ".join(f"{name} {count}" for name, count in row["loop_mix"][:6])
         print(f"| {row['kernel']} | {row['num_warps']} | {row['registers']} | {row['spilled_bytes']} | "
               f"{row['shared_bytes'] / 1024:.0f} | {row['loop_instructions']} | {row['loop_bytes'] / 1024:.1f} | "
-              f"{row['warp_instructions_per_kb']} | {mix} |", file=out)
+              f"{row['warp_instructions_per_kb']} | {row['loop_shared_bytes'] / 1024:.1f} | {row['loop_barriers']} | "
+              f"{mix} |", file=out)
 
 
 if __name__ == "__main__":

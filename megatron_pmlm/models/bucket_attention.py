@@ -167,6 +167,13 @@ in the same dtype enters the same products (the kernel too rounds dS to the inpu
 them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
 DQ_PROBLEM: what is wrong with DQ_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
+KEY_VALUE_TRANSPOSED: bool | None = None
+"""Whether the dK, dV, dS kernel computes its tiles transposed (keys x queries, FlashAttention-2's
+orientation); None: by the device (`key_value_transposed`). `key_value_tiles` sets it for a block
+(how the attention tool times both)."""
+TRANSPOSED_SINCE = (9, 0)
+"""The compute capability from which the key/value pass is transposed (`transposed_tiles`)."""
+
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 INTERPRETED = TRITON_INSTALLED and os.environ.get("TRITON_INTERPRET") == "1"
 """Triton's interpreter runs the kernels on CPU tensors (the tests)."""
@@ -195,7 +202,7 @@ class BucketAttentionInputs(NamedTuple):
     tiles: TileLists
     """The tiles the kernels compute (`tile_lists` of the codes)."""
     padded_codes: torch.Tensor
-    """The codes as the kernels read them (`padded_codes`)."""
+    """The codes as the kernels read them, and their transpose (`padded_codes`)."""
     kernel_table: torch.Tensor
     """The table as the kernels read it (`kernel_table`)."""
 
@@ -208,22 +215,35 @@ def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None) -> BucketAtte
 
 
 def padded_codes(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 [B, queries, keys] codes in a [B, queries, keys] rounded up to CODE_TILE, BLOCKED in the
-    added rows and columns: what the kernels read (one copy per micro batch, shared by the layers)."""
+    """uint8 [B, 2, P, P] (P: the longer of queries and keys rounded up to CODE_TILE): [:, 0] the
+    [B, queries, keys] codes, [:, 1] their transpose (keys x queries, what the dK, dV, dS kernel's
+    transposed tiles read as the forward reads [:, 0]: `key_value_transposed`), BLOCKED in the added
+    rows and columns: one copy per micro batch, shared by the layers."""
     batch, queries, keys = codes.shape
-    padded = codes.new_full((batch, _padded(queries), _padded(keys)), BLOCKED)
-    padded[:, :queries, :keys] = codes
+    size = _padded(max(queries, keys))
+    padded = codes.new_full((batch, 2, size, size), BLOCKED)
+    padded[:, 0, :queries, :keys] = codes
+    padded[:, 1, :keys, :queries] = codes.transpose(1, 2)
     return padded
+
+
+def _codes_args(padded: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, int, int]:
+    """(the codes as a kernel reads them: `padded_codes`' [:, 0] or its transpose [:, 1], their
+    stride per sequence, per row)."""
+    view = padded[:, int(transposed)]
+    return view, view.stride(0), view.stride(1)
 
 
 def score_grad_buffer(batch: int, heads: int, queries: int, keys: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     """An uninitialised [batch, heads, queries, keys] view of the buffer the backward writes dS into:
-    its rows padded to whole tiles of keys (the dK, dV, dS kernel's), so the kernel stores them with
-    no mask per key, 16 bytes a store (the padding gets 0: its pairs are BLOCKED); `bucket_sums`
-    reads the view."""
-    block = KEY_VALUE_SHAPE.block_keys
-    return torch.empty(batch, heads, queries, _blocks(keys, block) * block, dtype=dtype, device=device)[..., :keys]
+    padded to whole tiles of the dK, dV, dS kernel (its rows to whole blocks of keys, its queries to
+    whole blocks of queries), so the kernel stores whole tiles with no mask (the padding gets 0: its
+    pairs are BLOCKED); `bucket_sums` and the dQ GEMM read the view."""
+    shape = KEY_VALUE_SHAPE
+    return torch.empty(batch, heads, _blocks(queries, shape.block_queries) * shape.block_queries,
+                       _blocks(keys, shape.block_keys) * shape.block_keys, dtype=dtype,
+                       device=device)[..., :queries, :keys]
 
 
 def _padded(size: int) -> int:
@@ -249,6 +269,27 @@ def _kernel_table_stride(kernel: torch.Tensor) -> int:
     """Row stride of the kernel table as the kernels index it: 0 for a single row (no table, or
     one head), which every head reads."""
     return kernel.stride(0) if kernel.shape[0] > 1 else 0
+
+
+def transposed_tiles(capability: tuple[int, int], shape: KernelShape) -> bool:
+    """Whether the dK, dV, dS kernel launched as `shape` on a GPU of `capability` computes its tiles
+    transposed: from SM 9.0 on, whose tensor cores read both operands from shared memory, so K and V
+    stay there for the whole loop and the transposed tiles move 28% fewer bytes through it (73
+    against 101.5 KB a 64 x 64 tile), for tiles with at least as many keys as queries (128 queries x
+    64 keys transposed spill; 64 x 128 as [queries, keys] spill). SM 8.x's mma holds its left
+    operands in registers, where K and V for the whole loop make the kernel spill with dropout (344
+    bytes). `tools/bench_kernel_code.py`, docs/benchmarks.md."""
+    return capability >= TRANSPOSED_SINCE and shape.block_keys >= shape.block_queries
+
+
+def key_value_transposed(device: torch.device) -> bool:
+    """Whether the dK, dV, dS kernel computes its tiles transposed on `device`: `KEY_VALUE_TRANSPOSED`,
+    else `transposed_tiles` of its capability and KEY_VALUE_SHAPE (in the interpreter, as on an
+    H100: the kernel the CPU tests is the one it runs)."""
+    if KEY_VALUE_TRANSPOSED is not None:
+        return KEY_VALUE_TRANSPOSED
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else TRANSPOSED_SINCE
+    return transposed_tiles(capability, KEY_VALUE_SHAPE)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -352,9 +393,9 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table, kernel) -> N
     if key.shape != (batch, heads, keys, head_dim) or value.shape != key.shape:
         raise ValueError(f"bucket_attention: query {tuple(query.shape)}, key {tuple(key.shape)} and value "
                          f"{tuple(value.shape)} do not match")
-    padded = (batch, _padded(queries), _padded(keys))
-    if codes.shape != padded or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
-        raise ValueError(f"bucket_attention: codes must be uint8 {list(padded)} (padded_codes of the "
+    size = _padded(max(queries, keys))
+    if codes.shape != (batch, 2, size, size) or codes.dtype != torch.uint8 or codes.stride(-1) != 1:
+        raise ValueError(f"bucket_attention: codes must be uint8 {[batch, 2, size, size]} (padded_codes of the "
                          f"[{batch}, {queries}, {keys}] codes), got {codes.dtype} {tuple(codes.shape)}")
     forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
     for name, tiles, shape in (
@@ -409,10 +450,11 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     shape = FORWARD_SHAPE
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
+        forward_codes, *forward_strides = _codes_args(codes, False)
         _launch(attention_forward_kernel, grid,
-            query, key, value, codes, key_tiles, kernel_table, seed, out, lse, bits_arg, heads, queries, keys,
-            *_strides(query), *_strides(key), *_strides(value), *_strides(out),
-            codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
+            query, key, value, forward_codes, key_tiles, kernel_table, seed, out, lse, bits_arg,
+            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(out),
+            *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
             _kernel_table_stride(kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
             DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
@@ -492,7 +534,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     batch, heads, queries, head_dim = query.shape
     keys = key.shape[2]
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    delta = lse.new_empty(batch, heads, queries)  # rowsum(dO * O), fp32
+    # per row, fp32, padded as the codes are: rowsum(dO * O) and the base-2 log-sum-exp (the delta kernel's)
+    delta, lse2 = lse.new_empty(2, batch * heads, _padded(queries))
     write_scores = table is not None and table_gradient
     score_grad = (score_grad_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
@@ -504,31 +547,36 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
-        _launch(attention_backward_delta_kernel, (batch * heads, _blocks(queries, ROWSUM_BLOCK)),
-            out, grad_out, delta, heads, queries, *_strides(out), *_strides(grad_out), queries,
-            HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
+        _launch(attention_backward_delta_kernel, (batch * heads, _blocks(delta.shape[-1], ROWSUM_BLOCK)),
+            out, grad_out, lse, delta, lse2, heads, queries, *_strides(out), *_strides(grad_out), lse.stride(1),
+            delta.stride(0), HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
+        transposed = key_value_transposed(query.device)
+        key_value_codes, *key_value_strides = _codes_args(codes, transposed)
         _launch(attention_backward_key_value_kernel, (batch * heads, _blocks(keys, key_value.block_keys)),
-            query, key, value, grad_out, codes, query_tiles, kernel_table, bits_arg, lse, delta, dk, dv, score_grad,
-            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-            *_strides(dk), *_strides(dv), *_strides(score_grad), codes.stride(0), codes.stride(1),
-            query_tiles.stride(0), query_tiles.stride(1), table_stride, queries, *bits_strides, scale, keep_scale,
-            BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, WRITE_DS=write_scores,
+            query, key, value, grad_out, key_value_codes, query_tiles, kernel_table, bits_arg, lse2, delta, dk, dv,
+            score_grad, heads, queries, keys, *_strides(query), *_strides(key), *_strides(value),
+            *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad), *key_value_strides,
+            query_tiles.stride(0), query_tiles.stride(1), table_stride, delta.stride(0), *bits_strides, scale,
+            keep_scale,
+            BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, TRANSPOSED=transposed,
+            WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
+            forward_codes, *forward_strides = _codes_args(codes, False)
             _launch(attention_backward_query_kernel, (batch * heads, _blocks(queries, forward.block_queries)),
-                query, key, value, grad_out, codes, key_tiles, kernel_table, bits_arg, lse, delta, dq,
+                query, key, value, grad_out, forward_codes, key_tiles, kernel_table, bits_arg, lse2, delta, dq,
                 heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-                *_strides(dq), codes.stride(0), codes.stride(1), key_tiles.stride(0), key_tiles.stride(1),
-                table_stride, queries, *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
+                *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
+                table_stride, delta.stride(0), *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
                 BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
     if write_scores:
         bins = table.shape[1]
-        table_grad = (bucket_sums.bucket_sums(score_grad, codes[:, :queries, :keys], bins) if queries and keys
+        table_grad = (bucket_sums.bucket_sums(score_grad, codes[:, 0, :queries, :keys], bins) if queries and keys
                       else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
     else:
         table_grad = query.new_empty(0, dtype=torch.float32)
@@ -672,6 +720,18 @@ def dq_from_scores(enabled: bool):
         yield
     finally:
         DQ_FROM_SCORES = saved
+
+
+@contextlib.contextmanager
+def key_value_tiles(transposed: bool | None):
+    """The dK, dV, dS kernel's tiles transposed (True), as [queries, keys] (False) or by the device
+    (None) inside the block (`KEY_VALUE_TRANSPOSED`)."""
+    global KEY_VALUE_TRANSPOSED
+    saved, KEY_VALUE_TRANSPOSED = KEY_VALUE_TRANSPOSED, transposed
+    try:
+        yield
+    finally:
+        KEY_VALUE_TRANSPOSED = saved
 
 
 @contextlib.contextmanager

@@ -17,9 +17,11 @@ tiles on real data) is skipped: each program walks a list of the tiles it has wo
 - `attention_forward_kernel`: one program per (sequence x head, block of queries), over its listed
   blocks of keys; writes the output, each row's log-sum-exp (+inf for a row that sees no key: its
   output is 0) and, with dropout, the kept pairs' bits.
-- `attention_backward_delta_kernel`: rowsum(dO * O) per query, for both backward kernels.
+- `attention_backward_delta_kernel`: rowsum(dO * O) and the base-2 log-sum-exp per query, padded,
+  for both backward kernels.
 - `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over its
-  listed blocks of queries: dK, dV and, when asked, dS (the bias's gradient; 0 in skipped tiles).
+  listed blocks of queries (each tile transposed, keys x queries, on SM 9.0): dK, dV and, when
+  asked, dS (the bias's gradient; 0 in skipped tiles).
 - `attention_backward_query_kernel`: one program per (sequence x head, block of queries), over its
   listed blocks of keys: dQ.
 """
@@ -81,8 +83,8 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     row, the sequence and head) draws the 8 pairs of a group: in each block of 64 keys, group c
     (0-7) holds keys c, c + 8, ..., c + 56, its draw k the key 8k + c and bit k of byte 8 x block + c.
     A thread of the tensor cores' accumulator layout holds whole groups (columns 8k + c for its c),
-    so a group's draws spread to its keys in registers; the groups are counted from the row's first
-    key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
+    so a group's eight draws are one thread's Philox call; the groups are counted from the row's
+    first key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
     groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)  # 8 x block + c
     zeros = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.uint32)
     group = zeros + groups[None, :].to(tl.uint32)
@@ -100,19 +102,21 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     k6, k7 = (r3 << 16) >= high, r3 >= high
     packed = (k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
               | (k4.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k6.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
-    return spread(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
+    return unpacked_keep(packed, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
 
 
 @triton.jit
-def spread(k0, k1, k2, k3, k4, k5, k6, k7, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] from eight [BLOCK_M, BLOCK_N / 8] tensors, k_i[.., 8 x block + c] going to
-    key 64 x block + 8i + c (`dropout_keep`'s groups). Nested joins put k_(4l + 2m + n) at 4l + 2m + n
-    of the new minor dimension (l the innermost join's): [.., group, draw], then [.., block, c, k]
-    -> [.., block, k, c]. In the tensor cores' accumulator layout a thread's groups are its own
-    columns, so this moves values between registers only."""
-    draws = tl.reshape(tl.join(tl.join(tl.join(k0, k4), tl.join(k2, k6)), tl.join(tl.join(k1, k5), tl.join(k3, k7))),
-                       (BLOCK_M, BLOCK_N // 64, 8, 8))
-    return tl.reshape(tl.permute(draws, (0, 1, 3, 2)), (BLOCK_M, BLOCK_N))
+def unpacked_keep(byte, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] booleans from [BLOCK_M, BLOCK_N / 8] int32 bytes (`dropout_keep`'s groups:
+    bit k of byte 8 x block + c is key 64 x block + 8k + c), each key's bit shifted out of its
+    group's byte, broadcast over k. Triton moves the bytes between the layouts (1/8 of the pairs):
+    built from the eight draws by nested joins instead, it moved the spread booleans through shared
+    memory, four times a tile (the forward's loop: 997 -> 878 instructions, 12 -> 6 barriers a tile,
+    `tools/bench_kernel_code.py`)."""
+    by_block = tl.reshape(byte, (BLOCK_M, BLOCK_N // 64, 1, 8))  # [rows, block, 1, c]
+    draw = tl.arange(0, 8)[None, None, :, None]  # k
+    return tl.reshape((tl.broadcast_to(by_block, (BLOCK_M, BLOCK_N // 64, 8, 8)) >> draw) & 1,
+                      (BLOCK_M, BLOCK_N)) != 0
 
 
 @triton.jit
@@ -122,8 +126,7 @@ def stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bit
     bits, a byte a group (`dropout_keep`; the bits cover whole tiles, so no bounds mask)."""
     byte = tl.load(bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
                                 BLOCK_N)).to(tl.int32)
-    return spread((byte & 1) != 0, (byte & 2) != 0, (byte & 4) != 0, (byte & 8) != 0, (byte & 16) != 0,
-                  (byte & 32) != 0, (byte & 64) != 0, (byte & 128) != 0, BLOCK_M, BLOCK_N)
+    return unpacked_keep(byte, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -159,15 +162,17 @@ def program_tile(heads, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def biased_scores(q, k, codes_ptr, table_ptr, table_row, rows, cols, code_stride_query, scale,
+def biased_scores(a, b, codes_ptr, table_ptr, table_row, rows, cols, code_stride, scale,
                   PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The tile's scores in base 2 (log2 e x (scale x q @ k^T + table[head, code])), which `exp2`
+    """The tile's scores in base 2 (log2 e x (scale x a @ b^T + table[head, code])), which `exp2`
     takes as they are: the kernel table holds the bias times log2 e, so the scale, the bias and the
-    change of base are one fused multiply-add a pair. Its BLOCKED entry is -inf, and the padded
-    codes are BLOCKED past [queries, keys], so the forbidden pairs and those outside the sequence
-    get -inf with no mask: one load and one add a pair."""
-    code = tl.load(codes_ptr + rows[:, None] * code_stride_query + cols[None, :])
-    return mm(q, tl.trans(k), PRECISION, INTERPRETED) * (scale * LOG2E) + tl.load(table_ptr + table_row + code)
+    change of base are one fused multiply-add a pair. (a, b): (q, k) for the [queries, keys] tile,
+    (k, q) with the transposed codes for its transpose; `rows`, `cols`: the tile's rows and columns
+    in the codes read. Their BLOCKED entry is -inf, and the padded codes are BLOCKED past [queries,
+    keys], so the forbidden pairs and those outside the sequence get -inf with no mask: one load and
+    one add a pair."""
+    code = tl.load(codes_ptr + rows[:, None] * code_stride + cols[None, :])
+    return mm(a, tl.trans(b), PRECISION, INTERPRETED) * (scale * LOG2E) + tl.load(table_ptr + table_row + code)
 
 
 @triton.jit
@@ -224,32 +229,47 @@ def attention_forward_kernel(
 
 
 @triton.jit
-def attention_backward_delta_kernel(out_ptr, do_ptr, delta_ptr, heads, queries,
+def attention_backward_delta_kernel(out_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, heads, queries,
                                     o_stride_b, o_stride_h, o_stride_t, do_stride_b, do_stride_h, do_stride_t,
-                                    delta_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """delta = rowsum(dO * O) in fp32, [B x heads, queries]: the softmax backward's per-row term, read
-    by both backward kernels (one pass over O and dO, no fp32 copies of them)."""
+                                    lse_stride_bh, stats_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The backward kernels' per-row statistics, fp32 [B x heads, padded queries], in one pass over O
+    and dO: delta = rowsum(dO * O) (the softmax backward's row term) and the log-sum-exp in base 2
+    (what `exp2` takes). Written for every row of the padded length, 0 and +inf past the queries (a
+    row that sees no key), so the backward kernels load them with no mask."""
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
     out = rows_of(out_ptr, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries).to(tl.float32)
     do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries).to(tl.float32)
-    tl.store(delta_ptr + sequence_head.to(tl.int64) * delta_stride_bh + rows, tl.sum(out * do, 1), mask=row_valid)
+    lse = tl.load(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, mask=row_valid, other=float("inf"))
+    stats = sequence_head.to(tl.int64) * stats_stride_bh + rows
+    tl.store(delta_ptr + stats, tl.sum(out * do, 1))
+    tl.store(lse2_ptr + stats, lse * LOG2E)
 
 
 @triton.jit
 def attention_backward_key_value_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, bits_ptr, lse_ptr, delta_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, bits_ptr, lse2_ptr, delta_ptr,
         dk_ptr, dv_ptr, ds_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
         ds_stride_b, ds_stride_h, ds_stride_t,
-        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, stats_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr,
         DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """TRANSPOSED: each tile computed as keys x queries (S^T = K Q^T), as FlashAttention-2's backward
+    does, for the tensor cores that read both operands from shared memory (SM 9.0's wgmma): K and V,
+    this program's own, are the left operands, staged once; P^T and dS^T come out of one product in
+    the layout the next takes as its left operand; Q and dO, staged by the loop's pipeline, are only
+    right operands (read transposed in place). As [queries, keys] tiles there, K and V were written to
+    shared memory again every tile and P^T, dS^T once each (28% more shared-memory traffic a tile,
+    `tools/bench_kernel_code.py`). Otherwise [queries, keys] tiles, for SM 8.x, whose mma holds
+    left operands in registers: K and V held so for the whole loop spill with dropout. `codes_ptr`:
+    the codes as the tile reads them ([keys, queries] when TRANSPOSED: `padded_codes`' transpose);
+    the statistics and the dS rows are padded to whole tiles (no mask in the loop)."""
     sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     tiles = query_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
@@ -258,39 +278,55 @@ def attention_backward_key_value_kernel(
     v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
     codes_base = codes_ptr + sequence * code_stride_b
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
-    stats_base = sequence_head.to(tl.int64) * lse_stride_bh
+    stats_base = sequence_head.to(tl.int64) * stats_stride_bh
     table_row = head * table_stride_h
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     for tile in range(0, tile_count):  # the query blocks holding a pair that sees one of these keys
         rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_valid = rows < queries
         q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
         do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
-        lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf")) * LOG2E  # base 2
-        delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
-        scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, INTERPRETED)
-        p = exp2(scores - lse[:, None], INTERPRETED)  # 0 where blocked, and in rows that see no key (lse = +inf)
-        dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
+        lse = tl.load(lse2_ptr + stats_base + rows)  # base 2; +inf in rows that see no key
+        delta = tl.load(delta_ptr + stats_base + rows)
+        if TRANSPOSED:  # [keys, queries]
+            scores = biased_scores(k, q, codes_base, table_ptr, table_row, cols, rows, code_stride_t, scale,
+                                   PRECISION, INTERPRETED)
+            dp = mm(v, tl.trans(do), PRECISION, INTERPRETED)
+            lse, delta = lse[None, :], delta[None, :]
+            if DROPOUT:  # unpacked as read, then transposed: Triton moves the bytes, not the booleans
+                keep = tl.trans(stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N,
+                                            bits_stride_bh, bits_stride_t, BLOCK_M, BLOCK_N))
+        else:  # [queries, keys]
+            scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
+                                   PRECISION, INTERPRETED)
+            dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
+            lse, delta = lse[:, None], delta[:, None]
+            if DROPOUT:
+                keep = stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N, bits_stride_bh,
+                                   bits_stride_t, BLOCK_M, BLOCK_N)
+        p = exp2(scores - lse, INTERPRETED)  # 0 where blocked, and in rows that see no key
         if DROPOUT:  # 1 / (1 - dropout) applied to dV once, and in dS's fused multiply-add
-            keep = stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N, bits_stride_bh, bits_stride_t,
-                               BLOCK_M, BLOCK_N)
             p_dropped = tl.where(keep, p, 0.0)
-            ds = p * (tl.where(keep, dp, 0.0) * keep_scale - delta[:, None])
+            ds = p * (tl.where(keep, dp, 0.0) * keep_scale - delta)
         else:
             p_dropped = p
-            ds = p * (dp - delta[:, None])
-        dv += mm(tl.trans(p_dropped.to(do.dtype)), do, PRECISION, INTERPRETED)
-        if WRITE_DS:  # rows padded to whole tiles of keys: no mask per key (0 past the keys: BLOCKED)
-            tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty),
-                     mask=row_valid[:, None])
-        dk += mm(tl.trans(ds.to(q.dtype)), q, PRECISION, INTERPRETED)
+            ds = p * (dp - delta)
+        if TRANSPOSED:  # P^T and dS^T: the left operands as they are
+            dv += mm(p_dropped.to(do.dtype), do, PRECISION, INTERPRETED)
+            dk_step = ds.to(q.dtype)
+            if WRITE_DS:  # rows and keys padded to whole tiles: no mask (0 past the pairs: BLOCKED)
+                tl.store(ds_base + rows[None, :] * ds_stride_t + cols[:, None], ds.to(ds_ptr.dtype.element_ty))
+        else:
+            dv += mm(tl.trans(p_dropped.to(do.dtype)), do, PRECISION, INTERPRETED)
+            dk_step = tl.trans(ds.to(q.dtype))
+            if WRITE_DS:
+                tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty))
+        dk += mm(dk_step, q, PRECISION, INTERPRETED)
     if WRITE_DS:  # the skipped tiles' dS is 0 (every pair blocked): written, as the table's sums read it
         for tile in range(tile_count, tl.cdiv(queries, BLOCK_M)):
             rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
-                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty), mask=(rows < queries)[:, None])
+                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty))
     dk *= scale
     if DROPOUT:
         dv *= keep_scale
@@ -300,24 +336,23 @@ def attention_backward_key_value_kernel(
 
 @triton.jit
 def attention_backward_query_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, bits_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, bits_ptr, lse2_ptr, delta_ptr, dq_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dq_stride_b, dq_stride_h, dq_stride_t,
-        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, stats_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
         INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
-    row_valid = rows < queries
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
-    stats_base = sequence_head.to(tl.int64) * lse_stride_bh
-    lse = tl.load(lse_ptr + stats_base + rows, mask=row_valid, other=float("inf")) * LOG2E  # base 2
-    delta = tl.load(delta_ptr + stats_base + rows, mask=row_valid, other=0.0)
+    stats_base = sequence_head.to(tl.int64) * stats_stride_bh
+    lse = tl.load(lse2_ptr + stats_base + rows)  # base 2, padded (the delta kernel's)
+    delta = tl.load(delta_ptr + stats_base + rows)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = head * table_stride_h
     tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
