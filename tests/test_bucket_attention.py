@@ -609,7 +609,8 @@ from bench_kernel_code import signature  # the argument types the kernels take, 
 report = []
 for capability, dtype, dropout, table in ((80, "*bf16", True, True), (90, "*bf16", True, True),
                                           (90, "*fp16", False, False)):
-    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, DROPOUT=dropout, PRECISION="tf32", INTERPRETED=False)
+    constants = dict(HEAD_DIM=64, BLOCK_M=64, BLOCK_N=64, DROPOUT=dropout, PRECISION="tf32", INTERPRETED=False,
+                     TRANSPOSED=capability >= 90)  # the key/value tiles as bucket_attention.transposed_tiles has them
     for kernel in (kernels.attention_forward_kernel, kernels.attention_backward_delta_kernel,
                    kernels.attention_backward_key_value_kernel, kernels.attention_backward_query_kernel):
         own = {name: value for name, value in dict(constants, WRITE_DS=table).items() if name in kernel.arg_names}
