@@ -85,7 +85,8 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     """In Triton's interpreter (a fresh process: it is read when the kernels are defined) the
     triton variant is the same attention as sdpa, the table's gradient compared with sdpa's bias
     gradient reduced per bucket, launched as the model does and with other tiles (--triton-shapes),
-    with dQ by its own kernel, and with the key/value pass's tiles as [queries, keys]; its dropout and
+    with dQ by its own kernel, with the key/value pass's tiles as [queries, keys], and reading the
+    bias from its dense form; its dropout and
     no-bias rows and sdpa's dropout row are timed only."""
     import os
     import subprocess
@@ -94,7 +95,7 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     result = subprocess.run(
         [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
          "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-kv-rows,"
-         "triton-dropout-kv-rows", "--triton-shapes",
+         "triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias", "--triton-shapes",
          "32x64w2s1/64x64w4s3", "--iterations", "1", "--warmup", "1", "--json", str(out)],
         cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
         text=True, timeout=300)
@@ -102,10 +103,12 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
     for name, launch in (("triton", "64x64w4s2/64x64w4s2"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3"),
                          ("triton-dq-kernel", "64x64w4s2/64x64w4s2"),  # dQ by its kernel: the same attention
-                         ("triton-kv-rows", "64x64w4s2/64x64w4s2")):  # the other orientation: the same too
+                         ("triton-kv-rows", "64x64w4s2/64x64w4s2"),  # the other orientation: the same too
+                         ("triton-dense-bias", "64x64w4s2/64x64w4s2")):  # the dense bias: the same too
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
-    for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-kv-rows"):
+    for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-kv-rows",
+                 "triton-dropout-dense-bias"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 
 

@@ -45,7 +45,7 @@ def case(batch, heads, queries, keys, head_dim, bins, dtype, dropout, with_table
     codes = ba.attention_codes(torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8,
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_() if with_table else None
-    inputs = ba.kernel_inputs(codes, table)
+    inputs = ba.kernel_inputs(codes, table, dtype)  # the dense bias, in the inputs' dtype, under ba.dense_bias
     tiles = inputs.tiles
     out, lse, seed, keep_bits = ba.bucket_attention_forward(q, k, v, inputs.padded_codes, *tiles, table,
                                                             inputs.kernel_table, dropout, head_dim ** -0.5)
@@ -103,6 +103,12 @@ with ba.kernel_shapes(ba.KernelShape(64, 128, 4, 2), ba.KernelShape(64, 128, 4, 
 with ba.key_value_tiles(False):
     for dtype, dropout in ((torch.float32, 0.1), (torch.bfloat16, 0.0)):
         results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
+# The bias read from its dense form (ba.DENSE_BIAS), both orientations of the key/value tiles.
+with ba.dense_bias(True):
+    for dtype, dropout in ((torch.float32, 0.1), (torch.bfloat16, 0.0)):
+        results.append(case(2, 2, 150, 140, 16, 8, dtype, dropout, True, generator, blocked_tiles=True))
+    with ba.key_value_tiles(False):
+        results.append(case(2, 2, 150, 140, 16, 8, torch.float32, 0.1, True, generator, blocked_tiles=True))
 # Two calls draw two seeds; the same seed draws the same mask.
 q = torch.randn(1, 2, 64, 16)
 codes = torch.zeros(1, 64, 64, dtype=torch.uint8)
@@ -254,6 +260,15 @@ for checkpointing in (False, True):
     report[str(checkpointing)] = {"calls": calls, "packed_backwards": packed, "loss": float((loss - ref_loss).abs()),
                                   "worst": difference(grads, ref_grads), "same": sorted(grads) == sorted(ref_grads),
                                   "table_grad_norm": float(grads["bert.rel_pos_bias.weight"].norm())}
+# The bias read from its dense form (bucket_attention.DENSE_BIAS, built in the layers' dtype): the same.
+from megatron_pmlm.models import bucket_attention
+with bucket_attention.dense_bias(True):
+    sdpa, ours = twins(config, False)
+    loss, grads = step(ours, batch)
+    inputs = ours.bert.embed(batch.input_ids, batch.position_ids, batch.token_type_ids, batch.roles, batch.steps)[1]
+ref_loss, ref_grads = step(sdpa, batch)
+report["dense"] = {"loss": float((loss - ref_loss).abs()), "worst": difference(grads, ref_grads),
+                   "kernel_bias": list(inputs.kernel_table.shape)}
 # Attention dropout drawn in the kernel: recomputing a checkpointed layer redraws the same mask.
 dropout = dataclasses.replace(config, attention_dropout=0.1)
 _, plain = twins(dropout, False)
@@ -316,9 +331,9 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
     that of the 16-bit threshold; a row that sees no key gives 0 and finite gradients; the output
     lies in [B, queries, heads, head_dim] memory; a fresh seed per call; torch.library's checks. The
     key/value pass's tiles both ways: transposed (SM 9.0's, the interpreter's) and as [queries,
-    keys] (SM 8.x's)."""
+    keys] (SM 8.x's), and the bias read from its dense form (`dense_bias`)."""
     report = run_interpreted(KERNELS)
-    assert len(report["results"]) == 18
+    assert len(report["results"]) == 21
     for result in report["results"]:
         assert result["finite"] and result["empty_row"] == 0.0, result
         batch, heads, queries, _, head_dim, _ = result["shape"]
@@ -335,7 +350,7 @@ def test_the_kernels_compute_attention_with_the_bias_read_per_tile():
             assert abs(result["kept"] - result["kept_fraction"]) <= 0.03, result
             assert result["stored_bits_are_the_draws"], result
     assert report["seeds_differ"] and report["same_seed_same_mask"] and report["other_seed_other_mask"]
-    assert all(result["skipped_tiles"] >= 4 for result in report["results"][-7:]), report["results"][-7:]
+    assert all(result["skipped_tiles"] >= 4 for result in report["results"][-10:]), report["results"][-10:]
     listed = report["listed_tiles_only"]
     assert listed["out_rows"] == listed["out_rows_expected"], listed
     assert listed["dk_rows_sequence_1"] > 0 and not listed["dk_moved_in_sequence_1_past_key_63"], listed
@@ -356,7 +371,8 @@ def test_the_triton_backend_trains_as_sdpa_does():
     projection's output, their gradient one tensor); with attention dropout a checkpointed layer's
     recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
     another; compiled = eager, a layer and the region building the kernels' inputs one graph each;
-    the bias-bytes proxy counts each layer's dS buffer and nothing else (no bias is built)."""
+    the bias-bytes proxy counts each layer's dS buffer and nothing else (no bias is built); the bias
+    read from its dense form (`dense_bias`) trains as the table's gather does."""
     report = run_interpreted(MODEL)
     for checkpointing in ("False", "True"):
         result = report[checkpointing]
@@ -364,6 +380,8 @@ def test_the_triton_backend_trains_as_sdpa_does():
         assert result["calls"] == (9 if checkpointing == "True" else 6) and result["same"], result
         assert result["packed_backwards"] == 3, result  # q, k, v read from the fused projection's output
         assert result["loss"] <= 1e-5 and result["worst"] <= 1e-4 and result["table_grad_norm"] > 0, result
+    dense = report["dense"]  # the dense bias: [B, heads, 2, P, P], the same loss and gradients
+    assert dense["loss"] <= 1e-5 and dense["worst"] <= 1e-4 and len(dense["kernel_bias"]) == 5, dense
     dropout = report["dropout"]
     assert dropout["checkpointed"] <= 1e-5 and dropout["loss"] == 0.0, dropout
     assert dropout["other_seed_changes_loss"] > 0 and dropout["other_seed_changes_grads"] > 1e-2, dropout
@@ -504,7 +522,8 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
 def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
-    triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ likewise."""
+    triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ and
+    PMLM_TRITON_BIAS likewise."""
     probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
@@ -538,6 +557,16 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_attention.DQ_ENV: value}
         env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
         result = subprocess.run([sys.executable, "-c", dq_probe], cwd=REPO_ROOT, env=env, capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
+                                                                                   result.stderr[-2000:])
+    # PMLM_TRITON_BIAS: table (the default) or dense; anything else refused the same way
+    bias_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", "print(ba.DENSE_BIAS)")
+    for value, expected in (("dense", ["True"]), ("table", ["False"]),
+                            ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"])):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_attention.BIAS_ENV: value}
+        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
+        result = subprocess.run([sys.executable, "-c", bias_probe], cwd=REPO_ROOT, env=env, capture_output=True,
                                 text=True, timeout=120)
         assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
                                                                                    result.stderr[-2000:])
@@ -671,6 +700,11 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     wide = kernel_code("--kernels", "attention dK dV dS", "--launch", "64x64w4s2/128x64w8s2")
     assert report["launch"] == "64x64w4s2/64x64w4s2" and wide["launch"] == "64x64w4s2/128x64w8s2", wide["launch"]
     assert wide["kernels"][0]["num_warps"] == 8 and wide["kernels"][0]["spilled_bytes"] == 0, wide
+    # --bias dense: the bias read from its dense form, no gather (fewer instructions, less shared memory)
+    dense = kernel_code("--kernels", "attention forward,attention dK dV dS", "--bias", "dense")
+    assert report["bias"] == "table" and dense["bias"] == "dense", dense["bias"]
+    for row in dense["kernels"]:
+        assert row["loop_instructions"] < loops[row["kernel"]] and row["loop_shared_bytes"] < shared[row["kernel"]], row
     # the key/value tiles transposed on SM 9.0 unless a tile has more queries than keys; never on SM 8.x
     assert report["key_value_tiles"] == "transposed" and wide["key_value_tiles"] == "rows", wide
     shape = bucket_attention.KernelShape

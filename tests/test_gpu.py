@@ -404,7 +404,7 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     assert torch.equal(bucket_attention.stored_keep_mask(bits, width, width)[computed], keep[computed])
     # With dropout, forward and backward against float64 given the kernels' own mask: the GPU's code
     # for the draws (their layouts, the opaque copy, ex2.approx.ftz) is not the interpreter's. The
-    # key/value pass's tiles both ways (this GPU's orientation and the other).
+    # key/value pass's tiles both ways (this GPU's orientation and the other), and the dense bias.
     torch.cuda.manual_seed(7)  # the same generator state draws the same seed
     seed = bucket_attention.bucket_attention_forward(q.detach(), k.detach(), v.detach(), inputs.padded_codes,
                                                      *inputs.tiles, table, inputs.kernel_table, 0.1, 0.125)[2]
@@ -412,10 +412,13 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     exact_inputs = [x.detach().double().requires_grad_() for x in (q, k, v, table)]
     exact = bucket_attention.reference_attention(*exact_inputs[:3], codes, exact_inputs[3], keep=keep, dropout_p=0.1)
     exact = [exact, *torch.autograd.grad(exact, exact_inputs, grad.double())]
-    for transposed in (True, False):
+    with bucket_attention.dense_bias(True):  # the bias read from its dense form (PMLM_TRITON_BIAS=dense)
+        dense_inputs = bucket_attention.kernel_inputs(codes, table, torch.bfloat16)
+    assert dense_inputs.kernel_table.dim() == 5
+    for transposed, used_inputs in ((True, inputs), (False, inputs), (True, dense_inputs)):
         with bucket_attention.key_value_tiles(transposed):
             torch.cuda.manual_seed(7)
-            out = bucket_attention.bucket_attention(q, k, v, inputs, 0.1)
+            out = bucket_attention.bucket_attention(q, k, v, used_inputs, 0.1)
             ours = [out, *torch.autograd.grad(out, (q, k, v, table), grad)]
         for name, mine, want in zip(("out", "dq", "dk", "dv", "dtable"), ours, exact):
             error = float((mine.double() - want).abs().max() / want.abs().max())

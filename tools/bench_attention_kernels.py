@@ -49,7 +49,12 @@ attention alone, per variant:
 - `triton-kv-rows`, `triton-dropout-kv-rows`: `triton`, `triton-dropout` with the dK, dV, dS
   kernel's tiles computed as [queries, keys] (SM 8.x's orientation) instead of transposed
   (`bucket_attention.key_value_transposed`: SM 9.0's, FlashAttention-2's): on an H100, which
-  orientation is faster (the first checked against sdpa as `triton` is, the second timed only).
+  orientation is faster (the first checked against sdpa as `triton` is, the second timed only);
+- `triton-dense-bias`, `triton-dropout-dense-bias`: `triton`, `triton-dropout` reading each tile's
+  bias from a dense [B, heads, 2, P, P] copy in the inputs' dtype, built once per micro batch
+  (`bucket_attention.DENSE_BIAS`; built before the timing, as the model builds it once for all its
+  layers) instead of gathering `table[head, code]` per pair: whether the gathers or the bytes cost
+  more (the first checked against sdpa, the second timed only).
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
 GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
@@ -85,13 +90,14 @@ from megatron_pmlm.files import OutputError, check_output, write_json_atomically
 
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
             "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias",
-            "triton-no-bias", "triton-dq-kernel", "triton-kv-rows", "triton-dropout-kv-rows")
+            "triton-no-bias", "triton-dq-kernel", "triton-kv-rows", "triton-dropout-kv-rows", "triton-dense-bias",
+            "triton-dropout-dense-bias")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "triton-no-bias",
-              "triton-dropout-kv-rows")
+              "triton-dropout-kv-rows", "triton-dropout-dense-bias")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -290,6 +296,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         launched = (bucket_attention.kernel_shapes(*triton_shapes[name]) if name in triton_shapes
                     else bucket_attention.dq_from_scores(False) if name == "triton-dq-kernel"
                     else bucket_attention.key_value_tiles(False) if name.endswith("-kv-rows")
+                    else bucket_attention.dense_bias(True) if name in ("triton-dense-bias", "triton-dropout-dense-bias")
                     else contextlib.nullcontext())
         try:
             with launched:
@@ -340,14 +347,15 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
 def _kernel_inputs(dense: torch.Tensor, buckets: torch.Tensor, rel_pos_bias, every_pair: bool = False):
     """The triton backend's inputs for the same attention: each pair's code (its bucket, or BLOCKED
     where the dense bias is -inf) and the table the dense bias was built from, as a leaf; with
-    `every_pair`, no pair blocked and no table (`triton-no-bias`: flash-no-bias's work)."""
+    `every_pair`, no pair blocked and no table (`triton-no-bias`: flash-no-bias's work). Under
+    `bucket_attention.dense_bias`, the table's dense form in the dense bias's dtype (the inputs')."""
     from megatron_pmlm.models.bucket_attention import attention_codes, kernel_inputs
 
     if every_pair:
         return kernel_inputs(attention_codes(None, torch.ones_like(dense[:, 0], dtype=torch.bool)), None)
     allowed = torch.isfinite(dense[:, 0])
     table = rel_pos_bias.weight.detach().float().requires_grad_()
-    return kernel_inputs(attention_codes(buckets, allowed), table)
+    return kernel_inputs(attention_codes(buckets, allowed), table, dense.dtype)  # dense under DENSE_BIAS
 
 
 def _reduced_per_bucket(bias_grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:

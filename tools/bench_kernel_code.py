@@ -47,13 +47,14 @@ def recipe_attention_dropout() -> float:
 
 
 def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = None,
-                 transposed: bool = True) -> list[dict]:
+                 transposed: bool = True, dense: bool = False) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
     loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
     `dropout`; the attention kernels launched as `launch` (forward and dQ shape, dK dV dS shape;
     default: bucket_attention's defaults), the dK dV dS kernel's tiles `transposed` or not
-    (`bucket_attention.key_value_transposed`)."""
+    (`bucket_attention.key_value_transposed`), the bias gathered from the table or read `dense`
+    (`bucket_attention.DENSE_BIAS`)."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
@@ -71,7 +72,9 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
     ds_rows = -(-T // key_value.block_queries) * key_value.block_queries
     attention_arguments = dict(
         heads=H, threshold=threshold, queries=T, keys=T, lse_stride_bh=T,
-        table_stride_h=bucket_attention.BLOCKED + 1,  # bucket_attention.kernel_table's rows
+        # bucket_attention.kernel_table's rows, or the dense bias [B, H, 2, tiled, tiled]
+        table_stride_b=H * 2 * tiled * tiled if dense else 0,
+        table_stride_h=2 * tiled * tiled if dense else bucket_attention.BLOCKED + 1,
         # padded_codes: the codes and their transpose, [B, 2, tiled, tiled]
         code_stride_b=2 * tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
         stats_stride_bh=tiled,  # the backward's padded per-row statistics
@@ -83,7 +86,8 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
     def tiles(forward_shape, key_value_shape):
         query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
-    attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False)
+    attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False, DENSE=dense)
+    bias_type = {"table_ptr": dtype} if dense else {}  # the dense bias in the inputs' dtype
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
@@ -98,7 +102,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
         {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
-         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages}, "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          # a tile of keys and values, and the tile's codes
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
@@ -106,13 +110,14 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
                             TRANSPOSED=transposed, WRITE_DS=True),
          "options": {"num_warps": key_value.num_warps, "num_stages": key_value.num_stages},
+         "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(key_value, forward)),
          # a tile of queries and output gradients, codes, kept bits, and dS written
          "loop_bytes": (key_value.block_queries * head_dim * size * 2 + key_value.block_queries * key_value.block_keys
                         * (1 + size) + key_value.block_queries * key_value.block_keys // 8)},
         {"name": "attention dQ", "kernel": bucket_attention_triton.attention_backward_query_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
-         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages},
+         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages}, "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
                         + forward.block_queries * forward.block_keys // 8)},
@@ -197,7 +202,7 @@ def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> d
 
     kernel = spec["kernel"]
     constexprs = {name: value for name, value in spec["constexprs"].items() if name in kernel.arg_names}
-    types = signature(kernel, dtype, constexprs)
+    types = {**signature(kernel, dtype, constexprs), **spec.get("pointer_types", {})}
     missing = [name for name in kernel.arg_names if types[name] == "i32" and name not in spec["arguments"]]
     if missing:
         raise ValueError(f"{spec['name']}: no modelled value for {', '.join(missing)}")
@@ -244,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key-value-tiles", choices=("transposed", "rows"),
                         help="the dK dV dS kernel's tiles keys x queries or queries x keys (default: as "
                         "bucket_attention.transposed_tiles picks them for --capability and the launch)")
+    parser.add_argument("--bias", choices=("table", "dense"), default="table",
+                        help="the attention kernels gather table[head, code] per pair, or read the dense bias "
+                        "(bucket_attention.DENSE_BIAS)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     launch = None
@@ -276,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         transposed = bucket_attention.transposed_tiles((args.capability // 10, args.capability % 10),
                                                        launch[1] if launch else bucket_attention.KEY_VALUE_SHAPE)
         args.key_value_tiles = "transposed" if transposed else "rows"
-    specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch, args.key_value_tiles == "transposed")
+    specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch, args.key_value_tiles == "transposed",
+                         args.bias == "dense")
 
     args.launch = "/".join(map(str, launch or (bucket_attention.DEFAULT_FORWARD_SHAPE,
                                                bucket_attention.DEFAULT_KEY_VALUE_SHAPE)))
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
                                               "width": args.width, "dropout": args.dropout, "launch": args.launch,
-                                              "key_value_tiles": args.key_value_tiles,
+                                              "key_value_tiles": args.key_value_tiles, "bias": args.bias,
                                               "kernels": rows}, indent=1)
     return 0
 
@@ -300,7 +309,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
     print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}, "
-          f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}: instructions of each kernel's "
+          f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}, bias {args.bias}: instructions "
+          "of each kernel's "
           "hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
           "| warp instructions / KB | shared-memory KB a tile | barriers a tile | loop's commonest |", file=out)

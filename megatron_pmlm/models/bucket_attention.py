@@ -167,6 +167,25 @@ in the same dtype enters the same products (the kernel too rounds dS to the inpu
 them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
 DQ_PROBLEM: what is wrong with DQ_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
+BIAS_ENV = "PMLM_TRITON_BIAS"
+"""`dense`: the kernels read each tile's bias from a dense [B, heads, 2, P, P] copy built once per
+micro batch in the inputs' dtype (`dense_kernel_bias`) instead of gathering `table[head, code]` per
+pair (`table`, the default). An experiment for a GPU lease to time (`make gpu-check`'s
+`triton-dense-bias` rows); the model's inputs honour it where they know the compute dtype (not in
+pipeline stages)."""
+
+
+def _bias_from_environment() -> tuple[bool, str | None]:
+    value = os.environ.get(BIAS_ENV, "table")
+    if value not in ("table", "dense"):
+        return False, f"{BIAS_ENV}={value!r}: give table (the default) or dense"
+    return value == "dense", None
+
+
+DENSE_BIAS, BIAS_PROBLEM = _bias_from_environment()
+"""Whether `kernel_inputs` builds the dense kernel bias (given a dtype); `dense_bias` switches it.
+BIAS_PROBLEM: what is wrong with BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
+
 KEY_VALUE_TRANSPOSED: bool | None = None
 """Whether the dK, dV, dS kernel computes its tiles transposed (keys x queries, FlashAttention-2's
 orientation); None: by the device (`key_value_transposed`). `key_value_tiles` sets it for a block
@@ -204,14 +223,57 @@ class BucketAttentionInputs(NamedTuple):
     padded_codes: torch.Tensor
     """The codes as the kernels read them, and their transpose (`padded_codes`)."""
     kernel_table: torch.Tensor
-    """The table as the kernels read it (`kernel_table`)."""
+    """The table as the kernels read it (`kernel_table`), or its dense form (`dense_kernel_bias`)."""
 
 
-def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None) -> BucketAttentionInputs:
+def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None,
+                  dense_dtype: torch.dtype | None = None) -> BucketAttentionInputs:
     """The codes, the table, and what the kernels read of them (the codes' tile lists, the padded
-    codes, the kernel table): what the model builds once per micro batch for every layer."""
-    return BucketAttentionInputs(codes, table, tile_lists(codes), padded_codes(codes),
-                                 kernel_table(table, codes.device))
+    codes, the kernel table): what the model builds once per micro batch for every layer. With
+    DENSE_BIAS, a table and `dense_dtype` (the inputs' dtype), the kernel table's dense form."""
+    padded = padded_codes(codes)
+    kernel = kernel_table(table, codes.device)
+    if DENSE_BIAS and table is not None and dense_dtype is not None:
+        kernel = dense_kernel_bias(kernel, padded, dense_dtype)
+    return BucketAttentionInputs(codes, table, tile_lists(codes), padded, kernel)
+
+
+def dense_kernel_bias(kernel: torch.Tensor, padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, heads, 2, P, P] in `dtype`: `kernel[head, code]` for each pair of the padded codes and of
+    their transpose ([B, 2, P, P], `padded_codes`), what the kernels read per tile instead of
+    gathering through the codes (`DENSE_BIAS`): one pass per micro batch, 2 x heads x P^2 values a
+    sequence (1.8 GB in bf16 at seq 512 x 64). A custom op: opaque to torch.compile, as the
+    attention ops are."""
+    return _dense_kernel_bias(kernel, padded, dtype)
+
+
+@torch.library.custom_op("megatron_pmlm::dense_kernel_bias", mutates_args=())
+def _dense_kernel_bias(kernel: torch.Tensor, padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from .bucket_attention_triton import dense_bias_kernel
+
+    batch, _, size, _ = padded.shape
+    heads = kernel.shape[0]
+    bias = torch.empty(batch, heads, 2, size, size, dtype=dtype, device=padded.device)
+    if bias.numel():
+        _launch(dense_bias_kernel, (batch * 2, size // CODE_TILE), padded, kernel, bias, heads, size,
+                kernel.stride(0), bias.stride(0), bias.stride(1), BLOCK=CODE_TILE)
+    return bias
+
+
+@_dense_kernel_bias.register_fake
+def _(kernel, padded, dtype):
+    batch, _, size, _ = padded.shape
+    return padded.new_empty(batch, kernel.shape[0], 2, size, size, dtype=dtype)
+
+
+def _table_args(kernel: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, int, int, bool]:
+    """(what a kernel reads of the kernel table, its stride per sequence, per head, whether dense): the
+    dense bias's half for the tile's orientation, or the table, every head reading row 0 of a single
+    row (no table, or one head)."""
+    if kernel.dim() == 5:
+        view = kernel[:, :, int(transposed)]
+        return view, view.stride(0), view.stride(1), True
+    return kernel, 0, kernel.stride(0) if kernel.shape[0] > 1 else 0, False
 
 
 def padded_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -263,12 +325,6 @@ def kernel_table(table: torch.Tensor | None, device: torch.device) -> torch.Tens
         kernel[:, :table.shape[1]] = table.detach() * math.log2(math.e)
     kernel[:, BLOCKED] = float("-inf")
     return kernel
-
-
-def _kernel_table_stride(kernel: torch.Tensor) -> int:
-    """Row stride of the kernel table as the kernels index it: 0 for a single row (no table, or
-    one head), which every head reads."""
-    return kernel.stride(0) if kernel.shape[0] > 1 else 0
 
 
 def transposed_tiles(capability: tuple[int, int], shape: KernelShape) -> bool:
@@ -409,7 +465,12 @@ def _check(query, key, value, codes, key_tiles, query_tiles, table, kernel) -> N
     if table is not None and (table.dim() != 2 or table.shape[0] != heads or table.shape[1] >= BLOCKED):
         raise ValueError(f"bucket_attention: table must be [{heads}, bins < {BLOCKED}], got {tuple(table.shape)}")
     rows = heads if table is not None else 1
-    if kernel.shape != (rows, BLOCKED + 1) or kernel.dtype != torch.float32 or kernel.stride(-1) != 1:
+    if kernel.dim() == 5:
+        if kernel.shape != (batch, heads, 2, size, size) or kernel.dtype != query.dtype or not kernel.is_contiguous():
+            raise ValueError(f"bucket_attention: a dense kernel bias must be {query.dtype} "
+                             f"{[batch, heads, 2, size, size]} (dense_kernel_bias), got {kernel.dtype} "
+                             f"{tuple(kernel.shape)}")
+    elif kernel.shape != (rows, BLOCKED + 1) or kernel.dtype != torch.float32 or kernel.stride(-1) != 1:
         raise ValueError(f"bucket_attention: kernel_table must be float32 [{rows}, {BLOCKED + 1}] (kernel_table of "
                          f"the table), got {kernel.dtype} {tuple(kernel.shape)}")
     problem = head_dim_problem(head_dim)
@@ -451,12 +512,13 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     grid = (batch * heads, _blocks(queries, shape.block_queries))
     if batch * heads and queries:
         forward_codes, *forward_strides = _codes_args(codes, False)
+        table_arg, *table_strides, dense = _table_args(kernel_table, False)
         _launch(attention_forward_kernel, grid,
-            query, key, value, forward_codes, key_tiles, kernel_table, seed, out, lse, bits_arg,
+            query, key, value, forward_codes, key_tiles, table_arg, seed, out, lse, bits_arg,
             heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(out),
             *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
-            _kernel_table_stride(kernel_table), queries, *bits_strides, scale, threshold, keep_scale,
-            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys,
+            *table_strides, queries, *bits_strides, scale, threshold, keep_scale,
+            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, DENSE=dense,
             DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
             num_warps=shape.num_warps, num_stages=shape.num_stages)
     return out, lse, seed, keep_bits
@@ -543,7 +605,6 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
-    table_stride = _kernel_table_stride(kernel_table)
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
     if batch * heads and queries and keys:
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
@@ -552,12 +613,13 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
             delta.stride(0), HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
         transposed = key_value_transposed(query.device)
         key_value_codes, *key_value_strides = _codes_args(codes, transposed)
+        table_arg, *table_strides, dense = _table_args(kernel_table, transposed)
         _launch(attention_backward_key_value_kernel, (batch * heads, _blocks(keys, key_value.block_keys)),
-            query, key, value, grad_out, key_value_codes, query_tiles, kernel_table, bits_arg, lse2, delta, dk, dv,
+            query, key, value, grad_out, key_value_codes, query_tiles, table_arg, bits_arg, lse2, delta, dk, dv,
             score_grad, heads, queries, keys, *_strides(query), *_strides(key), *_strides(value),
             *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad), *key_value_strides,
-            query_tiles.stride(0), query_tiles.stride(1), table_stride, delta.stride(0), *bits_strides, scale,
-            keep_scale,
+            query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
+            keep_scale, DENSE=dense,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, TRANSPOSED=transposed,
             WRITE_DS=write_scores,
             num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
@@ -565,12 +627,14 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
+            table_arg, *table_strides, dense = _table_args(kernel_table, False)
             _launch(attention_backward_query_kernel, (batch * heads, _blocks(queries, forward.block_queries)),
-                query, key, value, grad_out, forward_codes, key_tiles, kernel_table, bits_arg, lse2, delta, dq,
+                query, key, value, grad_out, forward_codes, key_tiles, table_arg, bits_arg, lse2, delta, dq,
                 heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                 *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
-                table_stride, delta.stride(0), *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
-                BLOCK_N=forward.block_keys, num_warps=forward.num_warps, num_stages=forward.num_stages, **common)
+                *table_strides, delta.stride(0), *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
+                BLOCK_N=forward.block_keys, DENSE=dense, num_warps=forward.num_warps,
+                num_stages=forward.num_stages, **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
@@ -720,6 +784,18 @@ def dq_from_scores(enabled: bool):
         yield
     finally:
         DQ_FROM_SCORES = saved
+
+
+@contextlib.contextmanager
+def dense_bias(enabled: bool):
+    """`kernel_inputs` builds the dense kernel bias (`DENSE_BIAS`) inside the block, or not: how the
+    attention tool times both."""
+    global DENSE_BIAS
+    saved, DENSE_BIAS = DENSE_BIAS, enabled
+    try:
+        yield
+    finally:
+        DENSE_BIAS = saved
 
 
 @contextlib.contextmanager

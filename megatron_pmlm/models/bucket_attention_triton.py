@@ -163,16 +163,31 @@ def program_tile(heads, BLOCK: tl.constexpr):
 
 @triton.jit
 def biased_scores(a, b, codes_ptr, table_ptr, table_row, rows, cols, code_stride, scale,
-                  PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """The tile's scores in base 2 (log2 e x (scale x a @ b^T + table[head, code])), which `exp2`
-    takes as they are: the kernel table holds the bias times log2 e, so the scale, the bias and the
+                  DENSE: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The tile's scores in base 2 (log2 e x (scale x a @ b^T + bias)), which `exp2` takes as they
+    are: the kernel's bias holds the table's values times log2 e, so the scale, the bias and the
     change of base are one fused multiply-add a pair. (a, b): (q, k) for the [queries, keys] tile,
-    (k, q) with the transposed codes for its transpose; `rows`, `cols`: the tile's rows and columns
-    in the codes read. Their BLOCKED entry is -inf, and the padded codes are BLOCKED past [queries,
-    keys], so the forbidden pairs and those outside the sequence get -inf with no mask: one load and
-    one add a pair."""
+    (k, q) for its transpose; `rows`, `cols`: the tile's rows and columns in the codes (or dense
+    bias) read. The bias is `table[head, code]`, gathered per pair through the codes, or with DENSE
+    read as it lies in the dense bias (`dense_kernel_bias`: the same values, built once per micro
+    batch), whose rows are as long as the codes'. BLOCKED's entry is -inf, and the padded codes are
+    BLOCKED past [queries, keys], so the forbidden pairs and those outside the sequence get -inf
+    with no mask: one load and one add a pair."""
+    if DENSE:
+        scores = mm(a, tl.trans(b), PRECISION, INTERPRETED) * (scale * LOG2E)
+        return scores + tl.load(table_ptr + table_row + rows[:, None] * code_stride + cols[None, :]).to(tl.float32)
     code = tl.load(codes_ptr + rows[:, None] * code_stride + cols[None, :])
+    # the product issued before the gather, whose values are not held across it (26 registers fewer in the forward)
     return mm(a, tl.trans(b), PRECISION, INTERPRETED) * (scale * LOG2E) + tl.load(table_ptr + table_row + code)
+
+
+@triton.jit
+def table_offset(sequence, head, table_stride_b, table_stride_h, DENSE: tl.constexpr):
+    """Where this (sequence, head)'s bias starts: its dense bias, or its row of the table (which every
+    sequence shares: no term for the sequence, whose product costs the forward 26 registers)."""
+    if DENSE:
+        return sequence * table_stride_b + head * table_stride_h
+    return head * table_stride_h
 
 
 @triton.jit
@@ -181,18 +196,17 @@ def attention_forward_kernel(
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, o_stride_b, o_stride_h, o_stride_t,
-        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, lse_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+        DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
     tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     codes_base = codes_ptr + sequence * code_stride_b
-    table_row = head * table_stride_h
+    table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
     seed = 0
     if DROPOUT:
         seed = tl.load(seed_ptr)
@@ -205,7 +219,7 @@ def attention_forward_kernel(
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, INTERPRETED)
+                               DENSE, PRECISION, INTERPRETED)
         new_max = tl.maximum(row_max, tl.max(scores, 1))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
         p = exp2(scores - safe_max[:, None], INTERPRETED)
@@ -256,10 +270,11 @@ def attention_backward_key_value_kernel(
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
         ds_stride_b, ds_stride_h, ds_stride_t,
-        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, stats_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, stats_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr,
-        DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        DENSE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr):
     """TRANSPOSED: each tile computed as keys x queries (S^T = K Q^T), as FlashAttention-2's backward
     does, for the tensor cores that read both operands from shared memory (SM 9.0's wgmma): K and V,
     this program's own, are the left operands, staged once; P^T and dS^T come out of one product in
@@ -279,7 +294,7 @@ def attention_backward_key_value_kernel(
     codes_base = codes_ptr + sequence * code_stride_b
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
     stats_base = sequence_head.to(tl.int64) * stats_stride_bh
-    table_row = head * table_stride_h
+    table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     for tile in range(0, tile_count):  # the query blocks holding a pair that sees one of these keys
@@ -290,7 +305,7 @@ def attention_backward_key_value_kernel(
         delta = tl.load(delta_ptr + stats_base + rows)
         if TRANSPOSED:  # [keys, queries]
             scores = biased_scores(k, q, codes_base, table_ptr, table_row, cols, rows, code_stride_t, scale,
-                                   PRECISION, INTERPRETED)
+                                   DENSE, PRECISION, INTERPRETED)
             dp = mm(v, tl.trans(do), PRECISION, INTERPRETED)
             lse, delta = lse[None, :], delta[None, :]
             if DROPOUT:  # unpacked as read, then transposed: Triton moves the bytes, not the booleans
@@ -298,7 +313,7 @@ def attention_backward_key_value_kernel(
                                             bits_stride_bh, bits_stride_t, BLOCK_M, BLOCK_N))
         else:  # [queries, keys]
             scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                                   PRECISION, INTERPRETED)
+                                   DENSE, PRECISION, INTERPRETED)
             dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
             lse, delta = lse[:, None], delta[:, None]
             if DROPOUT:
@@ -341,11 +356,10 @@ def attention_backward_query_kernel(
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dq_stride_b, dq_stride_h, dq_stride_t,
-        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_h, stats_stride_bh,
+        code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, stats_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+        DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
@@ -354,7 +368,7 @@ def attention_backward_query_kernel(
     lse = tl.load(lse2_ptr + stats_base + rows)  # base 2, padded (the delta kernel's)
     delta = tl.load(delta_ptr + stats_base + rows)
     codes_base = codes_ptr + sequence * code_stride_b
-    table_row = head * table_stride_h
+    table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
     tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for tile in range(0, tl.load(tiles)):
@@ -363,7 +377,7 @@ def attention_backward_query_kernel(
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
-                               PRECISION, INTERPRETED)
+                               DENSE, PRECISION, INTERPRETED)
         p = exp2(scores - lse[:, None], INTERPRETED)
         dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
         if DROPOUT:
@@ -375,6 +389,26 @@ def attention_backward_query_kernel(
         dq += mm(ds.to(k.dtype), k, PRECISION, INTERPRETED)
     dq *= scale
     store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
+
+
+@triton.jit
+def dense_bias_kernel(codes_ptr, table_ptr, bias_ptr, heads, size, table_stride_h, bias_stride_b, bias_stride_h,
+                      BLOCK: tl.constexpr):
+    """bias[b, h, half, i, j] = table[h, codes[b, half, i, j]] for one (sequence, half) and BLOCK rows of
+    the padded codes ([B, 2, size, size]), every head: the dense form of the kernel table
+    (`bucket_attention.dense_kernel_bias`), in the bias's dtype."""
+    sequence_half = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    half_offset = (sequence_half % 2).to(tl.int64) * size * size
+    sequence = (sequence_half // 2).to(tl.int64)
+    for column_start in range(0, size, BLOCK):
+        cells = half_offset + rows[:, None] * size + (column_start + tl.arange(0, BLOCK))[None, :]
+        code = tl.load(codes_ptr + sequence_half.to(tl.int64) * size * size + rows[:, None] * size
+                       + (column_start + tl.arange(0, BLOCK))[None, :])
+        for head in range(heads):
+            value = tl.load(table_ptr + head * table_stride_h + code)
+            tl.store(bias_ptr + sequence * bias_stride_b + head * bias_stride_h + cells,
+                     value.to(bias_ptr.dtype.element_ty))
 
 
 @triton.jit

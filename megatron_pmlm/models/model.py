@@ -68,7 +68,7 @@ class RelativePositionBias(nn.Module):
         """
         if kernel_inputs:
             return triton_attention_inputs(allowed, self.weight.to(torch.float32, copy=True), position_ids,
-                                           key_position_ids, self.num_buckets, self.max_distance)
+                                           key_position_ids, self.num_buckets, self.max_distance, dtype)
         if position_ids is None:
             distances = torch.arange(-self.max_distance, self.max_distance + 1, device=self.weight.device)
             return self.weight[:, relative_position_bucket(distances, self.num_buckets, self.max_distance)]
@@ -387,7 +387,7 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
         problem = flex_capability_problem(device_type)
     elif config.attention_backend == "triton":
         problem = (bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM
-                   or bucket_attention.DQ_PROBLEM
+                   or bucket_attention.DQ_PROBLEM or bucket_attention.BIAS_PROBLEM
                    or (bucket_attention.device_problem(torch.device(device_type)) if device_type else None))
     if problem:
         raise ConfigError(problem)
@@ -404,7 +404,7 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
         allowed = attention_rule(roles, steps)
         if rel_pos_bias is None:
             return triton_attention_inputs(allowed, None)
-        return rel_pos_bias(position_ids, None, allowed, kernel_inputs=True)
+        return rel_pos_bias(position_ids, None, allowed, dtype, kernel_inputs=True)
     if backend == "flex":
         return build_flex_attention_mask(
             attention_rule, roles, steps, None if rel_pos_bias is None else rel_pos_bias(),
@@ -414,15 +414,16 @@ def attention_inputs(backend: str, rel_pos_bias: RelativePositionBias | None, at
 
 
 def triton_attention_inputs(allowed: torch.Tensor, table: torch.Tensor | None, position_ids=None,
-                            key_position_ids=None, num_buckets: int = 0, max_distance: int = 0
-                            ) -> BucketAttentionInputs:
+                            key_position_ids=None, num_buckets: int = 0, max_distance: int = 0,
+                            dtype: torch.dtype | None = None) -> BucketAttentionInputs:
     """The triton backend's inputs: each pair's code (its relative-distance bucket, from the position
-    ids when there is a `table`; BLOCKED where `allowed` is False), the codes' tile lists, the table."""
+    ids when there is a `table`; BLOCKED where `allowed` is False), the codes' tile lists, the table
+    (its dense form in `dtype`, the layers' compute dtype, under `bucket_attention.DENSE_BIAS`)."""
     buckets = None
     if table is not None:
         key_position_ids = position_ids if key_position_ids is None else key_position_ids
         buckets = relative_buckets(position_ids, key_position_ids, num_buckets, max_distance)
-    return bucket_attention.kernel_inputs(bucket_attention.attention_codes(buckets, allowed), table)
+    return bucket_attention.kernel_inputs(bucket_attention.attention_codes(buckets, allowed), table, dtype)
 
 
 def attention_bias(rel_pos_bias: RelativePositionBias | None, attention_rule: AttentionRule,
