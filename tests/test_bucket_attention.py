@@ -550,26 +550,23 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
     assert outputs["64x64w4s2/32x128w4s3"][1] == (
         "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
         "64 or 128")
-    # PMLM_TRITON_DQ: gemm (the default) or kernel; anything else refused the same way
-    dq_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", "print(ba.DQ_FROM_SCORES)")
-    for value, expected in (("kernel", ["False"]), ("gemm", ["True"]),
-                            ("GEMM", ["True", "refused: PMLM_TRITON_DQ='GEMM': give gemm (the default) or kernel"])):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_attention.DQ_ENV: value}
-        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
-        result = subprocess.run([sys.executable, "-c", dq_probe], cwd=REPO_ROOT, env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
-                                                                                   result.stderr[-2000:])
-    # PMLM_TRITON_BIAS: table (the default) or dense; anything else refused the same way
-    bias_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", "print(ba.DENSE_BIAS)")
-    for value, expected in (("dense", ["True"]), ("table", ["False"]),
-                            ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"])):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_attention.BIAS_ENV: value}
-        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
-        result = subprocess.run([sys.executable, "-c", bias_probe], cwd=REPO_ROOT, env=env, capture_output=True,
-                                text=True, timeout=120)
-        assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
-                                                                                   result.stderr[-2000:])
+    # PMLM_TRITON_DQ: gemm (the default) or kernel; PMLM_TRITON_BIAS: table (the default) or dense;
+    # anything else refused the same way
+    for variable, printed, cases in (
+            (bucket_attention.DQ_ENV, "ba.DQ_FROM_SCORES",
+             (("kernel", ["False"]), ("gemm", ["True"]),
+              ("GEMM", ["True", "refused: PMLM_TRITON_DQ='GEMM': give gemm (the default) or kernel"]))),
+            (bucket_attention.BIAS_ENV, "ba.DENSE_BIAS",
+             (("dense", ["True"]), ("table", ["False"]),
+              ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"])))):
+        variable_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", f"print({printed})")
+        for value, expected in cases:
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), variable: value}
+            env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
+            result = subprocess.run([sys.executable, "-c", variable_probe], cwd=REPO_ROOT, env=env,
+                                    capture_output=True, text=True, timeout=120)
+            assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
+                                                                                       result.stderr[-2000:])
 
 
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):

@@ -151,14 +151,17 @@ DQ_ENV = "PMLM_TRITON_DQ"
 tile) also where the backward writes dS; by default dQ = scale x dS @ K there, one batched GEMM."""
 
 
-def _dq_from_environment() -> tuple[bool, str | None]:
-    value = os.environ.get(DQ_ENV, "gemm")
-    if value not in ("gemm", "kernel"):
-        return True, f"{DQ_ENV}={value!r}: give gemm (the default) or kernel"
-    return value == "gemm", None
+def _alternative_from_environment(name: str, default: str, alternative: str) -> tuple[bool, str | None]:
+    """(whether the environment variable `name` picks `alternative` over `default`, what is wrong with
+    its value or None: a malformed value keeps the default and a triton model refuses to start)."""
+    value = os.environ.get(name, default)
+    if value not in (default, alternative):
+        return False, f"{name}={value!r}: give {default} (the default) or {alternative}"
+    return value == alternative, None
 
 
-DQ_FROM_SCORES, DQ_PROBLEM = _dq_from_environment()
+_DQ_KERNEL, DQ_PROBLEM = _alternative_from_environment(DQ_ENV, "gemm", "kernel")
+DQ_FROM_SCORES = not _DQ_KERNEL
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
 dQ comes from it by one batched GEMM (cuBLAS: 2 x B x heads x T^2 x head size FLOPs reading dS once,
 0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
@@ -175,14 +178,7 @@ pair (`table`, the default). An experiment for a GPU lease to time (`make gpu-ch
 pipeline stages)."""
 
 
-def _bias_from_environment() -> tuple[bool, str | None]:
-    value = os.environ.get(BIAS_ENV, "table")
-    if value not in ("table", "dense"):
-        return False, f"{BIAS_ENV}={value!r}: give table (the default) or dense"
-    return value == "dense", None
-
-
-DENSE_BIAS, BIAS_PROBLEM = _bias_from_environment()
+DENSE_BIAS, BIAS_PROBLEM = _alternative_from_environment(BIAS_ENV, "table", "dense")
 """Whether `kernel_inputs` builds the dense kernel bias (given a dtype); `dense_bias` switches it.
 BIAS_PROBLEM: what is wrong with BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
@@ -775,39 +771,31 @@ def bucket_attention_packed(qkv: torch.Tensor, heads: int, inputs: BucketAttenti
 
 
 @contextlib.contextmanager
+def _module_setting(name: str, value):
+    """This module's setting `name` (read at launch) set to `value` inside the block."""
+    saved, globals()[name] = globals()[name], value
+    try:
+        yield
+    finally:
+        globals()[name] = saved
+
+
 def dq_from_scores(enabled: bool):
     """dQ by the GEMM over dS (`DQ_FROM_SCORES`) or by its own kernel inside the block: how the
     attention tool times both."""
-    global DQ_FROM_SCORES
-    saved, DQ_FROM_SCORES = DQ_FROM_SCORES, enabled
-    try:
-        yield
-    finally:
-        DQ_FROM_SCORES = saved
+    return _module_setting("DQ_FROM_SCORES", enabled)
 
 
-@contextlib.contextmanager
 def dense_bias(enabled: bool):
     """`kernel_inputs` builds the dense kernel bias (`DENSE_BIAS`) inside the block, or not: how the
     attention tool times both."""
-    global DENSE_BIAS
-    saved, DENSE_BIAS = DENSE_BIAS, enabled
-    try:
-        yield
-    finally:
-        DENSE_BIAS = saved
+    return _module_setting("DENSE_BIAS", enabled)
 
 
-@contextlib.contextmanager
 def key_value_tiles(transposed: bool | None):
     """The dK, dV, dS kernel's tiles transposed (True), as [queries, keys] (False) or by the device
     (None) inside the block (`KEY_VALUE_TRANSPOSED`)."""
-    global KEY_VALUE_TRANSPOSED
-    saved, KEY_VALUE_TRANSPOSED = KEY_VALUE_TRANSPOSED, transposed
-    try:
-        yield
-    finally:
-        KEY_VALUE_TRANSPOSED = saved
+    return _module_setting("KEY_VALUE_TRANSPOSED", transposed)
 
 
 @contextlib.contextmanager
