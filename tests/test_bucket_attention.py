@@ -522,8 +522,8 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
 def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
-    triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ and
-    PMLM_TRITON_BIAS likewise."""
+    triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ,
+    PMLM_TRITON_BIAS and PMLM_TRITON_KEY_VALUE_TILES likewise."""
     probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
@@ -551,14 +551,17 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
         "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
         "64 or 128")
     # PMLM_TRITON_DQ: gemm (the default) or kernel; PMLM_TRITON_BIAS: table (the default) or dense;
-    # anything else refused the same way
+    # PMLM_TRITON_KEY_VALUE_TILES: auto (the default) or rows; anything else refused the same way
     for variable, printed, cases in (
             (bucket_attention.DQ_ENV, "ba.DQ_FROM_SCORES",
              (("kernel", ["False"]), ("gemm", ["True"]),
               ("GEMM", ["True", "refused: PMLM_TRITON_DQ='GEMM': give gemm (the default) or kernel"]))),
             (bucket_attention.BIAS_ENV, "ba.DENSE_BIAS",
              (("dense", ["True"]), ("table", ["False"]),
-              ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"])))):
+              ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"]))),
+            (bucket_attention.KEY_VALUE_ENV, "ba.KEY_VALUE_TRANSPOSED",
+             (("rows", ["False"]), ("auto", ["None"]),
+              ("keys", ["None", "refused: PMLM_TRITON_KEY_VALUE_TILES='keys': give auto (the default) or rows"])))):
         variable_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", f"print({printed})")
         for value, expected in cases:
             env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), variable: value}

@@ -182,10 +182,16 @@ DENSE_BIAS, BIAS_PROBLEM = _alternative_from_environment(BIAS_ENV, "table", "den
 """Whether `kernel_inputs` builds the dense kernel bias (given a dtype); `dense_bias` switches it.
 BIAS_PROBLEM: what is wrong with BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
-KEY_VALUE_TRANSPOSED: bool | None = None
+KEY_VALUE_ENV = "PMLM_TRITON_KEY_VALUE_TILES"
+"""`rows`: the dK, dV, dS kernel computes [queries, keys] tiles on every GPU; `auto` (the default):
+transposed where `transposed_tiles` says (a way back without a code change, should a GPU's Triton
+build the transposed kernel wrong or slow)."""
+_ROWS_ONLY, KEY_VALUE_PROBLEM = _alternative_from_environment(KEY_VALUE_ENV, "auto", "rows")
+KEY_VALUE_TRANSPOSED: bool | None = False if _ROWS_ONLY else None
 """Whether the dK, dV, dS kernel computes its tiles transposed (keys x queries, FlashAttention-2's
 orientation); None: by the device (`key_value_transposed`). `key_value_tiles` sets it for a block
-(how the attention tool times both)."""
+(how the attention tool times both). KEY_VALUE_PROBLEM: what is wrong with KEY_VALUE_ENV (the model
+refuses to start, as for LAUNCH_PROBLEM)."""
 TRANSPOSED_SINCE = (9, 0)
 """The compute capability from which the key/value pass is transposed (`transposed_tiles`)."""
 
