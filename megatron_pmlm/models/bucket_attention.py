@@ -232,10 +232,11 @@ def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None,
                   dense_dtype: torch.dtype | None = None) -> BucketAttentionInputs:
     """The codes, the table, and what the kernels read of them (the codes' tile lists, the padded
     codes, the kernel table): what the model builds once per micro batch for every layer. With
-    DENSE_BIAS, a table and `dense_dtype` (the inputs' dtype), the kernel table's dense form."""
+    DENSE_BIAS, a table and `dense_dtype` (the inputs' dtype), the kernel table's dense form (where the
+    kernels run: elsewhere the attention refuses the device, as without it)."""
     padded = padded_codes(codes)
     kernel = kernel_table(table, codes.device)
-    if DENSE_BIAS and table is not None and dense_dtype is not None:
+    if DENSE_BIAS and table is not None and dense_dtype is not None and runs_on(codes.device):
         kernel = dense_kernel_bias(kernel, padded, dense_dtype)
     return BucketAttentionInputs(codes, table, tile_lists(codes), padded, kernel)
 
