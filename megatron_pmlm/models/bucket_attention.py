@@ -241,17 +241,13 @@ def kernel_inputs(codes: torch.Tensor, table: torch.Tensor | None,
     return BucketAttentionInputs(codes, table, tile_lists(codes), padded, kernel)
 
 
+@torch.library.custom_op("megatron_pmlm::dense_kernel_bias", mutates_args=())
 def dense_kernel_bias(kernel: torch.Tensor, padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, heads, 2, P, P] in `dtype`: `kernel[head, code]` for each pair of the padded codes and of
     their transpose ([B, 2, P, P], `padded_codes`), what the kernels read per tile instead of
     gathering through the codes (`DENSE_BIAS`): one pass per micro batch, 2 x heads x P^2 values a
     sequence (1.8 GB in bf16 at seq 512 x 64). A custom op: opaque to torch.compile, as the
     attention ops are."""
-    return _dense_kernel_bias(kernel, padded, dtype)
-
-
-@torch.library.custom_op("megatron_pmlm::dense_kernel_bias", mutates_args=())
-def _dense_kernel_bias(kernel: torch.Tensor, padded: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     from .bucket_attention_triton import dense_bias_kernel
 
     batch, _, size, _ = padded.shape
@@ -263,7 +259,7 @@ def _dense_kernel_bias(kernel: torch.Tensor, padded: torch.Tensor, dtype: torch.
     return bias
 
 
-@_dense_kernel_bias.register_fake
+@dense_kernel_bias.register_fake
 def _(kernel, padded, dtype):
     batch, _, size, _ = padded.shape
     return padded.new_empty(batch, kernel.shape[0], 2, size, size, dtype=dtype)
