@@ -101,10 +101,10 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
         text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
-    for name, launch in (("triton", "64x64w4s2/64x64w4s2"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3"),
-                         ("triton-dq-kernel", "64x64w4s2/64x64w4s2"),  # dQ by its kernel: the same attention
-                         ("triton-kv-rows", "64x64w4s2/64x64w4s2"),  # the other orientation: the same too
-                         ("triton-dense-bias", "64x64w4s2/64x64w4s2")):  # the dense bias: the same too
+    for name, launch in (("triton", "64x64w4s1/64x64w4s1"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3"),
+                         ("triton-dq-kernel", "64x64w4s1/64x64w4s1"),  # dQ by its kernel: the same attention
+                         ("triton-kv-rows", "64x64w4s1/64x64w4s1"),  # the other orientation: the same too
+                         ("triton-dense-bias", "64x64w4s1/64x64w4s1")):  # the dense bias: the same too
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
     for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-kv-rows",

@@ -69,11 +69,13 @@ CODE_TILE = max(BLOCK_SIZES)
 dimensions (BLOCKED past the real pairs): every tile any launch walks lies inside them, so the
 kernels load them without bounds masks (with `kernel_table`, 33-50% fewer instructions in the
 kernels' loops at seq 512's width: `tools/bench_kernel_code.py`, docs/benchmarks.md)."""
-DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=2)
-DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=2)
-"""The fastest launch of the five `make gpu-check` timed on one H100 (sixth run, seq 512 x 64: 5.84
-ms a layer's forward and backward against 7.68 with 3 stages, 6.31 with 3 stages for dK dV dS only,
-6.36-8.23 with 128 queries a tile; docs/benchmarks.md)."""
+DEFAULT_FORWARD_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=1)
+DEFAULT_KEY_VALUE_SHAPE = KernelShape(64, 64, num_warps=4, num_stages=1)
+"""One pipeline stage: on one H100 (seventh run, seq 512 x 64, the key/value pass transposed) a
+layer's forward and backward took 3.27 ms launched so against 4.90 with 2 stages and 6.08 with 3,
+and pretrain's compiled step went from 21.1% to 24.3% MFU (docs/benchmarks.md). (The sixth run,
+before the transposed pass and the kept pairs read from their bytes, had found 2 stages faster
+than 3: 5.84 against 7.68 ms.)"""
 KEY_VALUE_BLOCK_SIZES = (64, 128)
 """Blocks of queries the dK, dV, dS kernel takes: launched with 32 queries x 128 keys (4 warps, 3
 stages) it gave dK 3.2e-2 from sdpa's on an H100 (Triton 3.6; the others 4e-3), while Triton's
@@ -148,7 +150,7 @@ ROWSUM_BLOCK = 64
 ROWSUM_WARPS = 4
 DQ_ENV = "PMLM_TRITON_DQ"
 """`kernel`: compute dQ with its own kernel (recomputing the scores, their softmax and dP tile by
-tile) also where the backward writes dS; by default dQ = scale x dS @ K there, one batched GEMM."""
+tile) also where the backward writes dS; by default dQ = scale x dS @ K there, a batched GEMM a head."""
 
 
 def _alternative_from_environment(name: str, default: str, alternative: str) -> tuple[bool, str | None]:
@@ -163,8 +165,8 @@ def _alternative_from_environment(name: str, default: str, alternative: str) -> 
 _DQ_KERNEL, DQ_PROBLEM = _alternative_from_environment(DQ_ENV, "gemm", "kernel")
 DQ_FROM_SCORES = not _DQ_KERNEL
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
-dQ comes from it by one batched GEMM (cuBLAS: 2 x B x heads x T^2 x head size FLOPs reading dS once,
-0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
+dQ comes from it by batched GEMMs, one a head (cuBLAS: 2 x B x heads x T^2 x head size FLOPs
+reading dS once, 0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
 kept bits and dP for every tile (a quarter of the three kernels' loop instructions). The same dS
 in the same dtype enters the same products (the kernel too rounds dS to the inputs' dtype for
 them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
@@ -574,15 +576,16 @@ def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
 
 
 def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:
-    """dq <- scale x dS @ K, one batched GEMM over the [B, heads, queries, keys] score gradient (a
-    view of the padded dS buffer: its rows are the GEMM's leading dimension, no copy), the scale
-    applied in fp32 before the one rounding to dq's dtype (baddbmm's alpha)."""
-    batch, heads, queries, keys = score_grad.shape
-    scores = score_grad.reshape(batch * heads, queries, keys)  # a view: the heads' rows are evenly spaced
-    keys_matrix = key.reshape(batch * heads, keys, key.shape[-1])  # a copy where K is a view of packed q, k, v
-    product = torch.baddbmm(scores.new_empty(()).expand(batch * heads, queries, key.shape[-1]), scores, keys_matrix,
-                            beta=0.0, alpha=scale)
-    dq.copy_(product.view(batch, heads, queries, -1))
+    """dq <- scale x dS @ K, one batched GEMM a head, each reading its head of the [B, heads, queries,
+    keys] score gradient (a view of the padded dS buffer) and of K, and writing its head of dq, in
+    place: K and dq are views of [B, T, heads, head_dim]-ordered memory (the packed q, k, v and their
+    packed gradient), whose batch and head dimensions no single batched GEMM can merge. One GEMM over
+    B x heads needed K copied and its product copied into dq (two copies of 0.1 ms a layer at seq
+    128 x 256 on an H100, 3% of pretrain's step); cuBLAS takes each head's strided views as they
+    are. The scale is applied in fp32 before the one rounding to dq's dtype (baddbmm's alpha; beta 0:
+    dq's uninitialised memory is not read)."""
+    for head in range(score_grad.shape[1]):
+        dq[:, head].baddbmm_(score_grad[:, head], key[:, head], beta=0.0, alpha=scale)
 
 
 def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table,
