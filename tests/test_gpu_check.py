@@ -186,6 +186,14 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
 
     markdown = (run / "gpu-check.md").read_text()
     assert markdown == gpu_check.markdown(report)
+    # the environment's settings that change the kernels are named (none here but TRITON_INTERPRET's kind)
+    assert report["environment"] == gpu_check.environment_settings()
+    with_settings = {**report, "environment": gpu_check.environment_settings(
+        {"PMLM_TRITON_BIAS": "dense", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x", "HOME": "/root"})}
+    assert ("Settings from the environment (they change what the rows run): `PMLM_TRITON_BIAS=dense`."
+            in gpu_check.markdown(with_settings))
+    assert ("Settings from the environment (they change what the rows run): none (the code's defaults)."
+            in gpu_check.markdown({**report, "environment": {}}))
     assert "## pretrain's own step" in markdown and "## Hugging Face BertForMaskedLM" in markdown
     assert f"| {real['host_syncs_per_step']} ({real['host_syncs_all_owners']}) | {real['kernels_per_step']:,} |" \
         in markdown

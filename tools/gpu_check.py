@@ -117,6 +117,10 @@ MIN_TESTS_SECONDS = 120
 """--budget-seconds: the gpu tests start only with this much left (they took 200 s on the first H100)."""
 REPORT_SECONDS = 15
 """--budget-seconds: kept back at the end for the report and the archive."""
+SETTING_PREFIXES = ("PMLM_", "TRITON_", "TORCHINDUCTOR_")
+"""Environment variables that change what the rows run (the triton backend's launch, bias and
+passes; Triton's and inductor's own switches): the report names those set, so a table made with
+`PMLM_TRITON_BIAS=dense` (say) is not read as the defaults'. Folders (`*_DIR`) are left out."""
 
 
 def cuda_problem() -> str | None:
@@ -415,6 +419,10 @@ def markdown(report: dict) -> str:
              f"{report['started']}, {report['seconds']:.0f} s in all{budget}. Tests (`pytest -m gpu tests/test_gpu.py`): "
              + (f"{'passed' if report['tests']['passed'] else 'FAILED'}, {report['tests']['summary']} "
                 f"({report['tests']['seconds']:.0f} s)" if report["tests"] else "not run"), ""]
+    settings = report.get("environment") or {}
+    lines += ["Settings from the environment (they change what the rows run): " + (
+        ", ".join(f"`{name}={value}`" for name, value in settings.items()) if settings
+        else "none (the code's defaults)") + ".", ""]
     peaks = report.get("peaks", {})
     if peaks:
         lines += ["MFU peaks (dense, from the device name): " + "; ".join(
@@ -564,6 +572,13 @@ def _timeline(timeline: dict | None) -> str:
             f"({timeline['idle_ms'] / max(timeline['span_ms'], 1e-9):.0%}: waiting for the host's launches).")
 
 
+def environment_settings(environ=None) -> dict[str, str]:
+    """The SETTING_PREFIXES variables set in `environ` (default: this process's), by name."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in sorted(environ)
+            if name.startswith(SETTING_PREFIXES) and not name.endswith("_DIR")}
+
+
 def device_peaks(name: str, precisions: Sequence[str]) -> dict:
     """{precision: {"tflops", "source"}} from bench_train's table of exact device names."""
     sys.path.insert(0, str(REPO_ROOT / "tools"))
@@ -680,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
         if not bf16:
             notes.append("bf16 not run: this GPU has no bf16 support")
     report = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": device, "preset": preset,
-              "budget_seconds": args.budget_seconds,
+              "budget_seconds": args.budget_seconds, "environment": environment_settings(),
               "peaks": {} if args.cpu_dry_run else device_peaks(device["name"], precisions),
               "tests": None, "bench": [], "not_run": [], "not_run_reason": "", "notes": notes}
     for precision, peak in report["peaks"].items():
