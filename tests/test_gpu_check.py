@@ -186,7 +186,7 @@ def test_cpu_dry_run_measures_the_real_path_and_reports_it(tmp_path, shared_data
 
     markdown = (run / "gpu-check.md").read_text()
     assert markdown == gpu_check.markdown(report)
-    # the environment's settings that change the kernels are named (none here but TRITON_INTERPRET's kind)
+    # the environment's settings that change what the rows run are named in the report (folders left out)
     assert report["environment"] == gpu_check.environment_settings()
     with_settings = {**report, "environment": gpu_check.environment_settings(
         {"PMLM_TRITON_BIAS": "dense", "TORCHINDUCTOR_CACHE_DIR": "/tmp/x", "HOME": "/root"})}

@@ -166,8 +166,9 @@ _DQ_KERNEL, DQ_PROBLEM = _alternative_from_environment(DQ_ENV, "gemm", "kernel")
 DQ_FROM_SCORES = not _DQ_KERNEL
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
 dQ comes from it by batched GEMMs, one a head (cuBLAS: 2 x B x heads x T^2 x head size FLOPs
-reading dS once, 0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T, the softmax, the
-kept bits and dP for every tile (a quarter of the three kernels' loop instructions). The same dS
+reading dS once, 0.73 GB a layer at seq 512 x 64) instead of the dQ kernel, which recomputes q k^T,
+the softmax, the kept bits and dP for every tile (a quarter of the three kernels' loop
+instructions). The same dS
 in the same dtype enters the same products (the kernel too rounds dS to the inputs' dtype for
 them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
 DQ_PROBLEM: what is wrong with DQ_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
