@@ -10,13 +10,6 @@ import pytest
 from pmlm_testing import SHARED_DATA, run_module
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-"""One intra-op thread in the test processes, as `run_module` gives the runs they start. `make test`
-runs two workers on two cores, each often with a training process beside it: a second thread per
-worker finds no idle core, and OpenMP's waiting threads spin on the cores the others need (the same
-tests take ~25% more CPU time with torch's default of one thread a core, and no less wall time, even
-alone). In-process compilations then also generate the single-threaded kernels the runs do, so
-inductor's cache can serve one with the other's. Set before any test module imports torch."""
 
 LONGEST_FILES = [
     "test_distributed.py", "test_compile.py", "test_slurm.py", "test_finetune_s2s.py", "test_bucket_attention.py",

@@ -531,7 +531,23 @@ def test_palm_compiles_one_graph_per_region_for_every_length_and_equals_eager():
     the decoder's embed, its layers (one region for all), the pointer-generator and the losses with
     symbolic sizes, so
     other continuation lengths and context lengths (one equal to the continuation's) within the
-    padded width compile nothing new; stage 2's loss and every gradient equal eager's."""
+    padded width compile nothing new; stage 2's loss and every gradient equal eager's.
+    Compiled as tools/bench_palm_step.py compiles in its test below (one thread, as `run_module`
+    gives it; its kernels visible to the profiler that counts them, `prepare_compiled_counting`) at
+    that test's padded context width, so that inductor's cache serves its ~40 kernels with these
+    (~40 s of g++ on this 2-core machine)."""
+    import torch._inductor.config as inductor_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # inductor's C++ kernels are generated for the thread count
+    try:
+        with inductor_config.patch({"cpp.enable_kernel_profile": True}):
+            _palm_compiles_one_graph_per_region_for_every_length_and_equals_eager()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _palm_compiles_one_graph_per_region_for_every_length_and_equals_eager() -> None:
     import copy
 
     import torch._dynamo.utils
