@@ -3,6 +3,7 @@ once several test folders have one)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -23,6 +24,21 @@ def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
     full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
     full_env = {key: value for key, value in full_env.items() if value is not None}
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch's intra-op threads set to one inside, restored after: tiny tensors gain nothing from a
+    second thread and lose when another process holds the core; inductor generates its C++ kernels
+    for the thread count, so a compilation in a test matches the single-threaded runs it starts."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def torchrun(nproc: int) -> list[str]:

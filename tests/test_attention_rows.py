@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pmlm_testing import one_thread
 from megatron_pmlm.data import build_pretraining_loaders
 from megatron_pmlm.models.flex_attention import LAYOUT_QUANTUM
 from megatron_pmlm.models.layout import PAD, PMLMBatch, pmlm_attention_allowed
@@ -26,12 +27,10 @@ MICRO_BATCH = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def single_thread():
     """Small tensors: threads only wait on each other, the more so on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 def fully_masked_rows(allowed: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import run_module
+from pmlm_testing import one_thread, run_module
 from test_attention_bias import pmlm_case, seq2seq_case, unilm_case
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
@@ -538,13 +538,8 @@ def test_palm_compiles_one_graph_per_region_for_every_length_and_equals_eager():
     (~40 s of g++ on this 2-core machine)."""
     import torch._inductor.config as inductor_config
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # inductor's C++ kernels are generated for the thread count
-    try:
-        with inductor_config.patch({"cpp.enable_kernel_profile": True}):
-            _palm_compiles_one_graph_per_region_for_every_length_and_equals_eager()
-    finally:
-        torch.set_num_threads(threads)
+    with one_thread(), inductor_config.patch({"cpp.enable_kernel_profile": True}):
+        _palm_compiles_one_graph_per_region_for_every_length_and_equals_eager()
 
 
 def _palm_compiles_one_graph_per_region_for_every_length_and_equals_eager() -> None:

@@ -22,7 +22,7 @@ from megatron_pmlm.generation.search import (DecodingConfig, NGramBlocker, choos
 from megatron_pmlm.models.layout import PSEUDO, pmlm_attention_allowed
 from megatron_pmlm.models.model import PMLMForPreTraining
 from megatron_pmlm.tokenizer import WordPieceTokenizer
-from pmlm_testing import run_module
+from pmlm_testing import one_thread, run_module
 
 SOURCES = ["the american football conference champion denver broncos defeated the carolina panthers .",
            "where did super bowl 50 take place ?",
@@ -31,12 +31,10 @@ SOURCES = ["the american football conference champion denver broncos defeated th
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
+def single_thread():
     """Tiny models gain nothing from threads, and lose a lot when another process holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
