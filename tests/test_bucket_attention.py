@@ -670,6 +670,57 @@ def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
         assert entry["cubin"] > 0 and 0 < entry["shared"] <= 164 * 1024, entry
 
 
+PATCHING = r"""
+import json
+import torch
+import triton
+import triton.runtime.interpreter as interpreter
+from megatron_pmlm.models import bucket_attention as ba, bucket_attention_triton as kernels
+
+patched = []
+patch_lang = interpreter._patch_lang
+def recording(fn):
+    patched.append(f"{fn.__module__}.{fn.__name__}")
+    return patch_lang(fn)
+interpreter._patch_lang = recording
+generator = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 2, 64, 16, generator=generator).requires_grad_() for _ in range(3))
+codes = ba.attention_codes(torch.randint(0, 8, (1, 64, 64), dtype=torch.uint8, generator=generator),
+                           torch.rand(1, 64, 64, generator=generator) > 0.3)
+table = torch.randn(2, 8, generator=generator).requires_grad_()
+inputs = ba.kernel_inputs(codes, table, torch.float32)
+out = ba.bucket_attention_forward(q, k, v, inputs.padded_codes, *inputs.tiles, table, inputs.kernel_table, 0.0,
+                                  16 ** -0.5)[0]
+ours = [out, *torch.autograd.grad(out.sum(), (q, k, v, table))]
+exact_inputs = [x.detach().double().requires_grad_() for x in (q, k, v, table)]
+reference = ba.reference_attention(*exact_inputs[:3], codes, exact_inputs[3])
+exact = [reference, *torch.autograd.grad(reference.sum(), exact_inputs)]
+print(json.dumps({"patched": patched, "error": max(float((a.double() - b).abs().max()) for a, b in zip(ours, exact)),
+                  "helper": type(kernels.mm).__name__}))
+"""
+
+
+@needs_triton
+def test_the_kernels_helpers_run_in_the_interpreter_without_patching_the_language_again():
+    """Triton's interpreter patches triton.language at every call of a jitted function (~30% of an
+    interpreted kernel's time, the CPU suite's triton tests); the launch of a kernel has patched it for
+    the kernels' module already, so `device_function` helpers are called without it: only the launched
+    kernels (and Triton's own library functions) are patched for, and the results stay exact. Compiled
+    for a GPU the helpers are Triton's JITFunctions, unchanged."""
+    import triton
+
+    report = run_interpreted(PATCHING)
+    ours = [name for name in report["patched"] if name.startswith("megatron_pmlm.")]
+    assert ours and all(name.endswith("_kernel") for name in ours), ours
+    assert {"megatron_pmlm.models.bucket_attention_triton.attention_forward_kernel",
+            "megatron_pmlm.models.bucket_attention_triton.attention_backward_key_value_kernel"} <= set(ours), ours
+    assert report["helper"] == "InterpretedDeviceFunction" and report["error"] <= 1e-5, report
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        from megatron_pmlm.models import bucket_attention_triton
+
+        assert type(bucket_attention_triton.mm) is triton.JITFunction
+
+
 @needs_triton
 def test_the_kernels_loops_issue_few_instructions_per_tile():
     """The CPU proxy of kernels bound by what they issue (tools/bench_kernel_code.py, SM 9.0, bf16,

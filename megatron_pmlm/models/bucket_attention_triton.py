@@ -30,9 +30,32 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.errors import InterpreterError
+from triton.runtime.interpreter import InterpretedFunction
 
 
-@triton.jit
+def device_function(function):
+    """`triton.jit` for a function the kernels call. In Triton's interpreter (TRITON_INTERPRET=1, the
+    CPU tests) every call of a jitted function patches triton.language again for the function's
+    module: ~30% of an interpreted kernel's time, with nothing to patch here, since the launch of a
+    kernel of the same module (the same globals) has patched it. There the call runs the
+    interpreter's rewritten Python function directly, as its own call does after the patching."""
+    jitted = triton.jit(function)
+    if type(jitted) is not InterpretedFunction or not hasattr(jitted, "rewrite"):
+        return jitted  # compiled for a GPU (or another Triton's interpreter): as it is
+
+    class InterpretedDeviceFunction(InterpretedFunction):
+        def __call__(self, *args, **kwargs):
+            try:
+                return self.rewrite()(*args, **kwargs)
+            except Exception as error:
+                raise InterpreterError(repr(error)) from error
+
+    jitted.__class__ = InterpretedDeviceFunction
+    return jitted
+
+
+@device_function
 def mm(a, b, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """a @ b with fp32 accumulation. In Triton's interpreter (whose tl.dot misreads bf16 operands in
     Triton 3.9) the same values are multiplied in fp32: operands are rounded to the input dtype
@@ -51,7 +74,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+@device_function
 def exp2(x, INTERPRETED: tl.constexpr):
     """2^x in fp32. On a GPU with results under 2^-126 flushed to 0: one MUFU.EX2 an element instead
     of MUFU.EX2 behind a range check and two multiplies (`tl.exp2`'s subnormal handling), and a
@@ -62,7 +85,7 @@ def exp2(x, INTERPRETED: tl.constexpr):
                                      pack=1)
 
 
-@triton.jit
+@device_function
 def computed_once(x, INTERPRETED: tl.constexpr):
     """x, through an opaque copy on a GPU. The draws feed two layouts (the kept bits' coalesced store,
     the accumulator's), and Triton recomputes a cheap-looking chain in each layout rather than move
@@ -74,7 +97,7 @@ def computed_once(x, INTERPRETED: tl.constexpr):
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1)
 
 
-@triton.jit
+@device_function
 def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  INTERPRETED: tl.constexpr):
     """([BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps, the same as
@@ -105,7 +128,7 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     return unpacked_keep(packed, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
 
 
-@triton.jit
+@device_function
 def unpacked_keep(byte, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] booleans from [BLOCK_M, BLOCK_N / 8] int32 bytes (`dropout_keep`'s groups:
     bit k of byte 8 x block + c is key 64 x block + 8k + c), each key's bit shifted out of its
@@ -119,7 +142,7 @@ def unpacked_keep(byte, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
                       (BLOCK_M, BLOCK_N)) != 0
 
 
-@triton.jit
+@device_function
 def stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] booleans: the pairs (rows, column_start + j) the forward kept, read from its
@@ -129,7 +152,7 @@ def stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bit
     return unpacked_keep(byte, BLOCK_M, BLOCK_N)
 
 
-@triton.jit
+@device_function
 def bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t, BLOCK_N: tl.constexpr):
     """[rows, BLOCK_N / 8] addresses of the kept pairs' bytes for keys column_start... (a byte a
     `dropout_keep` group): where the forward stores them and the backward reads them."""
@@ -137,7 +160,7 @@ def bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bi
     return bits_ptr + sequence_head.to(tl.int64) * bits_stride_bh + rows[:, None] * bits_stride_t + groups[None, :]
 
 
-@triton.jit
+@device_function
 def rows_of(ptr, sequence, head, stride_b, stride_h, stride_t, rows, dims, count):
     """The [rows, head size] tile of one (sequence, head) of a [B, heads, T, head size] tensor
     (any strides, the last 1), zeros past `count` rows."""
@@ -145,14 +168,14 @@ def rows_of(ptr, sequence, head, stride_b, stride_h, stride_t, rows, dims, count
                    mask=(rows < count)[:, None], other=0.0)
 
 
-@triton.jit
+@device_function
 def store_rows(ptr, value, sequence, head, stride_b, stride_h, stride_t, rows, dims, count):
     """`rows_of`'s inverse: `value` stored in the tensor's dtype, rows past `count` left alone."""
     tl.store(ptr + sequence * stride_b + head * stride_h + rows[:, None] * stride_t + dims[None, :],
              value.to(ptr.dtype.element_ty), mask=(rows < count)[:, None])
 
 
-@triton.jit
+@device_function
 def program_tile(heads, BLOCK: tl.constexpr):
     """(sequence x head index, sequence, head, this program's BLOCK rows or keys) of a grid
     (B x heads, blocks)."""
@@ -161,7 +184,7 @@ def program_tile(heads, BLOCK: tl.constexpr):
     return sequence_head, (sequence_head // heads).to(tl.int64), (sequence_head % heads).to(tl.int64), index
 
 
-@triton.jit
+@device_function
 def biased_scores(a, b, codes_ptr, table_ptr, table_row, rows, cols, code_stride, scale,
                   DENSE: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """The tile's scores in base 2 (log2 e x (scale x a @ b^T + bias)), which `exp2` takes as they
@@ -181,7 +204,7 @@ def biased_scores(a, b, codes_ptr, table_ptr, table_row, rows, cols, code_stride
     return mm(a, tl.trans(b), PRECISION, INTERPRETED) * (scale * LOG2E) + tl.load(table_ptr + table_row + code)
 
 
-@triton.jit
+@device_function
 def table_offset(sequence, head, table_stride_b, table_stride_h, DENSE: tl.constexpr):
     """Where this (sequence, head)'s bias starts: its dense bias, or its row of the table (which every
     sequence shares: no term for the sequence, whose product costs the forward 26 registers)."""

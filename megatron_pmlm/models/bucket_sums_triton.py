@@ -22,8 +22,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .bucket_attention_triton import device_function
 
-@triton.jit
+
+@device_function
 def tile_sums(total, grad_rows, bucket_rows, row, key, head, bin_ids, heads, queries, keys, grad_stride_query,
               bucket_stride_query, FULL: tl.constexpr, UPCAST: tl.constexpr):
     """`total` plus one tile's sums. FULL: every key of the tile is inside the gradient, so only
