@@ -34,25 +34,26 @@ from triton.runtime.errors import InterpreterError
 from triton.runtime.interpreter import InterpretedFunction
 
 
+class InterpretedDeviceFunction(InterpretedFunction):
+    """A helper in Triton's interpreter, called as the interpreter's own call does once it has
+    patched triton.language (which the calling kernel's launch has done for this module)."""
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as error:
+            raise InterpreterError(repr(error)) from error
+
+
 def device_function(function):
     """`triton.jit` for a function the kernels call. In Triton's interpreter (TRITON_INTERPRET=1, the
     CPU tests) every call of a jitted function patches triton.language again for the function's
     module: ~30% of an interpreted kernel's time, with nothing to patch here, since the launch of a
-    kernel of the same module (the same globals) has patched it. There the call runs the
-    interpreter's rewritten Python function directly, as its own call does after the patching."""
+    kernel of the same module (the same globals) has patched it."""
     jitted = triton.jit(function)
-    if type(jitted) is not InterpretedFunction or not hasattr(jitted, "rewrite"):
-        return jitted  # compiled for a GPU (or another Triton's interpreter): as it is
-
-    class InterpretedDeviceFunction(InterpretedFunction):
-        def __call__(self, *args, **kwargs):
-            try:
-                return self.rewrite()(*args, **kwargs)
-            except Exception as error:
-                raise InterpreterError(repr(error)) from error
-
-    jitted.__class__ = InterpretedDeviceFunction
-    return jitted
+    if type(jitted) is InterpretedFunction and hasattr(jitted, "rewrite"):
+        jitted.__class__ = InterpretedDeviceFunction
+    return jitted  # on a GPU (or another Triton's interpreter): Triton's own, as it is
 
 
 @device_function
