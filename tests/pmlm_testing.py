@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,9 +22,43 @@ def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
     """`python -m module args` (or under torchrun with `nproc` processes), output captured; `env`
     values of None unset those variables."""
     command = [sys.executable, "-m", module, *args] if nproc == 1 else [*torchrun(nproc), "-m", module, *args]
-    full_env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {**os.environ, **RUN_ENVIRONMENT, **(env or {})}
     full_env = {key: value for key, value in full_env.items() if value is not None}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=full_env)
+    return run_python(command[1:], env=full_env, timeout=timeout)
+
+
+RUN_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+"""What run_module adds to the environment: DeepSpeed on the CPU, one thread a process."""
+PRELOADED_ENV = "PMLM_TEST_PRELOADED_PYTHON"
+"""`0`: every run in a new interpreter (tests/preloaded_python.py's server unused); a file path: each
+run appends a line there saying how it was served (forked, or why a new interpreter)."""
+_preloaded = None
+_preloaded_lock = threading.Lock()
+
+
+def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | None = None,
+               timeout: float | None = None) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`, forked from
+    this process's preloaded-python server (torch, DeepSpeed and the project already imported) unless
+    `env` differs from the server's in what its imports read, or PRELOADED_ENV is `0`."""
+    global _preloaded
+    env = dict(os.environ if env is None else env)
+    cwd = str(cwd or os.getcwd())
+    setting = os.environ.get(PRELOADED_ENV, "")
+    served = "new interpreter: " + PRELOADED_ENV + "=0"
+    if setting != "0":
+        with _preloaded_lock:
+            if _preloaded is None:
+                from preloaded_python import PreloadedPython
+
+                _preloaded = PreloadedPython({**os.environ, **RUN_ENVIRONMENT})
+        result, served = _preloaded.run(list(argv), env, cwd, timeout)
+        if setting:
+            with open(setting, "a") as trace:
+                trace.write(f"{served}\t{' '.join(argv[:2])[:100]!r}\n")
+        if result is not None:
+            return result
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,289 @@
+"""A fork server for the suite's command-line runs: `python -m <module> ...`, `python -c ...` and
+`python script.py ...` served by forking a process that has already imported torch, torch._dynamo,
+DeepSpeed and the project, instead of starting a new interpreter that imports them again (~3.5 s of
+CPU a run; the suite starts hundreds: docs/benchmarks.md, "Twenty-first session").
+
+A forked run is the run a new interpreter would make: its own argv, environment, working directory,
+stdin (/dev/null), stdout and stderr (captured), its own process group, a fresh `__main__`, the
+interpreter's exit sequence (non-daemon threads joined, atexit handlers, exit code as `python`'s).
+What it cannot take over is what the preloaded modules read from the environment at import: the
+server records every variable read during its imports (and treats the prefixes read by native code
+as read), and a request whose environment differs from the server's in one of them is refused; the
+caller then starts a new interpreter (`run_python` does so itself).
+
+Server: `python tests/preloaded_python.py SOCKET` (started by `PreloadedPython`, one per pytest
+process, on a Linux abstract socket; it ends with the process that started it)."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import io
+import json
+import os
+import secrets
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+import types
+
+PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "deepspeed", "megatron_pmlm.pretrain",
+             "megatron_pmlm.finetune_s2s")
+"""What the server imports before it serves: what the suite's runs import first and longest."""
+PREFIXES_READ = ("TORCH", "PYTORCH", "TRITON", "CUDA", "NCCL", "GLOO", "OMP_", "GOMP_", "KMP_", "MKL", "OPENBLAS",
+                 "DNNL", "ONEDNN", "LD_", "MALLOC", "JE_", "ARROW", "PYTHON", "DS_")
+"""Variables that native code (libtorch, OpenMP, the allocators, the interpreter) may have read at
+import, where Python's os.environ does not see it: treated as read by the server's imports."""
+KNOWN_SCANS = {"tqdm/utils.py": "TQDM_"}
+"""Who scans the whole environment at import, and for which prefix (tqdm's `envwrap`): any other
+scan makes every variable count as read (and the server refuses every run whose environment differs)."""
+PRESENCE_ONLY = {"PYTEST_CURRENT_TEST"}
+"""Read at import only to ask whether it is set (mlflow's "are we in a test?"); its value is per
+test, so only its presence must match."""
+LENGTH = struct.Struct("!Q")
+STDOUT_AND_STDERR = 2
+
+
+# -- server ---------------------------------------------------------------------------------------
+
+
+def _import_recording_environment_reads(modules) -> set[str]:
+    """Import `modules`; the names of the variables read through os.environ meanwhile."""
+    environ_type = type(os.environ)
+    original_getitem, original_iter = environ_type.__getitem__, environ_type.__iter__
+    read: set[str] = set()
+
+    def getitem(self, key):
+        if sys._getframe(1).f_code.co_name != "__iter__":  # not items() or values() of a scan
+            read.add(key.decode() if isinstance(key, bytes) else key)
+        return original_getitem(self, key)
+
+    def iterate(self):
+        callers = [frame.filename for frame in traceback.extract_stack(limit=6)]
+        scans = [prefix for path, prefix in KNOWN_SCANS.items() if any(name.endswith(path) for name in callers)]
+        read.add(f"{scans[0]}*" if scans else "*")  # a scan for a prefix; an unknown one reads everything
+        return original_iter(self)
+
+    environ_type.__getitem__, environ_type.__iter__ = getitem, iterate
+    try:
+        for module in modules:
+            importlib.import_module(module)
+    finally:
+        environ_type.__getitem__, environ_type.__iter__ = original_getitem, original_iter
+    return read
+
+
+def environment_problem(requested: dict[str, str], served: dict[str, str], read: set[str]) -> str | None:
+    """Why a run with environment `requested` cannot be forked from a server started with `served`
+    whose imports read `read` (None when it can)."""
+    prefixes = PREFIXES_READ + tuple(entry[:-1] for entry in read if entry.endswith("*"))
+    for name in sorted(set(requested) | set(served)):
+        if name in PRESENCE_ONLY and (name in requested) == (name in served):
+            continue
+        if requested.get(name) != served.get(name) and (name in read or name.startswith(prefixes)):
+            return f"{name} differs from the server's (read at import)"
+    return None
+
+
+def _terminate_with_parent() -> None:
+    """SIGTERM when the process that started the server dies (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
+
+
+def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
+    header, fds, _, _ = socket.recv_fds(connection, LENGTH.size, STDOUT_AND_STDERR)
+    (length,) = LENGTH.unpack(header)
+    payload = b""
+    while len(payload) < length:
+        chunk = connection.recv(length - len(payload))
+        if not chunk:
+            raise ConnectionError("request cut short")
+        payload += chunk
+    return json.loads(payload), fds
+
+
+def _reply(connection: socket.socket, **message) -> None:
+    connection.sendall(json.dumps(message).encode() + b"\n")
+
+
+def serve(address: str) -> None:
+    _terminate_with_parent()
+    served = dict(os.environ)
+    read = _import_recording_environment_reads(PRELOADED)
+    imports_set = {name: value for name, value in os.environ.items() if served.get(name) != value}
+    imports_unset = set(served) - set(os.environ)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(address)
+    listener.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the supervisors reap themselves
+    print("ready", flush=True)
+    while True:
+        connection, _ = listener.accept()
+        with connection:
+            uid = struct.unpack("3i", connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if uid != os.getuid():
+                continue
+            request, fds = _receive(connection)
+            problem = environment_problem(request["env"], served, read)
+            if problem:
+                _reply(connection, refused=problem)
+            elif os.fork() == 0:
+                try:
+                    listener.close()
+                    request["env"] = {name: value for name, value in {**request["env"], **imports_set}.items()
+                                      if name not in imports_unset}  # what the imports did to a new process's
+                    _supervise(connection, request, fds)
+                finally:
+                    os._exit(1)  # a child never returns to the server's loop
+            for fd in fds:
+                os.close(fd)
+
+
+def _supervise(connection: socket.socket, request: dict, fds: list[int]) -> None:
+    """In a child of the server: fork the run, tell the client its pid, then its wait status."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            connection.close()
+            _run(request, fds)
+        finally:
+            os._exit(1)
+    _reply(connection, pid=pid)
+    _, status = os.waitpid(pid, 0)
+    _reply(connection, status=status)
+    os._exit(0)
+
+
+def _run(request: dict, fds: list[int]) -> None:
+    """In the run's process: become what `python ARGV` would be, run it, exit as the interpreter does."""
+    os.setpgid(0, 0)  # its own process group: a timeout kills it with whatever it started
+    stdin = os.open(os.devnull, os.O_RDONLY)
+    for source, target in ((stdin, 0), (fds[0], 1), (fds[1], 2)):
+        os.dup2(source, target)
+        os.close(source)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # its global generator seeded afresh, as in a new process
+    main = types.ModuleType("__main__")
+    sys.modules["__main__"] = main
+    option, *rest = request["argv"]
+    code = 0
+    try:
+        if option == "-m":
+            module, *arguments = rest
+            sys.argv = ["-m", *arguments]
+            sys.path[0] = os.getcwd()
+            sys.modules.pop(module, None)  # preloaded: run it afresh as __main__, as `python -m` does
+            import runpy
+
+            runpy._run_module_as_main(module, alter_argv=True)
+        elif option == "-c":
+            sys.argv = ["-c", *rest[1:]]
+            sys.path[0] = ""
+            exec(compile(rest[0], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = [option, *rest]
+            sys.path[0] = os.path.dirname(os.path.realpath(option))
+            try:
+                with open(option, "rb") as script:
+                    source = script.read()
+            except OSError as error:
+                print(f"{sys.executable}: can't open file {os.path.abspath(option)!r}: [Errno {error.errno}] "
+                      f"{error.strerror}", file=sys.stderr)
+                os._exit(2)
+            main.__file__ = option
+            exec(compile(source, option, "exec"), main.__dict__)
+    except SystemExit as exit:
+        code = _exit_code(exit.code)
+    except BaseException as error:
+        error.__traceback__ = error.__traceback__.tb_next  # without this function's frame
+        sys.excepthook(type(error), error, error.__traceback__)
+        code = 1
+    threading._shutdown()  # the interpreter's exit: join non-daemon threads, then the atexit handlers
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+# -- client ---------------------------------------------------------------------------------------
+
+
+class PreloadedPython:
+    """The client: one server for this process, started on first use."""
+
+    def __init__(self, env: dict[str, str]):
+        name = f"pmlm-preloaded-python-{os.getpid()}-{secrets.token_hex(6)}"
+        self.address = "\0" + name  # Linux's abstract namespace: no file to clean up
+        import tempfile
+
+        self.log = tempfile.TemporaryFile()  # the server's stderr: read if it fails to start
+        self.server = subprocess.Popen([sys.executable, __file__, name], env=env, stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=self.log, text=True)
+        atexit.register(self.close)
+        if self.server.stdout.readline().strip() != "ready":
+            self.server.kill()
+            self.server.wait()
+            raise RuntimeError(f"the preloaded-python server did not start: {_text(self.log)[-3000:]}")
+
+    def close(self) -> None:
+        if self.server.poll() is None:
+            self.server.terminate()
+            self.server.wait()
+
+    def run(self, argv: list[str], env: dict[str, str], cwd: str,
+            timeout: float | None) -> tuple[subprocess.CompletedProcess | None, str]:
+        """(`python *argv` forked from the server, output captured as text, "forked"), or (None, why
+        the server refused it: its environment differs in a variable read at import)."""
+        import tempfile
+
+        command = [sys.executable, *argv]
+        payload = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.connect(self.address)
+            socket.send_fds(connection, [LENGTH.pack(len(payload))], [stdout.fileno(), stderr.fileno()])
+            connection.sendall(payload)
+            replies = connection.makefile("r")
+            first = json.loads(replies.readline())
+            if "refused" in first:
+                return None, "new interpreter: " + first["refused"]
+            connection.settimeout(timeout)
+            try:
+                status = json.loads(replies.readline())["status"]
+            except (TimeoutError, socket.timeout):
+                os.killpg(first["pid"], signal.SIGKILL)
+                raise subprocess.TimeoutExpired(command, timeout, _text(stdout), _text(stderr)) from None
+            return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), _text(stdout),
+                                               _text(stderr)), "forked"
+
+
+def _text(handle) -> str:
+    """The bytes written to `handle`, decoded as `subprocess.run(text=True)` decodes them."""
+    handle.seek(0)
+    return io.TextIOWrapper(io.BytesIO(handle.read())).read()
+
+
+if __name__ == "__main__":
+    serve("\0" + sys.argv[1])

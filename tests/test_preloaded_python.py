@@ -1,0 +1,116 @@
+"""The suite's fork server (tests/preloaded_python.py): a forked run behaves as a new interpreter's
+(the same output, exit code, argv, path, environment, exit sequence), a variable read at import
+sends the run to a new interpreter, a timeout kills the run with what it started."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from pmlm_testing import PRELOADED_ENV, RUN_ENVIRONMENT, run_python
+
+PROBE = r'''
+import atexit, os, sys, threading, time
+
+print("argv", sys.argv[1:], "argv0", os.path.basename(sys.argv[0]), "path0", sys.path[0])
+print("cwd", os.getcwd(), "variable", os.environ.get("PROBE_VARIABLE"), "stdin", repr(sys.stdin.read()))
+print("main", __name__, sorted(name for name in dir(sys.modules["__main__"]) if not name.startswith("__")))
+print("to stderr", file=sys.stderr)
+atexit.register(lambda: print("atexit ran after the thread:", finished))
+finished = []
+threading.Thread(target=lambda: (time.sleep(0.2), finished.append(True))).start()
+outcome = sys.argv[1]
+if outcome == "raise":
+    raise ValueError("the probe failed")
+if outcome == "message":
+    sys.exit("a message to stderr")
+if outcome == "signal":
+    import signal
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+sys.exit(int(outcome))
+'''
+
+
+def _environment(**extra) -> dict:
+    return {**os.environ, **RUN_ENVIRONMENT, **extra}
+
+
+def _fresh(monkeypatch, argv, **kwargs) -> subprocess.CompletedProcess:
+    with monkeypatch.context() as patch:
+        patch.setenv(PRELOADED_ENV, "0")
+        return run_python(argv, **kwargs)
+
+
+def _traced(monkeypatch, tmp_path, argv, **kwargs) -> tuple[subprocess.CompletedProcess, str]:
+    """run_python's result and how it was served (forked, or why a new interpreter)."""
+    trace = tmp_path / f"trace-{time.monotonic_ns()}"
+    with monkeypatch.context() as patch:
+        patch.setenv(PRELOADED_ENV, str(trace))
+        result = run_python(argv, **kwargs)
+    return result, trace.read_text().split("\t")[0]
+
+
+@pytest.mark.parametrize("outcome", ["0", "3", "raise", "message", "signal"])
+@pytest.mark.parametrize("form", ["-m", "-c", "script"])
+def test_a_forked_run_is_what_a_new_interpreter_makes(form, outcome, monkeypatch, tmp_path):
+    (tmp_path / "probe_module.py").write_text(PROBE)
+    argv = {"-m": ["-m", "probe_module"], "-c": ["-c", PROBE], "script": [str(tmp_path / "probe_module.py")]}[form]
+    argv = [*argv, outcome, "second argument"]
+    kwargs = dict(env=_environment(PROBE_VARIABLE="seen"), cwd=tmp_path, timeout=120)
+    forked, served = _traced(monkeypatch, tmp_path, argv, **kwargs)
+    assert served == "forked"
+    fresh = _fresh(monkeypatch, argv, **kwargs)
+    assert (forked.returncode, forked.stdout, forked.stderr) == (fresh.returncode, fresh.stdout, fresh.stderr)
+    assert fresh.returncode == {"0": 0, "3": 3, "raise": 1, "message": 1, "signal": -signal.SIGTERM}[outcome]
+    assert "variable seen stdin ''" in forked.stdout
+    if outcome != "signal":
+        assert "atexit ran after the thread: [True]" in forked.stdout
+
+
+def test_the_suites_runs_are_forked_with_the_project_already_imported(monkeypatch, tmp_path):
+    """What run_module passes is served by the server (a scan of the environment at import by some
+    new dependency would make every run a new interpreter again: this test says so)."""
+    result, served = _traced(monkeypatch, tmp_path, ["-c", "import sys; print('deepspeed' in sys.modules)"],
+                             env=_environment(MASTER_PORT="29999"), timeout=60)
+    assert served == "forked", served
+    assert result.stdout == "True\n"
+
+
+@pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("PMLM_TRITON_DQ", "kernel"),
+                                            ("TORCH_LOGS", "dynamo")])
+def test_a_variable_read_at_import_sends_the_run_to_a_new_interpreter(variable, value, monkeypatch, tmp_path):
+    """Triton's interpreter and the kernels' settings are read when the modules load: a forked run
+    would keep the server's; the run starts a new interpreter and sees the value."""
+    probe = ("import os, sys, torch._logging._internal as logs, megatron_pmlm.models.bucket_attention as kernels; "
+             "print(kernels.INTERPRETED, kernels._DQ_KERNEL, bool(logs.log_state.get_log_level_pairs()))")
+    result, served = _traced(monkeypatch, tmp_path, ["-c", probe], env=_environment(**{variable: value}), timeout=120)
+    assert served == f"new interpreter: {variable} differs from the server's (read at import)"
+    assert result.returncode == 0, result.stderr[-2000:]
+    interpreted, dq_kernel, logs = result.stdout.split()
+    assert (interpreted == "True") == (variable == "TRITON_INTERPRET")
+    assert (dq_kernel == "True") == (variable == "PMLM_TRITON_DQ")
+    assert (logs == "True") == (variable == "TORCH_LOGS")
+
+
+def test_a_timeout_kills_the_run_and_what_it_started(tmp_path):
+    source = ("import subprocess, sys, time; child = subprocess.Popen([sys.executable, '-c', 'import time; "
+              "time.sleep(120)']); print(child.pid, flush=True); time.sleep(120)")
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        run_python(["-c", source], env=_environment(), timeout=5)
+    grandchild = int(raised.value.output)
+    for _ in range(100):
+        try:
+            with open(f"/proc/{grandchild}/stat") as status:
+                if status.read().split(") ")[-1][:1] == "Z":
+                    break
+        except FileNotFoundError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(grandchild, signal.SIGKILL)
+        pytest.fail(f"the run's child {grandchild} outlived the timeout")
