@@ -27,6 +27,13 @@ def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
     return run_python(command[1:], env=full_env, timeout=timeout)
 
 
+def run_tool(script: str, *args: str, timeout: int = 300, env: dict | None = None,
+             cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """`python tools/<script> args` as run_module runs a module (the same environment, output captured)."""
+    full_env = {**os.environ, **RUN_ENVIRONMENT, **(env or {})}
+    return run_python([str(REPO_ROOT / "tools" / script), *args], env=full_env, cwd=cwd, timeout=timeout)
+
+
 RUN_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 """What run_module adds to the environment: DeepSpeed on the CPU, one thread a process."""
 PRELOADED_ENV = "PMLM_TEST_PRELOADED_PYTHON"

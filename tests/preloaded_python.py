@@ -77,12 +77,16 @@ def _import_recording_environment_reads(modules) -> set[str]:
     return read
 
 
-def environment_problem(requested: dict[str, str], served: dict[str, str], read: set[str]) -> str | None:
+def environment_problem(requested: dict[str, str], served: dict[str, str], read: set[str],
+                        imports_set: dict[str, str]) -> str | None:
     """Why a run with environment `requested` cannot be forked from a server started with `served`
-    whose imports read `read` (None when it can)."""
+    whose imports read `read` and set `imports_set` (None when it can). A variable the imports set
+    may also come with the value they set (DeepSpeed's `setdefault` seen by a process that imported it)."""
     prefixes = PREFIXES_READ + tuple(entry[:-1] for entry in read if entry.endswith("*"))
     for name in sorted(set(requested) | set(served)):
         if name in PRESENCE_ONLY and (name in requested) == (name in served):
+            continue
+        if name in imports_set and requested.get(name) == imports_set[name]:
             continue
         if requested.get(name) != served.get(name) and (name in read or name.startswith(prefixes)):
             return f"{name} differs from the server's (read at import)"
@@ -130,7 +134,7 @@ def serve(address: str) -> None:
             if uid != os.getuid():
                 continue
             request, fds = _receive(connection)
-            problem = environment_problem(request["env"], served, read)
+            problem = environment_problem(request["env"], served, read, imports_set)
             if problem:
                 _reply(connection, refused=problem)
             elif os.fork() == 0:

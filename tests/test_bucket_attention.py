@@ -20,7 +20,7 @@ import pytest
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.models import bucket_attention
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT, kernel_code, torchrun
+from pmlm_testing import REPO_ROOT, kernel_code, run_tool, torchrun
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -578,9 +578,8 @@ def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretrainin
     than the allowed pairs' share); UniLM v1 appends nothing: one tile per sequence, all computed."""
     shares = {}
     for objective in ("ae+par", "unilm"):
-        result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_padding.py"), str(pretraining_samples),
-                                 "--micro-batch-sizes", "8", "--global-batch-sizes", "16", "--attention-tiles",
-                                 "--objective", objective], capture_output=True, text=True, timeout=300)
+        result = run_tool("bench_padding.py", str(pretraining_samples), "--micro-batch-sizes", "8",
+                          "--global-batch-sizes", "16", "--attention-tiles", "--objective", objective)
         assert result.returncode == 0, result.stderr[-3000:]
         row = [line for line in result.stdout.splitlines() if line.startswith("| 8 |")]
         assert len(row) == 1, result.stdout
@@ -589,8 +588,7 @@ def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretrainin
     allowed, computed = shares["ae+par"]
     assert 0 < allowed < computed < 100, shares
     assert shares["unilm"][1] == 100.0, shares
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_padding.py"), str(pretraining_samples),
-                             "--attention-tiles", "--quanta", "16"], capture_output=True, text=True, timeout=120)
+    result = run_tool("bench_padding.py", str(pretraining_samples), "--attention-tiles", "--quanta", "16", timeout=120)
     assert result.returncode == 2 and "argument --quanta: not allowed with argument --attention-tiles" in result.stderr, \
         result.stderr
 
@@ -747,8 +745,7 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     plain = kernel_code("--kernels", "attention forward", "--dropout", "0")
     assert report["dropout"] == 0.1 and plain["dropout"] == 0.0, (report["dropout"], plain["dropout"])
     assert plain["kernels"][0]["loop_instructions"] < loops["attention forward"] - 200, plain
-    refused = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), "--dropout", "1"],
-                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    refused = run_tool("bench_kernel_code.py", "--dropout", "1", timeout=120)
     assert refused.returncode == 2 and "--dropout 1.0: give a probability in [0, 1)" in refused.stderr, refused.stderr
     # --launch: another launch as gpu-check times it (8 warps, 128 queries a tile)
     wide = kernel_code("--kernels", "attention dK dV dS", "--launch", "64x64w4s2/128x64w8s2")
@@ -765,8 +762,7 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     shape = bucket_attention.KernelShape
     assert bucket_attention.transposed_tiles((9, 0), shape(64, 128, 8, 2))
     assert not bucket_attention.transposed_tiles((8, 0), shape(64, 64, 4, 2))
-    refused = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), "--launch",
-                              "64x64w4s2/32x128w4s3"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    refused = run_tool("bench_kernel_code.py", "--launch", "64x64w4s2/32x128w4s3", timeout=120)
     assert refused.returncode == 2 and ("--launch: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries "
                                         "must be 64 or 128") in refused.stderr, refused.stderr
 

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
+from pmlm_testing import run_module
 from megatron_pmlm.check_leakage import FAULTS, run_check
 from megatron_pmlm.models.objectives import OBJECTIVES, PMLM_OBJECTIVES, UNILM_OBJECTIVES
 
@@ -60,14 +58,11 @@ def test_a_broken_mask_is_caught(fault, category):
 
 
 def test_command_line_exit_codes():
-    ok = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--examples", "2"],
-                        capture_output=True, text=True)
+    ok = run_module("megatron_pmlm.check_leakage", "--examples", "2")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "PASS" in ok.stdout
-    broken = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--examples", "2",
-                             "--inject-fault", "explicit"], capture_output=True, text=True)
+    broken = run_module("megatron_pmlm.check_leakage", "--examples", "2", "--inject-fault", "explicit")
     assert broken.returncode == 1 and "FAIL" in broken.stdout
-    bad = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--objective", "mlm"],
-                         capture_output=True, text=True)
+    bad = run_module("megatron_pmlm.check_leakage", "--objective", "mlm")
     assert bad.returncode == 2
     assert "unknown objective 'mlm'" in bad.stderr and "Traceback" not in bad.stderr

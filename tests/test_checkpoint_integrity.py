@@ -12,12 +12,11 @@ import json
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, damage_in_place, run_module
+from pmlm_testing import damage_in_place, run_module, run_tool
 
 ARGS = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "16", "--lr", "2e-3",
         "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
@@ -34,8 +33,7 @@ def pretrain(samples: Path, ckpt: Path, history: Path, *args: str):
 
 
 def verify_tool(path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"), str(path), *args],
-                          capture_output=True, text=True)
+    return run_tool("verify_checkpoint.py", str(path), *args)
 
 
 def losses(records):

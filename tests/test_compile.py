@@ -8,7 +8,6 @@ all but the first compilation."""
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import one_thread, run_module
+from pmlm_testing import one_thread, run_module, run_tool
 from test_attention_bias import pmlm_case, seq2seq_case, unilm_case
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
@@ -464,23 +463,16 @@ def test_the_pipeline_stage_tool_compares_a_compiled_stage_with_eager(tmp_path):
     """tools/bench_pipeline_stage.py (the CPU proxy in docs/benchmarks.md): a stage of LayerPipes
     compiled launches fewer kernels per micro batch than eager and computes the same output and
     relative-bias table gradient; an output it cannot write is refused before any work."""
-    import subprocess
-    import sys
-
-    from pmlm_testing import REPO_ROOT
-
-    tool = [sys.executable, str(REPO_ROOT / "tools" / "bench_pipeline_stage.py"), "--preset", "tiny", "--layers", "2",
-            "--seq-length", "64", "--micro-batch-size", "2", "--warmup", "0", "--iterations", "1"]
-    result = subprocess.run([*tool, "--json", str(tmp_path / "stage.json")], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tool = ["bench_pipeline_stage.py", "--preset", "tiny", "--layers", "2", "--seq-length", "64",
+            "--micro-batch-size", "2", "--warmup", "0", "--iterations", "1"]
+    result = run_tool(*tool, "--json", str(tmp_path / "stage.json"))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads((tmp_path / "stage.json").read_text())
     assert figures["width"] % compiled.compile_layout_quantum() == 0 and figures["layers"] == 2
     assert 0 < figures["compiled_kernels"] < figures["eager_kernels"], figures
     assert figures["output_difference"] <= 1e-5 and figures["table_gradient_difference"] <= 1e-5, figures
     assert "| compiled |" in result.stdout
-    refused = subprocess.run([*tool, "--json", str(tmp_path / "missing" / "stage.json")], capture_output=True,
-                             text=True, timeout=120)
+    refused = run_tool(*tool, "--json", str(tmp_path / "missing" / "stage.json"), timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --json"), refused.stderr
     assert "compiled regions" not in refused.stderr
 
@@ -613,24 +605,16 @@ def test_the_palm_step_tool_compares_a_compiled_step_with_eager(tmp_path):
     """tools/bench_palm_step.py (docs/benchmarks.md's PALM proxy): the compiled stage-2 step launches
     fewer kernels than eager and computes the same loss and gradients; an output it cannot write is
     refused before any work."""
-    import subprocess
-    import sys
-
-    from pmlm_testing import REPO_ROOT
-
-    tool = [sys.executable, str(REPO_ROOT / "tools" / "bench_palm_step.py"), "--preset", "palm-tiny",
-            "--context-length", "14", "--continuation-length", "7", "--micro-batch-size", "2", "--warmup", "0",
-            "--iterations", "1"]
-    result = subprocess.run([*tool, "--json", "-"], capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    tool = ["bench_palm_step.py", "--preset", "palm-tiny", "--context-length", "14", "--continuation-length", "7",
+            "--micro-batch-size", "2", "--warmup", "0", "--iterations", "1"]
+    result = run_tool(*tool, "--json", "-")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = json.loads(result.stdout)  # --json -: the figures alone on standard output
     assert figures["decoder_layers"] == 2 and figures["context_length"] == 14
     assert 0 < figures["compiled_kernels"] < figures["eager_kernels"], figures
     assert figures["loss_difference"] <= 1e-5 and figures["gradient_difference"] <= 1e-5, figures
     assert "| compiled |" in result.stderr
-    refused = subprocess.run([*tool, "--json", str(tmp_path / "missing" / "palm.json")], capture_output=True,
-                             text=True, timeout=120)
+    refused = run_tool(*tool, "--json", str(tmp_path / "missing" / "palm.json"), timeout=120)
     assert refused.returncode == 2 and refused.stderr.startswith("error: --json"), refused.stderr
     assert "compiled regions" not in refused.stderr
 

@@ -4,15 +4,13 @@ samples; Hugging Face -> a checkpoint pre-training starts from; bad input refuse
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import run_module, run_tool
 
 transformers = pytest.importorskip("transformers")
 
@@ -309,12 +307,8 @@ def test_bad_input_exits_2_with_a_message_and_no_traceback(tmp_path):
     assert result.returncode == 2 and f"{tmp_path / 'hf' / 'config.json'} is not valid JSON" in result.stderr, \
         result.stderr
     assert "Traceback" not in result.stderr and not (tmp_path / "s").exists()
-    script = REPO_ROOT / "tools" / "convert_checkpoint.py"
-    import subprocess
-
-    result = subprocess.run([sys.executable, str(script), "--load", str(tmp_path / "nowhere"), "--output",
-                             str(tmp_path / "o")], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    result = run_tool("convert_checkpoint.py", "--load", str(tmp_path / "nowhere"), "--output", str(tmp_path / "o"),
+                      timeout=120)
     assert result.returncode == 2 and "does not exist" in result.stderr and "Traceback" not in result.stderr
 
 

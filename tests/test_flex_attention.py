@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,7 @@ from megatron_pmlm.data.batches import build_batch
 from megatron_pmlm.data.masking import mask_example
 from megatron_pmlm.models.model import KeyValueCache, PMLMForPreTraining
 from megatron_pmlm.models.objectives import PMLM_OBJECTIVES, get_objective
-from pmlm_testing import torchrun
+from pmlm_testing import run_tool, torchrun
 
 VOCAB = 200
 
@@ -166,10 +165,8 @@ def test_check_leakage_passes_with_the_flex_backend():
 
 
 def test_bench_train_takes_the_flex_backend():
-    result = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "tools" / "bench_train.py"),
-                             "--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "2", "--iterations", "1",
-                             "--warmup", "0", "--attention-backend", "flex"], capture_output=True, text=True,
-                            timeout=300, env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    result = run_tool("bench_train.py", "--preset", "tiny", "--seq-length", "64", "--micro-batch-size", "2",
+                      "--iterations", "1", "--warmup", "0", "--attention-backend", "flex")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "attention flex" in result.stdout and "ms/step" in result.stdout
 

@@ -18,6 +18,7 @@ import textwrap
 import pytest
 import torch
 
+from pmlm_testing import run_tool
 from megatron_pmlm.training.nonfinite import GradientNormWatch, NonFiniteGradients
 from megatron_pmlm.training.training_config import TrainingConfig, build_deepspeed_config
 
@@ -121,10 +122,8 @@ def test_nothing_waits_for_the_device_in_a_bf16_zero_1_step_deepspeed_included(p
     """DeepSpeed's scan read its verdict back (`.item()`) and so did its norm check, twice a step:
     with the scan off and the norm watched on the device, nothing between two log lines of a real
     bf16 ZeRO-1 run waits for the device (tools/count_host_syncs.py), DeepSpeed's code included."""
-    result = subprocess.run([sys.executable, "tools/count_host_syncs.py", "--data-path", str(pretraining_samples),
-                             "--zero-stage", "1", "--precision", "bf16", "--json", "-"],
-                            capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    result = run_tool("count_host_syncs.py", "--data-path", str(pretraining_samples), "--zero-stage", "1",
+                      "--precision", "bf16", "--json", "-")
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = json.loads(result.stdout)["runs"]
     assert run["micro_batches"] == 4 and run["events"] == [], run["report"]

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, run_module, run_tool
 
 sys.path.insert(0, str(REPO_ROOT))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -248,8 +248,7 @@ def test_counts_refused_by_other_commands(module, argv, flag):
     ("bench_checksum.py", ["--repeats", "0"], "--repeats"),
 ])
 def test_counts_refused_by_tools(script, argv, flag):
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / script), *argv], capture_output=True, text=True,
-                            timeout=120, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    result = run_tool(script, *argv, timeout=120)
     assert result.returncode == 2 and f"argument {flag}: must be" in argparse_error(result.stderr)
 
 

@@ -5,16 +5,13 @@ verified conversion and continuation decoding."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, plotted_panels, run_module
+from pmlm_testing import REPO_ROOT, plotted_panels, run_module, run_tool
 
 from data_prep.palm_pairs import palm_pairs
 from megatron_pmlm.models.layout import CONTEXT, IGNORE_INDEX, PAD
@@ -258,10 +255,8 @@ def test_a_palm_resume_on_other_samples_needs_allow_data_change(trained, palm_sa
 
 def test_conversion_verifies_and_the_folder_decodes_like_the_checkpoint(trained, palm_samples, tmp_path):
     checkpoint = trained["work"] / "full"
-    converted = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "convert_checkpoint.py"), "--load",
-                                str(checkpoint), "--output", str(tmp_path / "hf"), "--verify"],
-                               capture_output=True, text=True, timeout=300,
-                               env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"})
+    converted = run_tool("convert_checkpoint.py", "--load", str(checkpoint), "--output", str(tmp_path / "hf"),
+                         "--verify")
     assert converted.returncode == 0, converted.stdout[-3000:] + converted.stderr[-3000:]
     assert "-> OK" in converted.stdout and (tmp_path / "hf" / "modeling_palm.py").is_file()
     contexts = tmp_path / "contexts.txt"

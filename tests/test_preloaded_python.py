@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pmlm_testing import PRELOADED_ENV, RUN_ENVIRONMENT, run_python
+from preloaded_python import environment_problem
 
 PROBE = r'''
 import atexit, os, sys, threading, time
@@ -79,6 +80,25 @@ def test_the_suites_runs_are_forked_with_the_project_already_imported(monkeypatc
                              env=_environment(MASTER_PORT="29999"), timeout=60)
     assert served == "forked", served
     assert result.stdout == "True\n"
+
+
+def test_which_environments_a_server_can_serve():
+    """A variable read at import must match the server's, except one the imports set themselves
+    when it comes with their value (DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK, set in every pytest
+    process that imported it), and PYTEST_CURRENT_TEST whose presence alone is read."""
+    served, read = {"READ": "a", "PYTEST_CURRENT_TEST": "first"}, {"READ", "SET", "PYTEST_CURRENT_TEST", "TQDM_*"}
+    imports_set = {"SET": "1"}
+
+    def problem(**requested):
+        return environment_problem({**served, **requested}, served, read, imports_set)
+
+    assert problem(OTHER="anything", PYTEST_CURRENT_TEST="second", SET="1") is None
+    assert problem(READ="b") == "READ differs from the server's (read at import)"
+    assert problem(SET="2") == "SET differs from the server's (read at import)"
+    assert problem(TQDM_DISABLE="1") == "TQDM_DISABLE differs from the server's (read at import)"
+    assert problem(OMP_NUM_THREADS="4") == "OMP_NUM_THREADS differs from the server's (read at import)"
+    assert environment_problem({"READ": "a"}, served, read, imports_set) == \
+        "PYTEST_CURRENT_TEST differs from the server's (read at import)"
 
 
 @pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("PMLM_TRITON_DQ", "kernel"),

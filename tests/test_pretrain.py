@@ -7,11 +7,10 @@ import contextlib
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, plotted_panels, run_module
+from pmlm_testing import REPO_ROOT, plotted_panels, run_module, run_tool
 from megatron_pmlm.config import ConfigError
 from megatron_pmlm.training.training_config import TrainingConfig, adamw_options, build_deepspeed_config, lr_lambda
 
@@ -51,8 +50,7 @@ def test_tiny_model_losses_fall_on_real_text_and_reach_tensorboard(tmp_path, pre
     assert [e.step for e in accumulator.Scalars("train/loss_ae")] == [10, 20, 30, 40, 50, 60]
     assert [e.step for e in accumulator.Scalars("valid/mlm_acc")] == [30, 60]
 
-    plot = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "plot_curves.py"), str(tmp_path / "tb"),
-                           "-o", str(tmp_path / "curves.png")], capture_output=True, text=True)
+    plot = run_tool("plot_curves.py", str(tmp_path / "tb"), "-o", str(tmp_path / "curves.png"))
     assert plot.returncode == 0, plot.stderr
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Every loss and accuracy the run logged, train and valid, a legend on each panel; the TensorBoard
@@ -242,8 +240,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pre
     size = weights.stat().st_size
     with open(weights, "r+b") as handle:
         handle.truncate(size // 2)
-    verified = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"), str(ckpt)],
-                              capture_output=True, text=True)
+    verified = run_tool("verify_checkpoint.py", str(ckpt))
     assert verified.returncode == 1, verified.stdout + verified.stderr
     assert f"iter_0000004 (latest): UNUSABLE: mp_rank_00_model_states.pt is {size // 2:,} bytes" in verified.stdout
     assert f"resuming would use {ckpt / 'iter_0000002'}" in verified.stdout
@@ -255,8 +252,7 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_newest_complete_one(pre
     assert f"resumed from {ckpt / 'iter_0000002'}: iteration 2, consumed samples 8" in result.stdout
     assert [r["iteration"] for r in json.loads(history.read_text())] == [3, 4, 5]
     # The broken save was replaced by a complete one.
-    verified = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"),
-                               str(ckpt / "iter_0000004"), "--deep"], capture_output=True, text=True)
+    verified = run_tool("verify_checkpoint.py", str(ckpt / "iter_0000004"), "--deep")
     assert verified.returncode == 0 and "complete" in verified.stdout, verified.stdout + verified.stderr
     # Nothing complete but `latest` says there was: refuse to start over rather than lose 20 days.
     for tag in ("iter_0000002", "iter_0000004", "iter_0000005"):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import run_module, run_tool
 
 pytest.importorskip("wandb", reason="the tracking extra: pip install -e '.[tracking]'")
 pytest.importorskip("mlflow", reason="the tracking extra: pip install -e '.[tracking]'")
@@ -210,8 +210,7 @@ def test_wandb_and_mlflow_get_the_history_and_a_killed_run_continues_the_same_ru
     assert identity["config"]["deepspeed"]["train_batch_size"] == 4 and identity["config"]["args"]["train_iters"] == end
     assert identity["data"]["digest"] and identity["libraries"]["deepspeed"] and identity["hardware"]["world_size"] == 1
     assert "run identity: code " in result.stdout and "run identity: config {" in result.stdout
-    show = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "verify_checkpoint.py"),
-                           str(tmp_path / "ckpt" / f"iter_{end:07d}"), "--show"], capture_output=True, text=True)
+    show = run_tool("verify_checkpoint.py", str(tmp_path / "ckpt" / f"iter_{end:07d}"), "--show")
     assert show.returncode == 0, show.stderr
     assert f"data samples digest {identity['data']['digest']}" in show.stdout
     assert f"deepspeed {identity['libraries']['deepspeed']}" in show.stdout
