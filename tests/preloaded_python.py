@@ -44,6 +44,9 @@ scan makes every variable count as read (and the server refuses every run whose 
 PRESENCE_ONLY = {"PYTEST_CURRENT_TEST"}
 """Read at import only to ask whether it is set (mlflow's "are we in a test?"); its value is per
 test, so only its presence must match."""
+LABELS = {"_MLFLOW_TELEMETRY_SESSION_ID"}
+"""Read at import as a label only (mlflow's telemetry session, a random id each process that imports
+mlflow sets): any value, or none, makes the same run."""
 LENGTH = struct.Struct("!Q")
 STDOUT_AND_STDERR = 2
 
@@ -84,7 +87,7 @@ def environment_problem(requested: dict[str, str], served: dict[str, str], read:
     may also come with the value they set (DeepSpeed's `setdefault` seen by a process that imported it)."""
     prefixes = PREFIXES_READ + tuple(entry[:-1] for entry in read if entry.endswith("*"))
     for name in sorted(set(requested) | set(served)):
-        if name in PRESENCE_ONLY and (name in requested) == (name in served):
+        if name in LABELS or (name in PRESENCE_ONLY and (name in requested) == (name in served)):
             continue
         if name in imports_set and requested.get(name) == imports_set[name]:
             continue

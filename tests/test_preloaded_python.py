@@ -85,14 +85,15 @@ def test_the_suites_runs_are_forked_with_the_project_already_imported(monkeypatc
 def test_which_environments_a_server_can_serve():
     """A variable read at import must match the server's, except one the imports set themselves
     when it comes with their value (DeepSpeed's PYTORCH_NVML_BASED_CUDA_CHECK, set in every pytest
-    process that imported it), and PYTEST_CURRENT_TEST whose presence alone is read."""
+    process that imported it), PYTEST_CURRENT_TEST whose presence alone is read and mlflow's telemetry
+session id (a label)."""
     served, read = {"READ": "a", "PYTEST_CURRENT_TEST": "first"}, {"READ", "SET", "PYTEST_CURRENT_TEST", "TQDM_*"}
     imports_set = {"SET": "1"}
 
     def problem(**requested):
         return environment_problem({**served, **requested}, served, read, imports_set)
 
-    assert problem(OTHER="anything", PYTEST_CURRENT_TEST="second", SET="1") is None
+    assert problem(OTHER="anything", PYTEST_CURRENT_TEST="second", SET="1", _MLFLOW_TELEMETRY_SESSION_ID="4") is None
     assert problem(READ="b") == "READ differs from the server's (read at import)"
     assert problem(SET="2") == "SET differs from the server's (read at import)"
     assert problem(TQDM_DISABLE="1") == "TQDM_DISABLE differs from the server's (read at import)"
