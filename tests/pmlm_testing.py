@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from preloaded_python import ADDRESS_ENV, SETTING_ENV, PreloadedPython, trace
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 
@@ -20,10 +22,17 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m module args` (or under torchrun with `nproc` processes), output captured; `env`
-    values of None unset those variables."""
-    command = [sys.executable, "-m", module, *args] if nproc == 1 else [*torchrun(nproc), "-m", module, *args]
+    values of None unset those variables. torchrun's workers are forked from the preloaded server too
+    (tests/preloaded_python.py `--worker`)."""
     full_env = {**os.environ, **RUN_ENVIRONMENT, **(env or {})}
     full_env = {key: value for key, value in full_env.items() if value is not None}
+    command = [sys.executable, "-m", module, *args]
+    if nproc > 1:
+        server = preloaded_server()
+        worker = [str(Path(__file__).with_name("preloaded_python.py")), "--worker"] if server else []
+        command = [*torchrun(nproc), *worker, "-m", module, *args]
+        if server:
+            full_env[ADDRESS_ENV] = server.name
     return run_python(command[1:], env=full_env, timeout=timeout)
 
 
@@ -36,11 +45,22 @@ def run_tool(script: str, *args: str, timeout: int = 300, env: dict | None = Non
 
 RUN_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 """What run_module adds to the environment: DeepSpeed on the CPU, one thread a process."""
-PRELOADED_ENV = "PMLM_TEST_PRELOADED_PYTHON"
+PRELOADED_ENV = SETTING_ENV
 """`0`: every run in a new interpreter (tests/preloaded_python.py's server unused); a file path: each
 run appends a line there saying how it was served (forked, or why a new interpreter)."""
 _preloaded = None
 _preloaded_lock = threading.Lock()
+
+
+def preloaded_server():
+    """This process's preloaded-python server (started on first use), or None where PRELOADED_ENV is 0."""
+    global _preloaded
+    if os.environ.get(PRELOADED_ENV) == "0":
+        return None
+    with _preloaded_lock:
+        if _preloaded is None:
+            _preloaded = PreloadedPython({**os.environ, **RUN_ENVIRONMENT})
+    return _preloaded
 
 
 def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | None = None,
@@ -48,21 +68,12 @@ def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | No
     """`subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`, forked from
     this process's preloaded-python server (torch, DeepSpeed and the project already imported) unless
     `env` differs from the server's in what its imports read, or PRELOADED_ENV is `0`."""
-    global _preloaded
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
-    setting = os.environ.get(PRELOADED_ENV, "")
-    served = "new interpreter: " + PRELOADED_ENV + "=0"
-    if setting != "0":
-        with _preloaded_lock:
-            if _preloaded is None:
-                from preloaded_python import PreloadedPython
-
-                _preloaded = PreloadedPython({**os.environ, **RUN_ENVIRONMENT})
-        result, served = _preloaded.run(list(argv), env, cwd, timeout)
-        if setting:
-            with open(setting, "a") as trace:
-                trace.write(f"{served}\t{' '.join(argv[:2])[:100]!r}\n")
+    server = preloaded_server()
+    if server:
+        result, served = server.run(list(argv), env, cwd, timeout)
+        trace(served, argv)
         if result is not None:
             return result
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import struct
@@ -34,10 +35,18 @@ import types
 PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "deepspeed", "megatron_pmlm.pretrain",
              "megatron_pmlm.finetune_s2s")
 """What the server imports before it serves: what the suite's runs import first and longest."""
+SETTING_ENV = "PMLM_TEST_PRELOADED_PYTHON"
+"""`0`: every run in a new interpreter (the server unused); a file path: each run appends a line there
+saying how it was served (forked, or why a new interpreter)."""
+ADDRESS_ENV = "PMLM_PRELOADED_PYTHON_ADDRESS"
+"""The server's address, given to torchrun's workers (`--worker`) so that they are forked too."""
 PREFIXES_READ = ("TORCH", "PYTORCH", "TRITON", "CUDA", "NCCL", "GLOO", "OMP_", "GOMP_", "KMP_", "MKL", "OPENBLAS",
                  "DNNL", "ONEDNN", "LD_", "MALLOC", "JE_", "ARROW", "PYTHON", "DS_")
 """Variables that native code (libtorch, OpenMP, the allocators, the interpreter) may have read at
 import, where Python's os.environ does not see it: treated as read by the server's imports."""
+RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
+"""torchrun's variables for its workers, read when the run starts its process group (by Python, or by
+libtorch then, which sees the run's environment): only the recorded reads at import count."""
 KNOWN_SCANS = {"tqdm/utils.py": "TQDM_"}
 """Who scans the whole environment at import, and for which prefix (tqdm's `envwrap`): any other
 scan makes every variable count as read (and the server refuses every run whose environment differs)."""
@@ -87,6 +96,8 @@ def environment_problem(requested: dict[str, str], served: dict[str, str], read:
     may also come with the value they set (DeepSpeed's `setdefault` seen by a process that imported it)."""
     prefixes = PREFIXES_READ + tuple(entry[:-1] for entry in read if entry.endswith("*"))
     for name in sorted(set(requested) | set(served)):
+        if name.startswith(RUNTIME_PREFIXES) and name not in read:
+            continue
         if name in LABELS or (name in PRESENCE_ONLY and (name in requested) == (name in served)):
             continue
         if name in imports_set and requested.get(name) == imports_set[name]:
@@ -163,8 +174,16 @@ def _supervise(connection: socket.socket, request: dict, fds: list[int]) -> None
         finally:
             os._exit(1)
     _reply(connection, pid=pid)
+    run = os.pidfd_open(pid)
+    while not select.select([run, connection], [], [])[0].count(run):
+        if not connection.recv(1):  # the client is gone (a torchrun worker killed): so is its run
+            os.killpg(pid, signal.SIGKILL)
+            break
     _, status = os.waitpid(pid, 0)
-    _reply(connection, status=status)
+    try:
+        _reply(connection, status=status)
+    except OSError:
+        pass
     os._exit(0)
 
 
@@ -175,6 +194,11 @@ def _run(request: dict, fds: list[int]) -> None:
     for source, target in ((stdin, 0), (fds[0], 1), (fds[1], 2)):
         os.dup2(source, target)
         os.close(source)
+    if request.get("unbuffered"):  # `python -u`, as torchrun starts its workers
+        for name in ("stdout", "stderr"):
+            stream = getattr(sys, name)
+            setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), stream.encoding,
+                                                stream.errors, write_through=True))
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
@@ -241,7 +265,7 @@ class PreloadedPython:
     """The client: one server for this process, started on first use."""
 
     def __init__(self, env: dict[str, str]):
-        name = f"pmlm-preloaded-python-{os.getpid()}-{secrets.token_hex(6)}"
+        self.name = name = f"pmlm-preloaded-python-{os.getpid()}-{secrets.token_hex(6)}"
         self.address = "\0" + name  # Linux's abstract namespace: no file to clean up
         import tempfile
 
@@ -286,6 +310,49 @@ class PreloadedPython:
                                                _text(stderr)), "forked"
 
 
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def worker(argv: list[str]) -> None:
+    """torchrun's worker (`torchrun ... tests/preloaded_python.py --worker -m module args`): the run
+    forked from the server at ADDRESS_ENV with this process's environment, standard output and error;
+    the signals torchrun (or a test) sends here go to the run's process group, and this process ends
+    as the run ended. Where the server refuses, or none is given, it becomes `python -u ARGV`."""
+    address = os.environ.get(ADDRESS_ENV)
+    if address:
+        payload = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": True}).encode()
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect("\0" + address)
+        socket.send_fds(connection, [LENGTH.pack(len(payload))], [1, 2])
+        connection.sendall(payload)
+        replies = connection.makefile("r")
+        first = json.loads(replies.readline())
+        trace(f"torchrun worker: {'forked' if 'pid' in first else 'new interpreter: ' + first['refused']}", argv)
+        if "pid" in first:
+            def forward(signum, frame):
+                try:
+                    os.killpg(first["pid"], signum)
+                except ProcessLookupError:
+                    pass
+
+            for signum in FORWARDED_SIGNALS:
+                signal.signal(signum, forward)
+            status = json.loads(replies.readline())["status"]
+            if os.WIFSIGNALED(status):
+                signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+                os.kill(os.getpid(), os.WTERMSIG(status))
+            os._exit(os.waitstatus_to_exitcode(status))
+    os.execv(sys.executable, [sys.executable, "-u", *argv])
+
+
+def trace(served: str, argv: list[str]) -> None:
+    """A line in the file SETTING_ENV names, if it names one: how a run was served."""
+    path = os.environ.get(SETTING_ENV, "")
+    if path not in ("", "0"):
+        with open(path, "a") as lines:
+            lines.write(f"{served}\t{' '.join(argv[:2])[:100]!r}\n")
+
+
 def _text(handle) -> str:
     """The bytes written to `handle`, decoded as `subprocess.run(text=True)` decodes them."""
     handle.seek(0)
@@ -293,4 +360,4 @@ def _text(handle) -> str:
 
 
 if __name__ == "__main__":
-    serve("\0" + sys.argv[1])
+    worker(sys.argv[2:]) if sys.argv[1] == "--worker" else serve("\0" + sys.argv[1])

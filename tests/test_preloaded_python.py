@@ -8,11 +8,12 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
-from pmlm_testing import PRELOADED_ENV, RUN_ENVIRONMENT, run_python
-from preloaded_python import environment_problem
+from pmlm_testing import PRELOADED_ENV, RUN_ENVIRONMENT, preloaded_server, run_python, torchrun
+from preloaded_python import ADDRESS_ENV, environment_problem
 
 PROBE = r'''
 import atexit, os, sys, threading, time
@@ -135,3 +136,33 @@ def test_a_timeout_kills_the_run_and_what_it_started(tmp_path):
     else:
         os.kill(grandchild, signal.SIGKILL)
         pytest.fail(f"the run's child {grandchild} outlived the timeout")
+
+
+WORKER = r'''
+import os, signal, sys, time
+
+rank = int(os.environ["RANK"])
+print(f"rank {rank} forked {'deepspeed' in sys.modules} argv {sys.argv[1:]}", flush=True)
+if rank == 1:
+    time.sleep(1)
+    sys.exit(3)
+signal.signal(signal.SIGTERM, lambda signum, frame: (print("rank 0 got SIGTERM", flush=True), os._exit(0)))
+time.sleep(120)
+'''
+
+
+def test_torchrun_s_workers_are_forked_get_its_signals_and_end_as_their_runs(tmp_path):
+    """run_module under torchrun forks the workers too (tests/preloaded_python.py --worker): each
+    is a forked run with torchrun's environment; a worker's exit code reaches torchrun, whose SIGTERM
+    to the other worker's process group reaches that worker's run."""
+    probe = tmp_path / "probe_worker.py"
+    probe.write_text(WORKER)
+    server = preloaded_server()
+    shim = str(Path(__file__).with_name("preloaded_python.py"))
+    result = run_python([*torchrun(2)[1:], shim, "--worker", str(probe), "an argument"], timeout=120,
+                        env=_environment(**{ADDRESS_ENV: server.name}))
+    assert result.returncode == 1, result.stdout + result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} forked True argv ['an argument']" in result.stdout, result.stdout
+    assert "rank 0 got SIGTERM" in result.stdout, result.stdout
+    assert "exitcode  : 3" in result.stderr, result.stderr[-3000:]
