@@ -9,10 +9,13 @@ interpreter's exit sequence (non-daemon threads joined, atexit handlers, exit co
 What it cannot take over is what the preloaded modules read from the environment at import: the
 server records every variable read during its imports (and treats the prefixes read by native code
 as read), and a request whose environment differs from the server's in one of them is refused; the
-caller then starts a new interpreter (`run_python` does so itself).
+caller then starts a new interpreter (`run_python` does so itself). Nor does it import anything or
+tear the interpreter down at exit: tests whose subject is a process's imports or its clean exit
+(test_deepspeed_import.py, test_clean_exit.py, PYTHONPROFILEIMPORTTIME runs) start their own.
 
-Server: `python tests/preloaded_python.py SOCKET` (started by `PreloadedPython`, one per pytest
-process, on a Linux abstract socket; it ends with the process that started it)."""
+Server: `python tests/preloaded_python.py NAME` (started by `PreloadedPython`, one per pytest
+process, on the Linux abstract socket NAME; it ends with the process that started it). torchrun's
+workers: `torchrun ... tests/preloaded_python.py --worker -m module args` with ADDRESS_ENV set."""
 
 from __future__ import annotations
 
@@ -174,8 +177,11 @@ def _supervise(connection: socket.socket, request: dict, fds: list[int]) -> None
         finally:
             os._exit(1)
     _reply(connection, pid=pid)
-    run = os.pidfd_open(pid)
-    while not select.select([run, connection], [], [])[0].count(run):
+    try:
+        run = os.pidfd_open(pid)
+    except OSError:  # Linux before 5.3: the run is waited for without watching the client
+        run = None
+    while run is not None and not select.select([run, connection], [], [])[0].count(run):
         if not connection.recv(1):  # the client is gone (a torchrun worker killed): so is its run
             os.killpg(pid, signal.SIGKILL)
             break
