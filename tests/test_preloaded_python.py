@@ -38,6 +38,12 @@ sys.exit(int(outcome))
 '''
 
 
+@pytest.fixture(autouse=True)
+def _server_on(monkeypatch):
+    """These tests are the server's: they run it also where PRELOADED_ENV=0 turns it off for the rest."""
+    monkeypatch.delenv(PRELOADED_ENV, raising=False)
+
+
 def _environment(**extra) -> dict:
     return {**os.environ, **RUN_ENVIRONMENT, **extra}
 
