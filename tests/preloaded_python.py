@@ -110,13 +110,6 @@ def environment_problem(requested: dict[str, str], served: dict[str, str], read:
     return None
 
 
-def _terminate_with_parent() -> None:
-    """SIGTERM when the process that started the server dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
-
-
 def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     header, fds, _, _ = socket.recv_fds(connection, LENGTH.size, STDOUT_AND_STDERR)
     (length,) = LENGTH.unpack(header)
@@ -129,11 +122,24 @@ def _receive(connection: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(payload), fds
 
 
+def _request(connection: socket.socket, address: str, request: dict, fds: list[int]):
+    """The client's half of `_receive`: connect, send `request` with the run's stdout and stderr
+    `fds`; (the replies as lines, the first: {"pid": ...} or {"refused": why})."""
+    payload = json.dumps(request).encode()
+    connection.connect(address)
+    socket.send_fds(connection, [LENGTH.pack(len(payload))], fds)
+    connection.sendall(payload)
+    replies = connection.makefile("r")
+    return replies, json.loads(replies.readline())
+
+
 def _reply(connection: socket.socket, **message) -> None:
     connection.sendall(json.dumps(message).encode() + b"\n")
 
 
 def serve(address: str) -> None:
+    from slurm_cluster import _terminate_with_parent  # the SLURM daemons' PR_SET_PDEATHSIG
+
     _terminate_with_parent()
     served = dict(os.environ)
     read = _import_recording_environment_reads(PRELOADED)
@@ -296,14 +302,10 @@ class PreloadedPython:
         import tempfile
 
         command = [sys.executable, *argv]
-        payload = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
         with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            connection.connect(self.address)
-            socket.send_fds(connection, [LENGTH.pack(len(payload))], [stdout.fileno(), stderr.fileno()])
-            connection.sendall(payload)
-            replies = connection.makefile("r")
-            first = json.loads(replies.readline())
+            replies, first = _request(connection, self.address, {"argv": argv, "env": env, "cwd": cwd},
+                                      [stdout.fileno(), stderr.fileno()])
             if "refused" in first:
                 return None, "new interpreter: " + first["refused"]
             connection.settimeout(timeout)
@@ -326,13 +328,8 @@ def worker(argv: list[str]) -> None:
     as the run ended. Where the server refuses, or none is given, it becomes `python -u ARGV`."""
     address = os.environ.get(ADDRESS_ENV)
     if address:
-        payload = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": True}).encode()
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        connection.connect("\0" + address)
-        socket.send_fds(connection, [LENGTH.pack(len(payload))], [1, 2])
-        connection.sendall(payload)
-        replies = connection.makefile("r")
-        first = json.loads(replies.readline())
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": True}
+        replies, first = _request(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), "\0" + address, request, [1, 2])
         trace(f"torchrun worker: {'forked' if 'pid' in first else 'new interpreter: ' + first['refused']}", argv)
         if "pid" in first:
             def forward(signum, frame):
