@@ -613,7 +613,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
         _launch(attention_backward_delta_kernel, (batch * heads, _blocks(delta.shape[-1], ROWSUM_BLOCK)),
             out, grad_out, lse, delta, lse2, heads, queries, *_strides(out), *_strides(grad_out), lse.stride(1),
-            delta.stride(0), HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, num_warps=ROWSUM_WARPS)
+            delta.stride(0), HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, INTERPRETED=INTERPRETED,
+            num_warps=ROWSUM_WARPS)
         transposed = key_value_transposed(query.device)
         key_value_codes, *key_value_strides = _codes_args(codes, transposed)
         table_arg, *table_strides, dense = _table_args(kernel_table, transposed)

@@ -49,7 +49,9 @@ def device_function(function):
     """`triton.jit` for a function the kernels call. In Triton's interpreter (TRITON_INTERPRET=1, the
     CPU tests) every call of a jitted function patches triton.language again for the function's
     module: ~30% of an interpreted kernel's time, with nothing to patch here, since the launch of a
-    kernel of the same module (the same globals) has patched it."""
+    kernel of the same module (the same globals) has patched it. Triton's own jitted helpers
+    (tl.zeros, tl.cdiv, tl.max, tl.sum) patch it too: the kernels call what those call (tl.full,
+    integer division; `row_max` and `row_sum` the reductions in the interpreter)."""
     jitted = triton.jit(function)
     if type(jitted) is InterpretedFunction and hasattr(jitted, "rewrite"):
         jitted.__class__ = InterpretedDeviceFunction
@@ -87,6 +89,24 @@ def exp2(x, INTERPRETED: tl.constexpr):
 
 
 @device_function
+def row_max(x, INTERPRETED: tl.constexpr):
+    """tl.max(x, 1) of fp32 x. In Triton's interpreter tl.max, itself a jitted function, patches
+    triton.language again at every call (~2 ms, 18% of an interpreted forward kernel's time): there
+    its reduction is called directly, which the interpreter computes with numpy as it computes tl.max."""
+    if INTERPRETED:
+        return tl.reduce(x, 1, tl.standard._elementwise_max)
+    return tl.max(x, 1)
+
+
+@device_function
+def row_sum(x, INTERPRETED: tl.constexpr):
+    """tl.sum(x, 1) of fp32 x; in Triton's interpreter its reduction called directly, as `row_max`'s."""
+    if INTERPRETED:
+        return tl.reduce(x, 1, tl.standard._sum_combine)
+    return tl.sum(x, 1)
+
+
+@device_function
 def computed_once(x, INTERPRETED: tl.constexpr):
     """x, through an opaque copy on a GPU. The draws feed two layouts (the kept bits' coalesced store,
     the accumulator's), and Triton recomputes a cheap-looking chain in each layout rather than move
@@ -110,7 +130,7 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     so a group's eight draws are one thread's Philox call; the groups are counted from the row's
     first key, so any tiling whose key blocks are multiples of 64 draws the same bits."""
     groups = column_start // 8 + tl.arange(0, BLOCK_N // 8)  # 8 x block + c
-    zeros = tl.zeros((BLOCK_M, BLOCK_N // 8), dtype=tl.uint32)
+    zeros = tl.full((BLOCK_M, BLOCK_N // 8), 0, dtype=tl.uint32)
     group = zeros + groups[None, :].to(tl.uint32)
     row = zeros + rows[:, None].to(tl.uint32)
     stream = zeros + sequence_head.to(tl.uint32)
@@ -234,9 +254,9 @@ def attention_forward_kernel(
     seed = 0
     if DROPOUT:
         seed = tl.load(seed_ptr)
-    row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    running_sum = tl.full((BLOCK_M,), 0, dtype=tl.float32)
+    acc = tl.full((BLOCK_M, HEAD_DIM), 0, dtype=tl.float32)
     for tile in range(0, tl.load(tiles)):  # the key blocks holding a pair this block's queries see
         column_start = tl.load(tiles + 1 + tile) * BLOCK_N
         cols = column_start + tl.arange(0, BLOCK_N)
@@ -244,11 +264,11 @@ def attention_forward_kernel(
         v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
         scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
                                DENSE, PRECISION, INTERPRETED)
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        new_max = tl.maximum(running_max, row_max(scores, INTERPRETED))
         safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a row with no key so far
         p = exp2(scores - safe_max[:, None], INTERPRETED)
-        correction = exp2(row_max - safe_max, INTERPRETED)
-        row_sum = row_sum * correction + tl.sum(p, 1)
+        correction = exp2(running_max - safe_max, INTERPRETED)
+        running_sum = running_sum * correction + row_sum(p, INTERPRETED)
         if DROPOUT:
             keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N,
                                         INTERPRETED)
@@ -256,12 +276,12 @@ def attention_forward_kernel(
             tl.store(bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
                                   BLOCK_N), packed)  # the bits cover whole tiles
         acc = acc * correction[:, None] + mm(p.to(v.dtype), v, PRECISION, INTERPRETED)
-        row_max = new_max
-    seen = row_sum > 0
-    out = acc / tl.where(seen, row_sum, 1.0)[:, None]
+        running_max = new_max
+    seen = running_sum > 0
+    out = acc / tl.where(seen, running_sum, 1.0)[:, None]
     if DROPOUT:
         out *= keep_scale
-    lse = tl.where(seen, (row_max + tl.log2(tl.where(seen, row_sum, 1.0))) * LN2, float("inf"))  # natural log
+    lse = tl.where(seen, (running_max + tl.log2(tl.where(seen, running_sum, 1.0))) * LN2, float("inf"))  # natural log
     store_rows(out_ptr, out, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries)
     tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
 
@@ -269,7 +289,8 @@ def attention_forward_kernel(
 @triton.jit
 def attention_backward_delta_kernel(out_ptr, do_ptr, lse_ptr, delta_ptr, lse2_ptr, heads, queries,
                                     o_stride_b, o_stride_h, o_stride_t, do_stride_b, do_stride_h, do_stride_t,
-                                    lse_stride_bh, stats_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+                                    lse_stride_bh, stats_stride_bh, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                                    INTERPRETED: tl.constexpr):
     """The backward kernels' per-row statistics, fp32 [B x heads, padded queries], in one pass over O
     and dO: delta = rowsum(dO * O) (the softmax backward's row term) and the log-sum-exp in base 2
     (what `exp2` takes). Written for every row of the padded length, 0 and +inf past the queries (a
@@ -281,7 +302,7 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, lse_ptr, delta_ptr, lse2_pt
     do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries).to(tl.float32)
     lse = tl.load(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, mask=row_valid, other=float("inf"))
     stats = sequence_head.to(tl.int64) * stats_stride_bh + rows
-    tl.store(delta_ptr + stats, tl.sum(out * do, 1))
+    tl.store(delta_ptr + stats, row_sum(out * do, INTERPRETED))
     tl.store(lse2_ptr + stats, lse * LOG2E)
 
 
@@ -319,8 +340,8 @@ def attention_backward_key_value_kernel(
     ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
     stats_base = sequence_head.to(tl.int64) * stats_stride_bh
     table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dk = tl.full((BLOCK_N, HEAD_DIM), 0, dtype=tl.float32)
+    dv = tl.full((BLOCK_N, HEAD_DIM), 0, dtype=tl.float32)
     for tile in range(0, tile_count):  # the query blocks holding a pair that sees one of these keys
         rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
@@ -362,10 +383,10 @@ def attention_backward_key_value_kernel(
                 tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty))
         dk += mm(dk_step, q, PRECISION, INTERPRETED)
     if WRITE_DS:  # the skipped tiles' dS is 0 (every pair blocked): written, as the table's sums read it
-        for tile in range(tile_count, tl.cdiv(queries, BLOCK_M)):
+        for tile in range(tile_count, (queries + BLOCK_M - 1) // BLOCK_M):
             rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
-                     tl.zeros((BLOCK_M, BLOCK_N), dtype=ds_ptr.dtype.element_ty))
+                     tl.full((BLOCK_M, BLOCK_N), 0, dtype=ds_ptr.dtype.element_ty))
     dk *= scale
     if DROPOUT:
         dv *= keep_scale
@@ -394,7 +415,7 @@ def attention_backward_query_kernel(
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
     tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    dq = tl.full((BLOCK_M, HEAD_DIM), 0, dtype=tl.float32)
     for tile in range(0, tl.load(tiles)):
         column_start = tl.load(tiles + 1 + tile) * BLOCK_N
         cols = column_start + tl.arange(0, BLOCK_N)

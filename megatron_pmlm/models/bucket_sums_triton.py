@@ -66,7 +66,7 @@ def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, heads, queries, keys,
     grad_rows = (grad_ptr + sequence.to(tl.int64) * (grad_stride_batch * VECTOR)
                  + head[:, None].to(tl.int64) * (grad_stride_head * VECTOR))
     bucket_rows = bucket_ptr + sequence.to(tl.int64) * bucket_stride_batch
-    total = tl.zeros((BINS_BLOCK, HEADS_BLOCK), dtype=tl.float32)
+    total = tl.full((BINS_BLOCK, HEADS_BLOCK), 0, dtype=tl.float32)
     full_keys = keys // KEYS_BLOCK * KEYS_BLOCK
     for key_start in range(0, full_keys, KEYS_BLOCK):
         total = tile_sums(total, grad_rows, bucket_rows, row, key_start + column, head, bin_ids, heads, queries,
