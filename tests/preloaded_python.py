@@ -35,9 +35,20 @@ import threading
 import traceback
 import types
 
-PRELOADED = ("torch", "torch._dynamo", "torch.distributed.run", "deepspeed", "megatron_pmlm.pretrain",
-             "megatron_pmlm.finetune_s2s")
-"""What the server imports before it serves: what the suite's runs import first and longest."""
+PRELOADED = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.run", "deepspeed",
+             "megatron_pmlm.pretrain", "megatron_pmlm.finetune_s2s")
+"""What the server imports before it serves: what the suite's runs import first and longest (inductor:
+1-1.8 s of each `--compile` run)."""
+WARM_UPS = (("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),)
+"""Functions the server calls once, after its imports, whose cached results its runs inherit: the
+vector ISAs inductor's C++ backend may use (a build and a probe process each, ~2.5 s of every process
+that compiles on this CPU; their environment reads, CXX among them, recorded as the imports' are)."""
+REREAD_AT_RUN = {"TORCH_LOGS": ("torch._logging._internal", "_init_logs")}
+"""Variables read at import by a function a forked run calls again with its own environment when its
+value differs from the server's, as torch's own tests re-read TORCH_LOGS (the logging settings are
+that variable's only reader): such a run is forked too, and logs as a new interpreter would. Not
+a DEBUG ("+") setting: modules decide on it at import too (symbolic_shapes' cache statistics at exit)
+and its logs print the Python stack, which in a forked run holds the server's frames."""
 SETTING_ENV = "PMLM_TEST_PRELOADED_PYTHON"
 """`0`: every run in a new interpreter (the server unused); a file path: each run appends a line there
 saying how it was served (forked, or why a new interpreter)."""
@@ -50,9 +61,16 @@ import, where Python's os.environ does not see it: treated as read by the server
 RUNTIME_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_")
 """torchrun's variables for its workers, read when the run starts its process group (by Python, or by
 libtorch then, which sees the run's environment): only the recorded reads at import count."""
-KNOWN_SCANS = {"tqdm/utils.py": "TQDM_"}
-"""Who scans the whole environment at import, and for which prefix (tqdm's `envwrap`): any other
+KNOWN_SCANS = {"tqdm/utils.py": "TQDM_", "networkx/utils/backends.py": "NETWORKX_"}
+"""Who scans the whole environment at import, and for which prefix (tqdm's `envwrap`, networkx's
+backend settings, imported with inductor): any other
 scan makes every variable count as read (and the server refuses every run whose environment differs)."""
+ENVIRONMENT_COPIES = {"python_subprocess_env": "torch/_inductor/utils.py",
+                      "get_compiler_version_info": "torch/_inductor/cpp_builder.py"}
+"""Functions that copy the whole environment for a child process, and where they live: inductor's ISA
+probe (WARM_UPS) starts a Python that loads a library, an outcome the interpreter's and the loader's
+variables decide (PYTHON*, LD_*: counted as read already), and asks the compiler its version (the
+compiler found on PATH, a read recorded where it is looked up), so their copies read nothing more."""
 PRESENCE_ONLY = {"PYTEST_CURRENT_TEST"}
 """Read at import only to ask whether it is set (mlflow's "are we in a test?"); its value is per
 test, so only its presence must match."""
@@ -66,27 +84,37 @@ STDOUT_AND_STDERR = 2
 # -- server ---------------------------------------------------------------------------------------
 
 
-def _import_recording_environment_reads(modules) -> set[str]:
-    """Import `modules`; the names of the variables read through os.environ meanwhile."""
+def _import_recording_environment_reads(modules, warm_ups=()) -> set[str]:
+    """Import `modules`, then call each (module, function) of `warm_ups`; the names of the variables
+    read through os.environ meanwhile."""
     environ_type = type(os.environ)
     original_getitem, original_iter = environ_type.__getitem__, environ_type.__iter__
     read: set[str] = set()
 
+    def copied_for_a_child(frames) -> bool:
+        return any(frame.name in ENVIRONMENT_COPIES and frame.filename.endswith(ENVIRONMENT_COPIES[frame.name])
+                   for frame in frames)
+
     def getitem(self, key):
-        if sys._getframe(1).f_code.co_name != "__iter__":  # not items() or values() of a scan
-            read.add(key.decode() if isinstance(key, bytes) else key)
+        caller = sys._getframe(1).f_code
+        if caller.co_name != "__iter__" and not copied_for_a_child(traceback.extract_stack(limit=3)):
+            read.add(key.decode() if isinstance(key, bytes) else key)  # not items() or values() of a scan
         return original_getitem(self, key)
 
     def iterate(self):
-        callers = [frame.filename for frame in traceback.extract_stack(limit=6)]
-        scans = [prefix for path, prefix in KNOWN_SCANS.items() if any(name.endswith(path) for name in callers)]
-        read.add(f"{scans[0]}*" if scans else "*")  # a scan for a prefix; an unknown one reads everything
+        frames = traceback.extract_stack(limit=6)
+        if not copied_for_a_child(frames):
+            callers = [frame.filename for frame in frames]
+            scans = [prefix for path, prefix in KNOWN_SCANS.items() if any(name.endswith(path) for name in callers)]
+            read.add(f"{scans[0]}*" if scans else "*")  # a scan for a prefix; an unknown one reads everything
         return original_iter(self)
 
     environ_type.__getitem__, environ_type.__iter__ = getitem, iterate
     try:
         for module in modules:
             importlib.import_module(module)
+        for module, function in warm_ups:
+            getattr(importlib.import_module(module), function)()
     finally:
         environ_type.__getitem__, environ_type.__iter__ = original_getitem, original_iter
     return read
@@ -100,6 +128,8 @@ def environment_problem(requested: dict[str, str], served: dict[str, str], read:
     prefixes = PREFIXES_READ + tuple(entry[:-1] for entry in read if entry.endswith("*"))
     for name in sorted(set(requested) | set(served)):
         if name.startswith(RUNTIME_PREFIXES) and name not in read:
+            continue
+        if name in REREAD_AT_RUN and "+" not in requested.get(name, "") + served.get(name, ""):
             continue
         if name in LABELS or (name in PRESENCE_ONLY and (name in requested) == (name in served)):
             continue
@@ -142,7 +172,7 @@ def serve(address: str) -> None:
 
     _terminate_with_parent()
     served = dict(os.environ)
-    read = _import_recording_environment_reads(PRELOADED)
+    read = _import_recording_environment_reads(PRELOADED, WARM_UPS)
     imports_set = {name: value for name, value in os.environ.items() if served.get(name) != value}
     imports_unset = set(served) - set(os.environ)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -212,8 +242,12 @@ def _run(request: dict, fds: list[int]) -> None:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), stream.encoding,
                                                 stream.errors, write_through=True))
     os.chdir(request["cwd"])
+    served = dict(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
+    for name, (module, function) in REREAD_AT_RUN.items():
+        if os.environ.get(name) != served.get(name):
+            getattr(importlib.import_module(module), function)()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # its global generator seeded afresh, as in a new process
     main = types.ModuleType("__main__")

@@ -5,6 +5,7 @@ sends the run to a new interpreter, a timeout kills the run with what it started
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -109,20 +110,45 @@ session id (a label)."""
         "PYTEST_CURRENT_TEST differs from the server's (read at import)"
 
 
-@pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("PMLM_TRITON_DQ", "kernel"),
-                                            ("TORCH_LOGS", "dynamo")])
+@pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("PMLM_TRITON_DQ", "kernel")])
 def test_a_variable_read_at_import_sends_the_run_to_a_new_interpreter(variable, value, monkeypatch, tmp_path):
     """Triton's interpreter and the kernels' settings are read when the modules load: a forked run
     would keep the server's; the run starts a new interpreter and sees the value."""
-    probe = ("import os, sys, torch._logging._internal as logs, megatron_pmlm.models.bucket_attention as kernels; "
-             "print(kernels.INTERPRETED, kernels._DQ_KERNEL, bool(logs.log_state.get_log_level_pairs()))")
+    probe = ("import os, sys, megatron_pmlm.models.bucket_attention as kernels; "
+             "print(kernels.INTERPRETED, kernels._DQ_KERNEL)")
     result, served = _traced(monkeypatch, tmp_path, ["-c", probe], env=_environment(**{variable: value}), timeout=120)
     assert served == f"new interpreter: {variable} differs from the server's (read at import)"
     assert result.returncode == 0, result.stderr[-2000:]
-    interpreted, dq_kernel, logs = result.stdout.split()
+    interpreted, dq_kernel = result.stdout.split()
     assert (interpreted == "True") == (variable == "TRITON_INTERPRET")
     assert (dq_kernel == "True") == (variable == "PMLM_TRITON_DQ")
-    assert (logs == "True") == (variable == "TORCH_LOGS")
+
+
+TORCH_LOGS_PROBE = r'''
+import torch
+import torch._logging._internal as logs
+
+print(sorted(logs.log_state.get_log_level_pairs()))
+torch.compile(lambda x: x * 2, backend="eager")(torch.ones(3))
+'''
+
+
+@pytest.mark.parametrize("setting", ["dynamo", "dynamo,recompiles", "+dynamo", None])
+def test_torch_logs_is_read_again_by_a_forked_run_which_logs_as_a_new_interpreter(setting, monkeypatch, tmp_path):
+    """TORCH_LOGS (the suite's compiled runs set it, and the server does not) is read by torch's
+    logging settings alone: a forked run reads it again, logging what a new interpreter logs. A
+    DEBUG ("+") setting, which modules also read at import, goes to a new interpreter."""
+    env = _environment(TORCH_LOGS=setting) if setting else {k: v for k, v in _environment().items() if k != "TORCH_LOGS"}
+    forked, served = _traced(monkeypatch, tmp_path, ["-c", TORCH_LOGS_PROBE], env=env, timeout=120)
+    assert served == ("forked" if "+" not in (setting or "") else
+                      "new interpreter: TORCH_LOGS differs from the server's (read at import)")
+    fresh = _fresh(monkeypatch, ["-c", TORCH_LOGS_PROBE], env=env, timeout=120)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr[-2000:] + fresh.stderr[-2000:]
+    assert forked.stdout == fresh.stdout
+    varying = r"[0-9a-f]{8}([-_][0-9a-f]{4}){3}[-_][0-9a-f]{12}|\d+"  # ids (graphs' too), times, pids
+    assert [re.sub(varying, "#", line) for line in forked.stderr.splitlines()] == \
+        [re.sub(varying, "#", line) for line in fresh.stderr.splitlines()]
+    assert ("torchdynamo start tracing <lambda>" in forked.stderr) == (setting is not None), forked.stderr[-2000:]
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(tmp_path):
