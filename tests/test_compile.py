@@ -387,14 +387,26 @@ def eager_run(pretraining_samples, tmp_path_factory):
     return [r["loss"] for r in records], folder / "ckpt"
 
 
+@pytest.fixture(scope="module")
+def compiled_run(pretraining_samples, tmp_path_factory):
+    """The eager run's settings compiled, saved: its records and output, and the checkpoint a resume
+    that turns --compile off starts from (one compiled process serves both tests)."""
+    folder = tmp_path_factory.mktemp("compiled")
+    records, result = _pretrain(pretraining_samples, folder, "compiled", "--train-iters", "2", "--zero-stage", "0",
+                                "--compile", "--save", str(folder / "ckpt"))
+    return records, result, folder / "ckpt"
+
+
 @pytest.mark.parametrize("zero_stage", ["0", "2"])
-def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretraining_samples, tmp_path):
+def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretraining_samples, tmp_path, request):
     reference = eager_run[0]
-    if zero_stage != "0":
+    if zero_stage == "0":
+        records, result, _ = request.getfixturevalue("compiled_run")
+    else:
         records, _ = _pretrain(pretraining_samples, tmp_path, "eager", "--train-iters", "2", "--zero-stage", zero_stage)
         reference = [r["loss"] for r in records]
-    records, result = _pretrain(pretraining_samples, tmp_path, "compiled", "--train-iters", "2", "--zero-stage",
-                                zero_stage, "--compile")
+        records, result = _pretrain(pretraining_samples, tmp_path, "compiled", "--train-iters", "2", "--zero-stage",
+                                    zero_stage, "--compile")
     assert [r["loss"] for r in records] == pytest.approx(reference, rel=1e-5)
     assert traced_regions(result.stderr) == set(TRACED_REGIONS), result.stderr[-2000:]  # compiled, not eager
     announced = [line for line in result.stderr.splitlines() if line.startswith("compiled layers: compiling")]
@@ -406,14 +418,17 @@ def test_pretrain_compile_gives_the_eager_losses(zero_stage, eager_run, pretrain
     assert all(width % RUN_QUANTUM == 0 for width in widths), announced + regions
 
 
-def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(eager_run, pretraining_samples, tmp_path):
-    _, checkpoint = eager_run
+def test_resume_that_toggles_compile_lists_it_as_a_changed_setting(compiled_run, pretraining_samples, tmp_path):
+    """The compiled run's checkpoint resumed eagerly (the same toggle as eager -> compiled, without a
+    second compiled process): listed as a changed setting, and the checkpoint trains on uncompiled."""
+    *_, checkpoint = compiled_run
     records, result = _pretrain(pretraining_samples, tmp_path, "resumed", "--train-iters", "3", "--load",
-                                str(checkpoint), "--compile")
+                                str(checkpoint))
     assert "resuming with changed settings:" in result.stdout
     changed = result.stdout.split("resuming with changed settings:")[1].splitlines()[0]
-    assert "compile False -> True" in changed, changed
+    assert "compile True -> False" in changed, changed
     assert [r["iteration"] for r in records] == [3]
+    assert "compiled regions: compiling" not in result.stderr
 
 
 def test_pipeline_stages_compile_their_layers_head_and_loss_and_give_the_eager_run(eager_run, pretraining_samples,
