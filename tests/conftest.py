@@ -12,9 +12,9 @@ from pmlm_testing import SHARED_DATA, run_module
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 LONGEST_FILES = [
-    "test_distributed.py", "test_compile.py", "test_slurm.py", "test_finetune_s2s.py", "test_bucket_attention.py",
-    "test_relayout.py", "test_slurm_multinode.py", "test_clean_exit.py", "test_gpu_check.py", "test_glue_squad.py",
-    "test_files.py", "test_pretrain.py", "test_unilm.py", "test_checkpoint_integrity.py", "test_tracking.py",
+    "test_distributed.py", "test_compile.py", "test_slurm.py", "test_bucket_attention.py", "test_slurm_multinode.py",
+    "test_gpu_check.py", "test_finetune_s2s.py", "test_relayout.py", "test_files.py", "test_clean_exit.py",
+    "test_tracking.py", "test_glue_squad.py", "test_bucket_sums.py", "test_unilm.py", "test_flex_attention.py",
 ]
 """The test files that take longest, longest first (paths under tests/; the sums of a whole-suite
 `--durations` run, docs/benchmarks.md). `make test` (pytest-xdist, --dist loadfile: a file's tests
