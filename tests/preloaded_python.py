@@ -43,12 +43,13 @@ WARM_UPS = (("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),)
 """Functions the server calls once, after its imports, whose cached results its runs inherit: the
 vector ISAs inductor's C++ backend may use (a build and a probe process each, ~2.5 s of every process
 that compiles on this CPU; their environment reads, CXX among them, recorded as the imports' are)."""
-REREAD_AT_RUN = {"TORCH_LOGS": ("torch._logging._internal", "_init_logs")}
+REREAD_AT_RUN = {"TORCH_LOGS": ("torch._logging._internal", "_init_logs", "+")}
 """Variables read at import by a function a forked run calls again with its own environment when its
-value differs from the server's, as torch's own tests re-read TORCH_LOGS (the logging settings are
-that variable's only reader): such a run is forked too, and logs as a new interpreter would. Not
-a DEBUG ("+") setting: modules decide on it at import too (symbolic_shapes' cache statistics at exit)
-and its logs print the Python stack, which in a forked run holds the server's frames."""
+value differs from the server's (module, function, and a mark that makes a value read elsewhere at
+import too): torch's own tests re-read TORCH_LOGS so (the logging settings are its only reader), and
+such a run is forked too, logging as a new interpreter would. Not a DEBUG ("+") setting: modules
+decide on it at import too (symbolic_shapes' cache statistics at exit) and its logs print the Python
+stack, which in a forked run holds the server's frames."""
 SETTING_ENV = "PMLM_TEST_PRELOADED_PYTHON"
 """`0`: every run in a new interpreter (the server unused); a file path: each run appends a line there
 saying how it was served (forked, or why a new interpreter)."""
@@ -129,7 +130,7 @@ def environment_problem(requested: dict[str, str], served: dict[str, str], read:
     for name in sorted(set(requested) | set(served)):
         if name.startswith(RUNTIME_PREFIXES) and name not in read:
             continue
-        if name in REREAD_AT_RUN and "+" not in requested.get(name, "") + served.get(name, ""):
+        if name in REREAD_AT_RUN and REREAD_AT_RUN[name][2] not in requested.get(name, "") + served.get(name, ""):
             continue
         if name in LABELS or (name in PRESENCE_ONLY and (name in requested) == (name in served)):
             continue
@@ -242,11 +243,11 @@ def _run(request: dict, fds: list[int]) -> None:
             setattr(sys, name, io.TextIOWrapper(io.FileIO(stream.fileno(), "w", closefd=False), stream.encoding,
                                                 stream.errors, write_through=True))
     os.chdir(request["cwd"])
-    served = dict(os.environ)
+    served = {name: os.environ.get(name) for name in REREAD_AT_RUN}
     os.environ.clear()
     os.environ.update(request["env"])
-    for name, (module, function) in REREAD_AT_RUN.items():
-        if os.environ.get(name) != served.get(name):
+    for name, (module, function, _) in REREAD_AT_RUN.items():
+        if os.environ.get(name) != served[name]:
             getattr(importlib.import_module(module), function)()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()  # its global generator seeded afresh, as in a new process
