@@ -7,15 +7,18 @@ all but the first compilation."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import one_thread, run_module, run_tool
+from pmlm_testing import REPO_ROOT, one_thread, run_module, run_tool
 from test_attention_bias import pmlm_case, seq2seq_case, unilm_case
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
@@ -642,3 +645,45 @@ def test_palm_compile_is_refused_in_one_line_where_pmlm_s_is(palm_samples, tmp_p
     assert result.stderr.startswith("error: --compile with --zero-stage 3: ZeRO-3 gathers") and \
         len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux): Inductor "
+                    "generates a GPU's kernels with it")
+def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
+    """tools/bench_layer_graph.py (docs/benchmarks.md, "The compiled layer's kernels on a GPU"): Inductor's
+    CUDA schedule of one compiled layer, without a GPU. The GELU kernel moves the pre-activation in and
+    its output out (2 x ffn / hidden activations); the attention stays our custom op; dropout is drawn
+    inside the fused kernels, and its masks and extra kernels cost bytes a run without it does not move;
+    the process's torch.cuda answers as before once the schedule is made."""
+    tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
+    reports = {}
+    for dropout in ("0.1", "0"):
+        result = run_tool(*tool, "--dropout", dropout, "--json", "-", env={"TRITON_INTERPRET": "1"})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        reports[dropout] = json.loads(result.stdout)  # --json -: the figures alone on standard output
+    report, plain = reports["0.1"], reports["0"]
+    config = model_config_from_preset("tiny")
+    forward, backward = report["graphs"]["forward"], report["graphs"]["backward"]
+    gelu = [node for node in forward["nodes"] if "erf" in node["ops"]]
+    assert len(gelu) == 1 and gelu[0]["kind"] == "triton", forward["nodes"]
+    assert gelu[0]["bytes"] == 2 * config.ffn_hidden_size // config.hidden_size * report["activation_bytes"], gelu
+    for graph, op in ((forward, "megatron_pmlm.bucket_attention_packed.default"),
+                      (backward, "megatron_pmlm.bucket_attention_packed_backward.default")):
+        assert [node["kind"] for node in graph["nodes"] if op in node["ops"]] == ["extern"], graph["nodes"]
+        assert graph["triton_launches"] > 0 and graph["triton_bytes"] > 0, graph
+    assert sum("inductor_random" in node["ops"] for node in forward["nodes"]) == 2, forward["nodes"]
+    assert not any("inductor_random" in node["ops"] for node in plain["graphs"]["forward"]["nodes"])
+    assert plain["triton_activations_per_layer"] < report["triton_activations_per_layer"] - 2, (plain, report)
+    refused = run_tool(*tool, "--width", "1", timeout=120)
+    assert refused.returncode == 2 and "--width 1: give at least 2" in refused.stderr, refused.stderr
+    refused = run_tool(*tool, "--config", "inductor.no_such_setting=1", timeout=120)
+    assert refused.returncode == 2 and "has no setting 'no_such_setting'" in refused.stderr, refused.stderr
+    check = ("import sys, torch; sys.path.insert(0, 'tools'); from bench_layer_graph import fake_cuda_device\n"
+             "getitem = torch.Tensor.__getitem__\n"
+             "with fake_cuda_device():\n    assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)\n"
+             "assert not torch.cuda.is_available() and torch.Tensor.__getitem__ is getitem\n"
+             "assert torch.arange(6).view(2, 3)[1, 1:].tolist() == [4, 5]\n")
+    restored = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=120)
+    assert restored.returncode == 0, restored.stderr[-3000:]

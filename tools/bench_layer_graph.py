@@ -1,0 +1,368 @@
+#!/usr/bin/env python
+"""A compiled transformer layer's kernels on a GPU, without a GPU: Inductor's CUDA schedule of one
+`--compile`d layer (its fused Triton kernels and extern calls, forward and backward) and the bytes
+each one reads and writes.
+
+    python tools/bench_layer_graph.py [--preset base] [--width 176] [--micro-batch-size 256] [--json FILE]
+
+Why: on the H100s `make gpu-check` ran, Inductor's fused elementwise kernels (GELU, the residual,
+dropout and LayerNorm, the bias gradients) took ~21 ms of pretrain's ~86 ms compiled step at seq 128 x
+256, memory-bound at 1.7-2.9 TB/s: their bytes are their time. The CPU's own Inductor schedules
+differently (C++ kernels, other fusions), so this tool asks Inductor what it would run on CUDA:
+- the layer (the triton attention backend, as `--attention-backend auto` picks on SM 8.0+, bf16
+  weights as DeepSpeed casts them, the recipe's dropout) is traced by dynamo and split into forward
+  and backward by AOT autograd on the CPU, as `--compile` does (device-independent steps);
+- each graph is then lowered and scheduled for a CUDA device with fake tensors (shapes, strides and
+  dtypes only), torch.cuda answering as an H100 would; Triton kernels are generated, not compiled.
+Per scheduled kernel: what it fuses (its ATen ops) and the bytes of the buffers it reads and writes
+(Inductor's `get_read_write_buffers_sizes`: whole buffers, no cache effects), also in "activations"
+(one [tokens, hidden] tensor in the compute dtype), which do not depend on the micro batch. The
+floor in ms is those bytes at the peak HBM bandwidth given (`--bandwidth`, H100 SXM's 3.35 TB/s).
+Figures: docs/benchmarks.md, "The compiled layer's kernels on a GPU".
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
+
+H100_SXM_BANDWIDTH_TBPS = 3.35
+"""HBM3 bandwidth of an H100 SXM (NVIDIA's datasheet): the floor's denominator."""
+
+
+class _Stop(BaseException):
+    """Raised once a graph has been captured or scheduled: nothing is ever run."""
+
+
+def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | None,
+                         functorch_settings: dict | None = None) -> tuple[list, object]:
+    """The forward and backward graphs AOT autograd hands Inductor for one compiled BertLayer (as
+    `compiled.compile_transformer_layers` compiles it), with their example inputs and Inductor's
+    keyword arguments; and the model config. `functorch_settings`: torch._functorch.config values
+    for the split (its partitioner's)."""
+    from torch._inductor.compile_fx import compile_fx
+    import torch._functorch.config as functorch_config
+
+    from megatron_pmlm.config import model_config_from_preset
+    from megatron_pmlm.models import bucket_attention
+    from megatron_pmlm.models.model import BertLayer
+    from megatron_pmlm.parallel.layers import LocalLayers
+
+    overrides = {"attention_backend": "triton"}
+    if dropout is not None:
+        overrides.update(hidden_dropout=dropout, attention_dropout=dropout)
+    config = model_config_from_preset(preset, **overrides)
+    layer = BertLayer(config, LocalLayers()).to(torch.bfloat16).train()
+    hidden = torch.randn(batch, width, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    codes = torch.randint(0, config.rel_pos_bins, (batch, width, width), dtype=torch.uint8)
+    table = torch.zeros(config.num_attention_heads, config.rel_pos_bins, requires_grad=True)
+    inputs = bucket_attention.kernel_inputs(codes, table)
+
+    captured: dict = {}
+
+    def keep_graph(graph_module, example_inputs):
+        captured["dynamo"] = (graph_module, example_inputs)
+
+        def stop(*args, **kwargs):
+            raise _Stop
+
+        return stop
+
+    with contextlib.suppress(_Stop):
+        torch.compile(BertLayer.forward, backend=keep_graph, dynamic=False)(layer, hidden, inputs)
+    graph_module, example_inputs = captured["dynamo"]
+
+    graphs: list = []
+
+    def keep_partitions(partition, partition_inputs, *args, **kwargs):
+        graphs.append((partition, list(partition_inputs), kwargs))
+        if len(graphs) == 2:
+            raise _Stop
+        return lambda *a, **k: None
+
+    with contextlib.suppress(_Stop), functorch_config.patch(force_non_lazy_backward_lowering=True,
+                                                            **(functorch_settings or {})):
+        compile_fx(graph_module, example_inputs, inner_compile=keep_partitions)
+    if len(graphs) != 2:
+        raise RuntimeError(f"AOT autograd produced {len(graphs)} graphs for the layer, not a forward and a backward")
+    return graphs, config
+
+
+@contextlib.contextmanager
+def fake_cuda_device(name: str = "NVIDIA H100 80GB HBM3", capability: tuple[int, int] = (9, 0)):
+    """torch.cuda, Inductor's device interface and Triton's driver answering as one GPU would, for
+    lowering and scheduling only (no CUDA library is loaded; every patch is undone on exit)."""
+    from torch._dynamo.device_interface import CudaInterface
+    import torch._inductor.codegen.triton
+    import torch._inductor.scheduler
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    properties = types.SimpleNamespace(
+        name=name, major=capability[0], minor=capability[1], multi_processor_count=132, total_memory=80 << 30,
+        max_threads_per_multi_processor=2048, warp_size=32, regs_per_multiprocessor=65536,
+        shared_memory_per_block_optin=232448, shared_memory_per_multiprocessor=233472, max_threads_per_block=1024,
+        L2_cache_size=50 << 20, gcnArchName="", clock_rate=1980000, memory_clock_rate=2619000,
+        memory_bus_width=5120, uuid="fake")
+    answers = {
+        (torch.cuda, "is_available"): lambda: True,
+        (torch.cuda, "device_count"): lambda: 1,
+        (torch.cuda, "current_device"): lambda: 0,
+        (torch.cuda, "set_device"): lambda *a, **k: None,
+        (torch.cuda, "synchronize"): lambda *a, **k: None,
+        (torch.cuda, "get_device_properties"): lambda *a, **k: properties,
+        (torch.cuda, "get_device_capability"): lambda *a, **k: capability,
+        (torch.cuda, "get_device_name"): lambda *a, **k: name,
+        (torch.cuda, "is_bf16_supported"): lambda *a, **k: True,
+        (torch.cuda, "get_rng_state"): lambda *a, **k: torch.zeros(16, dtype=torch.uint8),
+        (torch.cuda, "set_rng_state"): lambda *a, **k: None,
+        (torch.cuda, "_exchange_device"): lambda index: 0,
+        (torch.cuda, "_maybe_exchange_device"): lambda index: 0,
+        (CudaInterface, "get_device_properties"): staticmethod(lambda *a, **k: properties),
+        (CudaInterface.Worker, "get_device_properties"): staticmethod(lambda *a, **k: properties),
+        (CudaInterface, "get_compute_capability"): staticmethod(lambda *a, **k: capability[0] * 10 + capability[1]),
+        (CudaInterface, "current_device"): staticmethod(lambda: 0),
+        (CudaInterface.Worker, "current_device"): staticmethod(lambda: 0),
+        (CudaInterface, "is_available"): staticmethod(lambda: True),
+        (torch._inductor.scheduler, "has_triton"): lambda: True,
+        (torch._inductor.codegen.triton, "has_triton"): lambda: True,
+        # The CPU build's Python indexing asks for a CUDA device guard: basic indexing as view ops.
+        (torch.Tensor, "__getitem__"): _basic_indexing(torch.Tensor.__getitem__),
+    }
+    missing = object()
+    saved = {key: vars(key[0]).get(key[1], missing) for key in answers}
+    capability_code = capability[0] * 10 + capability[1]
+    active_driver = driver._active  # None until something asks Triton for its driver
+    try:
+        for (owner, attribute), value in answers.items():
+            setattr(owner, attribute, value)
+        driver.set_active(types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", capability_code, 32),
+                                                get_current_device=lambda: 0))
+        yield
+    finally:
+        for (owner, attribute), value in saved.items():
+            if value is missing:  # inherited (Tensor.__getitem__ from the C base class)
+                delattr(owner, attribute)
+            else:
+                setattr(owner, attribute, value)
+        driver._active = active_driver
+
+
+def _basic_indexing(original):
+    def getitem(self, index):
+        items = index if isinstance(index, tuple) else (index,)
+        if self.device.type != "cuda" or not all(
+                isinstance(item, (int, slice)) or item is None or item is Ellipsis for item in items):
+            return original(self, index)
+        if Ellipsis in items:
+            at = items.index(Ellipsis)
+            missing = self.dim() - sum(1 for item in items if item is not None and item is not Ellipsis)
+            items = items[:at] + (slice(None),) * missing + items[at + 1:]
+        out, dim = self, 0
+        for item in items:
+            if item is None:
+                out, dim = out.unsqueeze(dim), dim + 1
+            elif isinstance(item, int):
+                out = out.select(dim, item)
+            else:
+                start, stop, step = item.indices(out.shape[dim])
+                out, dim = torch.ops.aten.slice.Tensor(out, dim, start, stop, step), dim + 1
+        return out
+
+    return getitem
+
+
+def schedule_for_cuda(graph, inputs: list, kwargs: dict) -> tuple[list[dict], str]:
+    """Lower and schedule one captured graph for CUDA (inside `fake_cuda_device`): one record per
+    scheduled node (kind, the ATen ops it fuses, bytes read and written), and the wrapper code."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx_inner
+    import torch._inductor.graph as graph_lowering
+    from torch._inductor.virtualized import V
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cuda = torch.device("cuda", 0)
+
+    def on_cuda(value):
+        if isinstance(value, torch.device) and value.type == "cpu":
+            return cuda
+        if isinstance(value, (list, tuple)):
+            return type(value)(on_cuda(item) for item in value)
+        return value
+
+    for node in graph.graph.nodes:
+        node.args = on_cuda(node.args)
+        node.kwargs = {key: on_cuda(value) for key, value in node.kwargs.items()}
+    graph.recompile()
+    mode = FakeTensorMode()
+    with mode:
+        fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda) if isinstance(t, torch.Tensor)
+                 else t for t in inputs]
+    scheduled: dict = {}
+
+    def keep_schedule(lowering):
+        wrapper = lowering.codegen()
+        scheduled["nodes"] = [_describe(node) for node in lowering.scheduler.nodes]
+        code = wrapper[0] if isinstance(wrapper, tuple) else wrapper
+        scheduled["code"] = getattr(code, "value", str(code))
+        raise _Stop
+
+    original = graph_lowering.GraphLowering.compile_to_module
+    graph_lowering.GraphLowering.compile_to_module = keep_schedule
+    try:
+        with contextlib.suppress(_Stop), tracing(TracingContext(mode)), V.set_fake_mode(mode):
+            compile_fx_inner(graph, fakes, **kwargs)
+    finally:
+        graph_lowering.GraphLowering.compile_to_module = original
+    if "nodes" not in scheduled:
+        raise RuntimeError("Inductor did not reach its scheduler for the layer's graph")
+    return scheduled["nodes"], scheduled["code"]
+
+
+def _describe(node) -> dict:
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    if isinstance(node, ExternKernelSchedulerNode):
+        kind = "extern"
+        kernel = (getattr(node.node, "python_kernel_name", None) or getattr(node.node, "op_overload", None)
+                  or type(node.node).__name__)  # MultiOutput: an output of the op before it (no bytes)
+        ops = [str(kernel).replace("extern_kernels.", "").replace("torch.ops.", "")]
+    else:
+        kind = "none" if isinstance(node, NopKernelSchedulerNode) else "triton"
+        targets = {origin.target for sub in node.get_nodes() for origin in getattr(sub.node, "origins", ())
+                   if origin.op == "call_function"}
+        ops = sorted({getattr(target, "__name__", str(target)).split(".")[0] for target in targets})
+    return {"node": node.get_name(), "kind": kind, "ops": ops, "bytes": int(node.get_read_write_buffers_sizes())}
+
+
+def parse_settings(texts: list[str]) -> tuple[dict, dict]:
+    """`inductor.NAME=VALUE` and `functorch.NAME=VALUE` (a Python literal) into torch._inductor.config
+    and torch._functorch.config values, each name checked against its config (ValueError: one line)."""
+    import ast
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    settings: dict[str, dict] = {"inductor": {}, "functorch": {}}
+    for text in texts:
+        name, equals, value = text.partition("=")
+        owner, _, key = name.partition(".")
+        if not equals or owner not in settings or not key:
+            raise ValueError(f"{text!r}: give inductor.NAME=VALUE or functorch.NAME=VALUE")
+        config = inductor_config if owner == "inductor" else functorch_config
+        if key not in config._config:  # torch's ConfigModule: every setting by its dotted name
+            raise ValueError(f"{text!r}: torch's {owner} config has no setting {key!r}")
+        try:
+            settings[owner][key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{text!r}: {value!r} is not a Python literal (True, 0.9, 'name')") from None
+    return settings["inductor"], settings["functorch"]
+
+
+def layer_report(preset: str, batch: int, width: int, dropout: float | None, bandwidth_tbps: float,
+                 settings: list[str] | None = None) -> dict:
+    """Both graphs' schedules with their totals (see the module docstring), under `settings`
+    (`parse_settings`)."""
+    import torch._inductor.config as inductor_config
+
+    inductor_settings, functorch_settings = parse_settings(settings or [])
+    graphs, config = capture_layer_graphs(preset, batch, width, dropout, functorch_settings)
+    activation = batch * width * config.hidden_size * 2  # one [tokens, hidden] bf16 tensor
+    report = {"preset": preset, "micro_batch_size": batch, "width": width, "hidden_size": config.hidden_size,
+              "num_layers": config.num_layers, "dropout": config.hidden_dropout, "activation_bytes": activation,
+              "bandwidth_tbps": bandwidth_tbps, "settings": list(settings or []), "graphs": {}}
+    with fake_cuda_device(), inductor_config.patch(inductor_settings):
+        for name, (graph, inputs, kwargs) in zip(("forward", "backward"), graphs):
+            nodes, code = schedule_for_cuda(graph, inputs, kwargs)
+            nodes = [node for node in nodes if node["kind"] != "none"]
+            fused = sum(node["bytes"] for node in nodes if node["kind"] == "triton")
+            report["graphs"][name] = {
+                "nodes": nodes, "triton_launches": code.count(".run("),
+                "extern_calls": sum(1 for node in nodes if node["kind"] == "extern"),
+                "triton_bytes": fused, "extern_bytes": sum(node["bytes"] for node in nodes if node["kind"] == "extern"),
+                "triton_activations": fused / activation}
+    fused = sum(graph["triton_bytes"] for graph in report["graphs"].values())
+    report["triton_activations_per_layer"] = fused / activation
+    report["triton_floor_ms_per_step"] = fused * config.num_layers / (bandwidth_tbps * 1e12) * 1e3
+    return report
+
+
+def print_report(report: dict) -> None:
+    print(f"{report['preset']} layer, micro batch {report['micro_batch_size']} x width {report['width']}, dropout "
+          f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}: "
+          f"one activation = {report['activation_bytes'] / 1e6:.1f} MB")
+    for name, graph in report["graphs"].items():
+        print(f"\n{name}: {graph['triton_launches']} Triton launches, {graph['extern_calls']} extern calls; fused "
+              f"kernels move {graph['triton_bytes'] / 1e9:.3f} GB = {graph['triton_activations']:.2f} activations")
+        print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}  ATen ops")
+        for node in sorted(graph["nodes"], key=lambda node: -node["bytes"]):
+            print(f"  {node['kind']:7s} {node['bytes'] / 1e6:9.1f} {node['bytes'] / report['activation_bytes']:11.2f}  "
+                  f"{', '.join(node['ops'])[:100]}")
+    print(f"\nfused kernels: {report['triton_activations_per_layer']:.2f} activations a layer; x {report['num_layers']} "
+          f"layers at {report['bandwidth_tbps']} TB/s: {report['triton_floor_ms_per_step']:.2f} ms a step at least")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", default="base", help="model preset (megatron_pmlm.config.PRESETS)")
+    parser.add_argument("--width", type=int, default=176,
+                        help="the layout width T (176: seq 128's under --compile; 688: seq 512's)")
+    parser.add_argument("--micro-batch-size", type=int, default=256, help="sequences a micro batch")
+    parser.add_argument("--dropout", type=float, default=None,
+                        help="hidden and attention dropout (default: the preset's, the recipe's 0.1)")
+    parser.add_argument("--bandwidth", type=float, default=H100_SXM_BANDWIDTH_TBPS,
+                        help="HBM bandwidth in TB/s for the floor (H100 SXM: 3.35)")
+    parser.add_argument("--config", action="append", default=[], metavar="OWNER.NAME=VALUE",
+                        help="a torch setting for the compilation, repeatable: inductor.NAME=VALUE "
+                        "(torch._inductor.config) or functorch.NAME=VALUE (AOT autograd's partitioner)")
+    parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
+    args = parser.parse_args(argv)
+    from megatron_pmlm.config import PRESETS
+
+    if args.preset not in PRESETS:
+        parser.error(f"--preset {args.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+    for flag, value in (("--width", args.width), ("--micro-batch-size", args.micro_batch_size)):
+        if value < 2:  # dynamo specialises sizes 0 and 1
+            parser.error(f"{flag} {value}: give at least 2")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
+    if args.bandwidth <= 0:
+        parser.error(f"--bandwidth {args.bandwidth}: give a positive bandwidth in TB/s")
+    try:
+        parse_settings(args.config)
+    except ValueError as error:
+        parser.error(f"--config {error}")
+    if importlib.util.find_spec("triton") is None:
+        parser.error("Triton is not installed here (pyproject's test extra installs it on x86_64 Linux): Inductor "
+                     "generates the GPU's kernels with it")
+    if args.json:
+        try:
+            check_output(args.json, "--json")
+        except OutputError as error:
+            parser.error(str(error))
+    # The capture traces the triton backend's attention op (a custom op: opaque to Inductor). Without a
+    # GPU the model accepts that backend only in Triton's interpreter (nothing here runs it).
+    os.environ["TRITON_INTERPRET"] = "1"
+    with logs_to_stderr(args.json):
+        report = layer_report(args.preset, args.micro_batch_size, args.width, args.dropout, args.bandwidth,
+                              args.config)
+        print_report(report)
+    if args.json:
+        write_json_atomically(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
