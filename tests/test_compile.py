@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, one_thread, run_module, run_tool
+from pmlm_testing import REPO_ROOT, RUN_ENVIRONMENT, one_thread, run_module, run_python, run_tool
 from test_attention_bias import pmlm_case, seq2seq_case, unilm_case
 from megatron_pmlm.config import MaskingConfig, model_config_from_preset
 from megatron_pmlm.data.batches import build_batch
@@ -659,7 +658,7 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
     reports = {}
     for dropout in ("0.1", "0"):
-        result = run_tool(*tool, "--dropout", dropout, "--json", "-", env={"TRITON_INTERPRET": "1"})
+        result = run_tool(*tool, "--dropout", dropout, "--json", "-")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         reports[dropout] = json.loads(result.stdout)  # --json -: the figures alone on standard output
     report, plain = reports["0.1"], reports["0"]
@@ -684,6 +683,5 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
              "with fake_cuda_device():\n    assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)\n"
              "assert not torch.cuda.is_available() and torch.Tensor.__getitem__ is getitem\n"
              "assert torch.arange(6).view(2, 3)[1, 1:].tolist() == [4, 5]\n")
-    restored = subprocess.run([sys.executable, "-c", check], cwd=REPO_ROOT, capture_output=True, text=True,
-                              timeout=120)
+    restored = run_python(["-c", check], env={**os.environ, **RUN_ENVIRONMENT}, cwd=REPO_ROOT, timeout=120)
     assert restored.returncode == 0, restored.stderr[-3000:]
