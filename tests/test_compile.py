@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -674,8 +675,27 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     assert sum("inductor_random" in node["ops"] for node in forward["nodes"]) == 2, forward["nodes"]
     assert not any("inductor_random" in node["ops"] for node in plain["graphs"]["forward"]["nodes"])
     assert plain["triton_activations_per_layer"] < report["triton_activations_per_layer"] - 2, (plain, report)
+    # --trace: each fused kernel's time in a GPU step's Chrome trace, matched by name; here a trace written
+    # as torch.profiler exports one, each kernel 7 us a call in both layers, plus what is not ours
+    sys.path.insert(0, str(REPO_ROOT / "tools"))
+    from bench_layer_graph import trace_bandwidth
+
+    fused = [node for graph in report["graphs"].values() for node in graph["nodes"] if node["kind"] == "triton"]
+    names = {node["kernel"]: node["bytes"] for node in fused}  # a kernel two nodes share is launched for both
+    events = [{"ph": "X", "cat": "kernel", "name": node["kernel"], "dur": 7.0} for node in fused for _ in range(2)]
+    events += [{"ph": "X", "cat": "kernel", "name": "ampere_bf16_s16816gemm", "dur": 50.0},
+               {"ph": "X", "cat": "cpu_op", "name": next(iter(names)), "dur": 900.0}]
+    (tmp_path / "step.trace.json").write_text(json.dumps({"traceEvents": events}))
+    timed = trace_bandwidth(report, str(tmp_path / "step.trace.json"))
+    assert timed["matched"] == len(names) and timed["unmatched"] == 0, timed
+    for row in timed["kernels"]:
+        assert row["calls"] == 2 * row["nodes"] and row["mean_us"] == 7.0, row
+        assert row["tb_per_s"] == pytest.approx(names[row["kernel"]] / 7e-6 / 1e12), row
+    assert timed["total_ms"] == pytest.approx(sum(2 * row["nodes"] * 7e-3 for row in timed["kernels"]))
     refused = run_tool(*tool, "--width", "1", timeout=120)
     assert refused.returncode == 2 and "--width 1: give at least 2" in refused.stderr, refused.stderr
+    refused = run_tool(*tool, "--trace", str(tmp_path / "none.trace.json"), timeout=120)
+    assert refused.returncode == 2 and "none.trace.json: no such file" in refused.stderr, refused.stderr
     refused = run_tool(*tool, "--config", "inductor.no_such_setting=1", timeout=120)
     assert refused.returncode == 2 and "has no setting 'no_such_setting'" in refused.stderr, refused.stderr
     check = ("import sys, torch; sys.path.insert(0, 'tools'); from bench_layer_graph import fake_cuda_device\n"

@@ -4,6 +4,7 @@
 each one reads and writes.
 
     python tools/bench_layer_graph.py [--preset base] [--width 176] [--micro-batch-size 256] [--json FILE]
+    python tools/bench_layer_graph.py --width 176 --micro-batch-size 256 --trace gpu-check/.../x.pretrain.trace.json
 
 Why: on the H100s `make gpu-check` ran, Inductor's fused elementwise kernels (GELU, the residual,
 dropout and LayerNorm, the bias gradients) took ~21 ms of pretrain's ~86 ms compiled step at seq 128 x
@@ -18,14 +19,18 @@ Per scheduled kernel: what it fuses (its ATen ops) and the bytes of the buffers 
 (Inductor's `get_read_write_buffers_sizes`: whole buffers, no cache effects), also in "activations"
 (one [tokens, hidden] tensor in the compute dtype), which do not depend on the micro batch. The
 floor in ms is those bytes at the peak HBM bandwidth given (`--bandwidth`, H100 SXM's 3.35 TB/s).
+With `--trace`, a GPU step's Chrome trace at the same shape gives each of these kernels' time there
+(matched by name) and so the bandwidth it reached: which kernels are slow for their bytes.
 Figures: docs/benchmarks.md, "The compiled layer's kernels on a GPU".
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import importlib.util
+import json
 import sys
 import types
 import unittest.mock
@@ -189,6 +194,7 @@ def schedule_for_cuda(graph, inputs: list, kwargs: dict) -> tuple[list[dict], st
     """Lower and schedule one captured graph for CUDA (inside `fake_cuda_device`): one record per
     scheduled node (kind, the ATen ops it fuses, bytes read and written), and the wrapper code."""
     from torch._guards import TracingContext, tracing
+    from torch._inductor.codegen.triton import TritonScheduling
     from torch._inductor.compile_fx import compile_fx_inner
     import torch._inductor.graph as graph_lowering
     from torch._inductor.virtualized import V
@@ -212,27 +218,33 @@ def schedule_for_cuda(graph, inputs: list, kwargs: dict) -> tuple[list[dict], st
         fakes = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=cuda) if isinstance(t, torch.Tensor)
                  else t for t in inputs]
     scheduled: dict = {}
+    kernel_names: dict[str, str] = {}  # scheduler node -> the Triton kernel it went into (a GPU trace's name)
+
+    def define_kernel(scheduling, src_code, node_schedule, kernel):
+        name = define_kernel.original(scheduling, src_code, node_schedule, kernel)
+        for node in node_schedule:
+            for part in (node.get_nodes() if hasattr(node, "get_nodes") else ()):
+                kernel_names[part.get_name()] = name
+        return name
 
     def keep_schedule(lowering):
         wrapper = lowering.codegen()
-        scheduled["nodes"] = [_describe(node) for node in lowering.scheduler.nodes]
+        scheduled["nodes"] = [_describe(node, kernel_names) for node in lowering.scheduler.nodes]
         code = wrapper[0] if isinstance(wrapper, tuple) else wrapper
         scheduled["code"] = getattr(code, "value", str(code))
         raise _Stop
 
-    original = graph_lowering.GraphLowering.compile_to_module
-    graph_lowering.GraphLowering.compile_to_module = keep_schedule
-    try:
-        with contextlib.suppress(_Stop), tracing(TracingContext(mode)), V.set_fake_mode(mode):
-            compile_fx_inner(graph, fakes, **kwargs)
-    finally:
-        graph_lowering.GraphLowering.compile_to_module = original
+    define_kernel.original = TritonScheduling.define_kernel
+    with contextlib.suppress(_Stop), tracing(TracingContext(mode)), V.set_fake_mode(mode), \
+            unittest.mock.patch.object(graph_lowering.GraphLowering, "compile_to_module", keep_schedule), \
+            unittest.mock.patch.object(TritonScheduling, "define_kernel", define_kernel):
+        compile_fx_inner(graph, fakes, **kwargs)
     if "nodes" not in scheduled:
         raise RuntimeError("Inductor did not reach its scheduler for the layer's graph")
     return scheduled["nodes"], scheduled["code"]
 
 
-def _describe(node) -> dict:
+def _describe(node, kernel_names: dict[str, str]) -> dict:
     from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
 
     if isinstance(node, ExternKernelSchedulerNode):
@@ -245,7 +257,9 @@ def _describe(node) -> dict:
         targets = {origin.target for sub in node.get_nodes() for origin in getattr(sub.node, "origins", ())
                    if origin.op == "call_function"}
         ops = sorted({getattr(target, "__name__", str(target)).split(".")[0] for target in targets})
-    return {"node": node.get_name(), "kind": kind, "ops": ops, "bytes": int(node.get_read_write_buffers_sizes())}
+    kernels = sorted({kernel_names[part.get_name()] for part in node.get_nodes() if part.get_name() in kernel_names})
+    return {"node": node.get_name(), "kind": kind, "kernel": ", ".join(kernels) or ops[0], "ops": ops,
+            "bytes": int(node.get_read_write_buffers_sizes())}
 
 
 def parse_settings(texts: list[str]) -> tuple[dict, dict]:
@@ -300,6 +314,40 @@ def layer_report(preset: str, batch: int, width: int, dropout: float | None, ban
     return report
 
 
+def trace_bandwidth(report: dict, trace_path: str) -> dict:
+    """Each fused kernel's time in a GPU trace of a step at the report's shape (a Chrome trace from
+    torch.profiler: `make gpu-check`'s `*.trace.json`) and the bandwidth it reached moving its bytes.
+    Kernels are matched by name (Inductor names a kernel by its fused ops and its place in the graph,
+    the same on the GPU as here); a name met in the trace more often than the layers run it also
+    counts other graphs' kernels of that name (the embedding's, the losses')."""
+    with open(trace_path, encoding="utf-8") as file:
+        trace = json.load(file)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    durations: dict[str, list[float]] = collections.defaultdict(list)
+    for event in events:
+        if isinstance(event, dict) and event.get("cat") == "kernel" and "dur" in event:
+            durations[event.get("name", "")].append(float(event["dur"]))
+    kernels: dict[str, dict] = {}
+    for graph_name, graph in report["graphs"].items():
+        for node in graph["nodes"]:
+            if node["kind"] != "triton" or not node["kernel"].startswith("triton_"):
+                continue
+            row = kernels.setdefault(node["kernel"], {"graph": graph_name, "kernel": node["kernel"],
+                                                      "bytes": node["bytes"], "nodes": 0})
+            row["nodes"] += 1
+    for name, row in kernels.items():
+        times = [duration for part in name.split(", ") for duration in durations.get(part, [])]
+        row["calls"] = len(times)
+        row["mean_us"] = sum(times) / len(times) if times else None
+        row["tb_per_s"] = row["bytes"] / (row["mean_us"] * 1e-6) / 1e12 if times and row["mean_us"] > 0 else None
+    matched = [row for row in kernels.values() if row["calls"]]
+    total_us = sum(row["mean_us"] * row["calls"] for row in matched)
+    floor_us = sum(row["bytes"] * row["calls"] for row in matched) / (report["bandwidth_tbps"] * 1e12) * 1e6
+    return {"path": trace_path, "kernels": sorted(kernels.values(), key=lambda row: -(row["mean_us"] or 0)),
+            "matched": len(matched), "unmatched": len(kernels) - len(matched), "total_ms": total_us / 1e3,
+            "floor_ms": floor_us / 1e3}
+
+
 def print_report(report: dict) -> None:
     print(f"{report['preset']} layer, micro batch {report['micro_batch_size']} x width {report['width']}, dropout "
           f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}: "
@@ -307,12 +355,22 @@ def print_report(report: dict) -> None:
     for name, graph in report["graphs"].items():
         print(f"\n{name}: {graph['triton_launches']} Triton launches, {graph['extern_calls']} extern calls; fused "
               f"kernels move {graph['triton_bytes'] / 1e9:.3f} GB = {graph['triton_activations']:.2f} activations")
-        print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}  ATen ops")
+        print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}  kernel (a GPU trace's name) or extern call")
         for node in sorted(graph["nodes"], key=lambda node: -node["bytes"]):
             print(f"  {node['kind']:7s} {node['bytes'] / 1e6:9.1f} {node['bytes'] / report['activation_bytes']:11.2f}  "
-                  f"{', '.join(node['ops'])[:100]}")
+                  f"{node['kernel'][:110]}")
     print(f"\nfused kernels: {report['triton_activations_per_layer']:.2f} activations a layer; x {report['num_layers']} "
           f"layers at {report['bandwidth_tbps']} TB/s: {report['triton_floor_ms_per_step']:.2f} ms a step at least")
+    trace = report.get("trace")
+    if trace:
+        print(f"\nin the trace {trace['path']}: {trace['matched']} of {trace['matched'] + trace['unmatched']} fused kernels "
+              f"found, {trace['total_ms']:.2f} ms of kernel time (their bytes at {report['bandwidth_tbps']} TB/s: "
+              f"{trace['floor_ms']:.2f} ms)")
+        print(f"  {'calls':>5s} {'mean us':>9s} {'TB/s':>6s} {'MB':>8s}  kernel")
+        for row in trace["kernels"]:
+            mean = f"{row['mean_us']:9.1f}" if row["mean_us"] is not None else f"{'-':>9s}"
+            rate = f"{row['tb_per_s']:6.2f}" if row["tb_per_s"] is not None else f"{'-':>6s}"
+            print(f"  {row['calls']:5d} {mean} {rate} {row['bytes'] / 1e6:8.1f}  {row['kernel'][:100]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], metavar="OWNER.NAME=VALUE",
                         help="a torch setting for the compilation, repeatable: inductor.NAME=VALUE "
                         "(torch._inductor.config) or functorch.NAME=VALUE (AOT autograd's partitioner)")
+    parser.add_argument("--trace", help="a Chrome trace of a GPU step at this shape (make gpu-check's *.trace.json): "
+                        "each fused kernel's time there and the bandwidth it reached")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     from megatron_pmlm.config import PRESETS
@@ -342,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--dropout {args.dropout}: give a probability in [0, 1)")
     if args.bandwidth <= 0:
         parser.error(f"--bandwidth {args.bandwidth}: give a positive bandwidth in TB/s")
+    if args.trace and not Path(args.trace).is_file():
+        parser.error(f"--trace {args.trace}: no such file")
     try:
         parse_settings(args.config)
     except ValueError as error:
@@ -357,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     with logs_to_stderr(args.json):
         report = layer_report(args.preset, args.micro_batch_size, args.width, args.dropout, args.bandwidth,
                               args.config)
+        if args.trace:
+            try:
+                report["trace"] = trace_bandwidth(report, args.trace)
+            except (OSError, ValueError, KeyError, TypeError) as error:
+                print(f"error: --trace {args.trace}: not a Chrome trace ({type(error).__name__}: {error})",
+                      file=sys.stderr)
+                return 2
         print_report(report)
     if args.json:
         write_json_atomically(args.json, report)
