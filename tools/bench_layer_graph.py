@@ -12,7 +12,9 @@ dropout and LayerNorm, the bias gradients) took ~21 ms of pretrain's ~86 ms comp
 differently (C++ kernels, other fusions), so this tool asks Inductor what it would run on CUDA:
 - the layer (the triton attention backend, as `--attention-backend auto` picks on SM 8.0+, bf16
   weights as DeepSpeed casts them, the recipe's dropout) is traced by dynamo and split into forward
-  and backward by AOT autograd on the CPU, as `--compile` does (device-independent steps);
+  and backward by AOT autograd on the CPU, as `--compile` does (device-independent steps but one:
+  LayerNorm's decomposition keeps its per-token mean and 1/std in the input's dtype on a CPU, in fp32
+  on a GPU, 1/768 of an activation each);
 - each graph is then lowered and scheduled for a CUDA device with fake tensors (shapes, strides and
   dtypes only), torch.cuda answering as an H100 would; Triton kernels are generated, not compiled.
 Per scheduled kernel: what it fuses (its ATen ops) and the bytes of the buffers it reads and writes
