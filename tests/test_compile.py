@@ -655,6 +655,7 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     CUDA schedule of one compiled layer, without a GPU. The GELU kernel moves the pre-activation in and
     its output out (2 x ffn / hidden activations); the attention stays our custom op; dropout is drawn
     inside the fused kernels, and its masks and extra kernels cost bytes a run without it does not move;
+    GELU's backward is our kernel, which sums the FFN bias gradient (no Inductor kernel reads it again);
     the process's torch.cuda answers as before once the schedule is made."""
     tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
     reports = {}
@@ -674,13 +675,22 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
         assert graph["triton_launches"] > 0 and graph["triton_bytes"] > 0, graph
     assert sum("inductor_random" in node["ops"] for node in forward["nodes"]) == 2, forward["nodes"]
     assert not any("inductor_random" in node["ops"] for node in plain["graphs"]["forward"]["nodes"])
-    assert plain["triton_activations_per_layer"] < report["triton_activations_per_layer"] - 2, (plain, report)
+    assert plain["memory_bound_activations_per_layer"] < report["memory_bound_activations_per_layer"] - 2, plain
+    # GELU's backward is our kernel (models/ffn_activation.py), which sums the FFN bias gradient too:
+    # no Inductor kernel computes or re-reads GELU's input gradient
+    ours = [node for node in backward["nodes"] if node["kind"] == "ours"]
+    assert [node["kernel"] for node in ours] == ["gelu_backward_kernel"] and backward["our_kernels"] == 1, ours
+    assert not [node for node in backward["nodes"] if node["kind"] == "triton" and "erf" in node["ops"]], backward
+    # it reads the gradient and the pre-activation, writes GELU's input gradient (3 x ffn / hidden
+    # activations) and the fp32 bias gradient
+    gelu_bytes = 3 * config.ffn_hidden_size // config.hidden_size * report["activation_bytes"]
+    assert ours[0]["bytes"] == gelu_bytes + 4 * config.ffn_hidden_size, ours
     # --trace: each fused kernel's time in a GPU step's Chrome trace, matched by name; here a trace written
     # as torch.profiler exports one, each kernel 7 us a call in both layers, plus what is not ours
     sys.path.insert(0, str(REPO_ROOT / "tools"))
     from bench_layer_graph import trace_bandwidth
 
-    fused = [node for graph in report["graphs"].values() for node in graph["nodes"] if node["kind"] == "triton"]
+    fused = [node for graph in report["graphs"].values() for node in graph["nodes"] if node["kind"] in ("triton", "ours")]
     names = {node["kernel"]: node["bytes"] for node in fused}  # a kernel two nodes share is launched for both
     events = [{"ph": "X", "cat": "kernel", "name": node["kernel"], "dur": 7.0} for node in fused for _ in range(2)]
     events += [{"ph": "X", "cat": "kernel", "name": "ampere_bf16_s16816gemm", "dur": 50.0},

@@ -10,6 +10,7 @@ reason "needs a CUDA device"). `make gpu-check` runs them after its most importa
 - cached decoding equals recomputing the prefix on CUDA;
 - apex's FusedLayerNorm equals torch's LayerNorm (where apex imports);
 - the table gradient's Triton kernel equals the one-hot GEMMs, and each layer's backward uses it;
+- the FFN's GELU backward kernel equals ATen's, sums the bias gradient, and each layer's FFN uses it;
 - the triton attention backend equals sdpa for every objective (fp32), its bf16 kernels as close to
   float64 as PyTorch's own, its dropout keeping the fraction it should;
 - tools/bench_train.py runs and reports its figures;
@@ -337,6 +338,49 @@ def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_co
         model.forward_batch(batch).loss.backward()
     assert Calls.count == model.config.num_layers and model.bert.rel_pos_bias.weight.grad.abs().sum() > 0
     monkeypatch.setattr(bucket_sums, "KERNEL_ENABLED", False)
+    twin.forward_batch(batch).loss.backward()
+    for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_ffn_gelu_backward_kernel_equals_autograds_and_the_model_uses_it(gpu_corpus, monkeypatch):
+    """`ffn_activation`'s kernel on CUDA: GELU's input gradient as ATen's (within a unit in the last
+    place and fp32's rounding of its terms) and its column sums as the fp32 sums of what it wrote, at
+    the base FFN's width; in a model's backward every layer's FFN goes through it (one call a layer)
+    and every gradient equals autograd's path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_pmlm.models import ffn_activation
+
+    if not ffn_activation.KERNEL_ENABLED:
+        pytest.skip("Triton is not importable here (or PMLM_FFN_BIAS_GRADIENT=autograd)")
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        pre = (2 * torch.randn(2, 177, 3072, device=DEVICE, generator=generator)).to(dtype)
+        grad = torch.randn(2, 177, 3072, device=DEVICE, generator=generator).to(dtype)
+        ours, sums = torch.ops.megatron_pmlm.gelu_backward_with_bias_sums(grad, pre)
+        aten = torch.ops.aten.gelu_backward(grad, pre)
+        bound = (torch.finfo(dtype).eps * aten.double().abs()
+                 + 4 * torch.finfo(torch.float32).eps * grad.double().abs() * (1 + pre.double().abs()))
+        assert bool(((ours.double() - aten.double()).abs() <= bound).all()), dtype
+        exact = ours.double().reshape(-1, 3072).sum(0)
+        assert float((sums.double() - exact).abs().max() / exact.abs().max()) <= 1e-6, dtype
+
+    class Calls(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Calls.count += func is torch.ops.megatron_pmlm.gelu_backward_with_bias_sums.default
+            return func(*args, **(kwargs or {}))
+
+    samples, _ = gpu_corpus
+    batch = _batch(samples, "ae+par", 8).to(DEVICE)
+    model = _model(_vocab_size(samples), "ae+par")
+    twin = copy.deepcopy(model)
+    with Calls():
+        model.forward_batch(batch).loss.backward()
+    assert Calls.count == model.config.num_layers
+    monkeypatch.setattr(ffn_activation, "KERNEL_ENABLED", False)
     twin.forward_batch(batch).loss.backward()
     for (name, got), (_, want) in zip(model.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)

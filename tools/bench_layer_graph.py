@@ -48,6 +48,11 @@ H100_SXM_BANDWIDTH_TBPS = 3.35
 """HBM3 bandwidth of an H100 SXM (NVIDIA's datasheet): the floor's denominator."""
 
 
+OUR_MEMORY_BOUND_KERNELS = {"megatron_pmlm.gelu_backward_with_bias_sums.default": "gelu_backward_kernel"}
+"""Our custom ops whose time is their bytes (elementwise, `models/ffn_activation.py`), with the name of
+their Triton kernel in a GPU trace: counted with Inductor's fused kernels (kind "ours")."""
+
+
 class _Stop(BaseException):
     """Raised once a graph has been captured or scheduled: nothing is ever run."""
 
@@ -62,7 +67,7 @@ def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | N
     import torch._functorch.config as functorch_config
 
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.models import bucket_attention
+    from megatron_pmlm.models import bucket_attention, ffn_activation
     from megatron_pmlm.models.model import BertLayer
     from megatron_pmlm.parallel.layers import LocalLayers
 
@@ -88,7 +93,8 @@ def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | N
 
     # Traced, never run: the triton backend's attention is a custom op, opaque to Inductor, which the model
     # accepts on the CPU only in Triton's interpreter; the trace sees it as the interpreter would.
-    with contextlib.suppress(_Stop), unittest.mock.patch.object(bucket_attention, "INTERPRETED", True):
+    with contextlib.suppress(_Stop), unittest.mock.patch.object(bucket_attention, "INTERPRETED", True), \
+            unittest.mock.patch.object(ffn_activation, "INTERPRETED", ffn_activation.KERNEL_ENABLED):
         torch.compile(BertLayer.forward, backend=keep_graph, dynamic=False)(layer, hidden, inputs)
     graph_module, example_inputs = captured["dynamo"]
 
@@ -254,6 +260,8 @@ def _describe(node, kernel_names: dict[str, str]) -> dict:
         kernel = (getattr(node.node, "python_kernel_name", None) or getattr(node.node, "op_overload", None)
                   or type(node.node).__name__)  # MultiOutput: an output of the op before it (no bytes)
         ops = [str(kernel).replace("extern_kernels.", "").replace("torch.ops.", "")]
+        if ops[0] in OUR_MEMORY_BOUND_KERNELS:
+            kind, kernel_names = "ours", {node.get_name(): OUR_MEMORY_BOUND_KERNELS[ops[0]]}
     else:
         kind = "none" if isinstance(node, NopKernelSchedulerNode) else "triton"
         targets = {origin.target for sub in node.get_nodes() for origin in getattr(sub.node, "origins", ())
@@ -305,14 +313,17 @@ def layer_report(preset: str, batch: int, width: int, dropout: float | None, ban
             nodes, code = schedule_for_cuda(graph, inputs, kwargs)
             nodes = [node for node in nodes if node["kind"] != "none"]
             fused = sum(node["bytes"] for node in nodes if node["kind"] == "triton")
+            ours = sum(node["bytes"] for node in nodes if node["kind"] == "ours")
             report["graphs"][name] = {
                 "nodes": nodes, "triton_launches": code.count(".run("),
+                "our_kernels": sum(1 for node in nodes if node["kind"] == "ours"),
                 "extern_calls": sum(1 for node in nodes if node["kind"] == "extern"),
-                "triton_bytes": fused, "extern_bytes": sum(node["bytes"] for node in nodes if node["kind"] == "extern"),
-                "triton_activations": fused / activation}
-    fused = sum(graph["triton_bytes"] for graph in report["graphs"].values())
-    report["triton_activations_per_layer"] = fused / activation
-    report["triton_floor_ms_per_step"] = fused * config.num_layers / (bandwidth_tbps * 1e12) * 1e3
+                "triton_bytes": fused, "our_bytes": ours,
+                "extern_bytes": sum(node["bytes"] for node in nodes if node["kind"] == "extern"),
+                "memory_bound_activations": (fused + ours) / activation}
+    moved = sum(graph["triton_bytes"] + graph["our_bytes"] for graph in report["graphs"].values())
+    report["memory_bound_activations_per_layer"] = moved / activation
+    report["memory_bound_floor_ms_per_step"] = moved * config.num_layers / (bandwidth_tbps * 1e12) * 1e3
     return report
 
 
@@ -332,7 +343,7 @@ def trace_bandwidth(report: dict, trace_path: str) -> dict:
     kernels: dict[str, dict] = {}
     for graph_name, graph in report["graphs"].items():
         for node in graph["nodes"]:
-            if node["kind"] != "triton" or not node["kernel"].startswith("triton_"):
+            if node["kind"] not in ("triton", "ours"):
                 continue
             row = kernels.setdefault(node["kernel"], {"graph": graph_name, "kernel": node["kernel"],
                                                       "bytes": node["bytes"], "nodes": 0})
@@ -355,17 +366,20 @@ def print_report(report: dict) -> None:
           f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}: "
           f"one activation = {report['activation_bytes'] / 1e6:.1f} MB")
     for name, graph in report["graphs"].items():
-        print(f"\n{name}: {graph['triton_launches']} Triton launches, {graph['extern_calls']} extern calls; fused "
-              f"kernels move {graph['triton_bytes'] / 1e9:.3f} GB = {graph['triton_activations']:.2f} activations")
+        print(f"\n{name}: {graph['triton_launches']} Triton launches of Inductor's, {graph['our_kernels']} of ours, "
+              f"{graph['extern_calls']} extern calls; the memory-bound kernels move "
+              f"{(graph['triton_bytes'] + graph['our_bytes']) / 1e9:.3f} GB = {graph['memory_bound_activations']:.2f} "
+              f"activations")
         print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}  kernel (a GPU trace's name) or extern call")
         for node in sorted(graph["nodes"], key=lambda node: -node["bytes"]):
             print(f"  {node['kind']:7s} {node['bytes'] / 1e6:9.1f} {node['bytes'] / report['activation_bytes']:11.2f}  "
                   f"{node['kernel'][:110]}")
-    print(f"\nfused kernels: {report['triton_activations_per_layer']:.2f} activations a layer; x {report['num_layers']} "
-          f"layers at {report['bandwidth_tbps']} TB/s: {report['triton_floor_ms_per_step']:.2f} ms a step at least")
+    print(f"\nmemory-bound kernels: {report['memory_bound_activations_per_layer']:.2f} activations a layer; x "
+          f"{report['num_layers']} layers at {report['bandwidth_tbps']} TB/s: {report['memory_bound_floor_ms_per_step']:.2f} "
+          f"ms a step at least")
     trace = report.get("trace")
     if trace:
-        print(f"\nin the trace {trace['path']}: {trace['matched']} of {trace['matched'] + trace['unmatched']} fused kernels "
+        print(f"\nin the trace {trace['path']}: {trace['matched']} of {trace['matched'] + trace['unmatched']} kernels "
               f"found, {trace['total_ms']:.2f} ms of kernel time (their bytes at {report['bandwidth_tbps']} TB/s: "
               f"{trace['floor_ms']:.2f} ms)")
         print(f"  {'calls':>5s} {'mean us':>9s} {'TB/s':>6s} {'MB':>8s}  kernel")

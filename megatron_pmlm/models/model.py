@@ -24,7 +24,7 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
                      pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
-from . import bucket_attention, bucket_sums
+from . import bucket_attention, bucket_sums, ffn_activation
 from .bucket_attention import BucketAttentionInputs
 from .relative_bias import (LayerBiasUse, PerLayerBias, blocked_bias, query_dtype, relative_attention_bias,
                             relative_buckets, relative_position_bucket)
@@ -171,6 +171,8 @@ class BertIntermediate(nn.Module):
         self.dense = layers.column_linear(config.hidden_size, config.ffn_hidden_size)
 
     def forward(self, hidden):
+        if ffn_activation.applies(self.dense, hidden):  # the bias gradient summed by GELU's backward kernel
+            return ffn_activation.ffn_gelu(self.dense, hidden)
         return F.gelu(self.dense(hidden))
 
 
@@ -378,7 +380,9 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); the
     triton backend takes head sizes 16-128 (powers of two) and runs on CUDA SM 8.0+ (or in Triton's
     interpreter); pass the `device_type` the model will run on (None: not known yet, only the
-    configuration is checked)."""
+    configuration is checked). Also refuses a malformed PMLM_FFN_BIAS_GRADIENT (`ffn_activation`)."""
+    if ffn_activation.ENVIRONMENT_PROBLEM:
+        raise ConfigError(ffn_activation.ENVIRONMENT_PROBLEM)
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")
