@@ -176,3 +176,16 @@ def kernel_code(*flags: str) -> dict:
         pytest.skip(result.stderr.strip().splitlines()[-1][:200])
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)
+
+
+def compiled_for_gpus(source: str):
+    """The JSON a script printed after compiling Triton kernels for GPUs without one (Triton's own
+    compiler; its ptxas ships with Triton: the test is skipped, saying so, where it is missing)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                            timeout=600)
+    if result.returncode and "ptxas" in result.stderr and "not found" in result.stderr.lower():
+        pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)

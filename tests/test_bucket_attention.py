@@ -20,7 +20,7 @@ import pytest
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.models import bucket_attention
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT, kernel_code, run_tool, torchrun
+from pmlm_testing import REPO_ROOT, compiled_for_gpus, kernel_code, run_tool, torchrun
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -655,14 +655,7 @@ def test_the_kernels_compile_for_the_gpus_they_are_meant_for():
     Triton): the four kernels, bf16 with dropout and dS written (both), fp16 without either (9.0);
     each kernel's shared memory within an A100's 164 KiB. What the interpreter cannot catch (types
     the GPU code generator refuses) fails here, not on a lent GPU."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", COMPILED_FOR_GPUS], cwd=REPO_ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    if result.returncode and "ptxas" in result.stderr and "not found" in result.stderr.lower():
-        pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout)
+    report = compiled_for_gpus(COMPILED_FOR_GPUS)
     assert len(report) == 12
     for entry in report:
         assert entry["cubin"] > 0 and 0 < entry["shared"] <= 164 * 1024, entry

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from megatron_pmlm.models import ffn_activation
-from pmlm_testing import REPO_ROOT
+from pmlm_testing import REPO_ROOT, compiled_for_gpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -168,8 +168,9 @@ def test_the_environment_turns_the_kernel_off_and_a_bad_value_stops_the_model():
 
 
 def test_the_path_is_taken_only_where_it_computes_the_same_model(monkeypatch):
-    """A GPU (here: the interpreter) and a plain Linear with a trained bias; never megatron-core's
-    tensor-parallel layers, a frozen bias, ZeRO-3's partitioned parameters, nor on the CPU otherwise."""
+    """A GPU (here: the interpreter) and a plain Linear with a trained bias, in training; never
+    megatron-core's tensor-parallel layers, a frozen bias, ZeRO-3's partitioned parameters, a linear
+    with forward hooks, without gradients, nor on the CPU otherwise."""
     hidden = torch.randn(2, 3, 8)
     linear = nn.Linear(8, 16)
     monkeypatch.setattr(ffn_activation, "KERNEL_ENABLED", True)
@@ -190,6 +191,11 @@ def test_the_path_is_taken_only_where_it_computes_the_same_model(monkeypatch):
     partitioned = nn.Linear(8, 16)
     partitioned.weight.ds_id = 0  # what ZeRO-3 marks its parameters with
     assert not ffn_activation.applies(partitioned, hidden)
+    hooked = nn.Linear(8, 16)  # the path does not call the module: its hooks would not run
+    hooked.register_forward_hook(lambda module, args, output: None)
+    assert not ffn_activation.applies(hooked, hidden)
+    with torch.no_grad():
+        assert not ffn_activation.applies(linear, hidden)
 
 
 COMPILED_FOR_GPUS = r"""
@@ -218,12 +224,5 @@ def test_the_gelu_backward_kernel_compiles_for_the_gpus_it_is_meant_for():
     """Triton's own compiler, without a GPU, down to SM 8.0 and 9.0 machine code for bf16, fp16 and
     fp32 (what the interpreter cannot catch: types, functions and globals the GPU code generator
     refuses; a float global not declared constexpr failed here), within an A100's shared memory."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
-    env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", COMPILED_FOR_GPUS], cwd=REPO_ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)
-    if result.returncode and "ptxas" in result.stderr and "not found" in result.stderr.lower():
-        pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout)
+    report = compiled_for_gpus(COMPILED_FOR_GPUS)
     assert len(report) == 6 and all(row["cubin"] > 0 and row["shared"] <= 164 * 1024 for row in report), report

@@ -15,7 +15,8 @@ Hugging Face exports are unchanged.
 
 Where: a CUDA tensor with Triton installed (Triton's interpreter on the CPU, for tests), a plain
 `nn.Linear` (tensor parallelism keeps megatron-core's layers as they are) whose bias is trained and
-not partitioned by ZeRO-3 (its parameters are gathered by hooks around the module's own forward),
+not partitioned by ZeRO-3 (its parameters are gathered by hooks around the module's own forward)
+and that has no forward hooks of its own (this path computes the linear without calling it),
 training with gradients. Elsewhere the layer runs as before. `PMLM_FFN_BIAS_GRADIENT=autograd` keeps
 autograd's way on a GPU too (for comparisons); another value than `kernel` or `autograd` stops the
 run at start-up. A kernel that cannot compile or launch on a machine warns once and autograd's way
@@ -60,7 +61,7 @@ def applies(linear: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether the FFN whose first linear is `linear`, on `hidden`, takes the kernel's path."""
     bias = getattr(linear, "bias", None)
     return (type(linear) is nn.Linear and bias is not None and bias.requires_grad and torch.is_grad_enabled()
-            and not hasattr(linear.weight, "ds_id")
+            and not hasattr(linear.weight, "ds_id") and not (linear._forward_pre_hooks or linear._forward_hooks)
             and ((hidden.device.type == "cuda" and KERNEL_ENABLED) or INTERPRETED)
             and hidden.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
