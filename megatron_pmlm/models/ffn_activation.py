@@ -10,7 +10,8 @@ what it wrote, and the bias gradient is those sums summed: the second pass is go
 How it stays the same model: the FFN's first linear still adds its bias in the GEMM (cuBLAS's
 epilogue), with the bias detached there; `gelu_with_bias_gradient(pre, bias)` returns GELU(pre) and
 hands `bias` its gradient, the column sums of GELU's input gradient: what autograd gave it through
-the GEMM (the same values up to the order of the fp32 additions). Parameters, checkpoints and
+the GEMM (the same sums up to the order of their fp32 additions; GELU's input gradient within a
+unit in the last place of ATen's, whose fp32 erf and exp differ from Triton's). Parameters, checkpoints and
 Hugging Face exports are unchanged.
 
 Where: a CUDA tensor with Triton installed (Triton's interpreter on the CPU, for tests), a plain
@@ -19,8 +20,8 @@ not partitioned by ZeRO-3 (its parameters are gathered by hooks around the modul
 and that has no forward hooks of its own (this path computes the linear without calling it),
 training with gradients. Elsewhere the layer runs as before. `PMLM_FFN_BIAS_GRADIENT=autograd` keeps
 autograd's way on a GPU too (for comparisons); another value than `kernel` or `autograd` stops the
-run at start-up. A kernel that cannot compile or launch on a machine warns once and autograd's way
-takes over (the values are the same).
+run at start-up. A kernel that cannot compile or launch on a machine warns once and torch's ops
+(autograd's values) take over.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def gelu_backward_with_bias_sums(grad: torch.Tensor, pre: torch.Tensor) -> tuple
 
 
 def _turn_off(error: Exception) -> None:
-    """After the kernel failed: one warning, and the torch ops (the same values) from then on."""
+    """After the kernel failed: one warning, and torch's ops (autograd's values) from then on."""
     global KERNEL_ENABLED, INTERPRETED
     KERNEL_ENABLED = INTERPRETED = False
     first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
