@@ -61,6 +61,46 @@ def test_a_layer_compiles_as_one_graph_without_breaks():
     assert explanation.graph_count == 1
 
 
+def test_compiled_layers_save_the_residual_sums_and_keep_the_dropout_masks(monkeypatch):
+    """Under --compile each BertSelfOutput's residual sum is saved for the backward (selective
+    checkpointing's MUST_SAVE; models.model.RESIDUAL_SUMS_SAVED) rather than recomputed: the layer is
+    still one graph, and with dropout its output and every gradient are those of the same compiled
+    layer without the mark (the same seed, so the same masks): the backward used the forward's masks,
+    none redrawn. Eager runs are not wrapped."""
+    from megatron_pmlm.models import model as model_module
+
+    config = model_config_from_preset("tiny", vocab_size=VOCAB, hidden_dropout=0.1, attention_dropout=0.1)
+    torch.manual_seed(0)
+    layer = BertLayer(config, PMLMForPreTraining(config).layers).train()
+    hidden = torch.randn(2, 24, config.hidden_size)
+    bias = torch.randn(2, config.num_attention_heads, 24, 24).masked_fill(torch.rand(2, 1, 24, 24) < 0.2,
+                                                                           float("-inf"))
+    explanation = torch._dynamo.explain(layer)(hidden.requires_grad_(), bias)
+    assert explanation.graph_break_count == 0 and explanation.graph_count == 1, explanation.break_reasons
+
+    def step(saved: bool):
+        monkeypatch.setattr(model_module, "RESIDUAL_SUMS_SAVED", saved)
+        torch._dynamo.reset()
+        compiled = torch.compile(BertLayer.forward, dynamic=False)
+        layer.zero_grad(set_to_none=True)
+        inputs = hidden.detach().requires_grad_()
+        torch.manual_seed(7)
+        with one_thread():
+            out = compiled(layer, inputs, bias)
+            (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+        return out.detach(), {**{name: p.grad for name, p in layer.named_parameters()}, "input": inputs.grad}
+
+    saved_out, saved_grads = step(True)
+    recomputed_out, recomputed_grads = step(False)
+    torch.testing.assert_close(saved_out, recomputed_out, rtol=0, atol=0)
+    for name, grad in recomputed_grads.items():
+        _fp32_close(saved_grads[name], grad, name)
+    calls = []
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append(a) or a[0](*a[1:]))
+    layer(hidden, bias).sum().backward()  # eager: no checkpoint wrapper
+    assert calls == []
+
+
 STEP_CASES = {"pmlm": lambda: pmlm_case("ae+par"), "unilm": unilm_case, "s2s": lambda: seq2seq_case("masked")}
 """The models --compile serves (tests/test_attention_bias.py's tiny cases): PMLM, UniLM v1 (its NSP
 head and loss), seq2seq fine-tuning (label smoothing)."""
@@ -656,14 +696,24 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     its output out (2 x ffn / hidden activations); the attention stays our custom op; dropout is drawn
     inside the fused kernels, and its masks and extra kernels cost bytes a run without it does not move;
     GELU's backward is our kernel, which sums the FFN bias gradient (no Inductor kernel reads it again);
+    the residual sums saved rather than recomputed move fewer bytes than the partitioner's choice;
     the process's torch.cuda answers as before once the schedule is made."""
     tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
     reports = {}
-    for dropout in ("0.1", "0"):
-        result = run_tool(*tool, "--dropout", dropout, "--json", "-")
+    for name, flags in (("0.1", ["--dropout", "0.1"]), ("0", ["--dropout", "0"]),
+                        ("recomputed", ["--dropout", "0.1", "--recompute-residual-sums"])):
+        result = run_tool(*tool, *flags, "--json", "-")
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        reports[dropout] = json.loads(result.stdout)  # --json -: the figures alone on standard output
-    report, plain = reports["0.1"], reports["0"]
+        reports[name] = json.loads(result.stdout)  # --json -: the figures alone on standard output
+    report, plain, recomputed = reports["0.1"], reports["0"], reports["recomputed"]
+    # the residual sums saved (models.model.RESIDUAL_SUMS_SAVED): one more activation written forward,
+    # the backward's recomputation of the attention block's sum (and its fp32 round trip) gone
+    assert report["residual_sums_saved"] and not recomputed["residual_sums_saved"]
+    saved_graphs, recomputed_graphs = report["graphs"], recomputed["graphs"]
+    assert saved_graphs["forward"]["memory_bound_activations"] <= \
+        recomputed_graphs["forward"]["memory_bound_activations"] + 1.1, (saved_graphs, recomputed_graphs)
+    assert saved_graphs["backward"]["memory_bound_activations"] <= \
+        recomputed_graphs["backward"]["memory_bound_activations"] - 2.5, (saved_graphs, recomputed_graphs)
     config = model_config_from_preset("tiny")
     forward, backward = report["graphs"]["forward"], report["graphs"]["backward"]
     gelu = [node for node in forward["nodes"] if "erf" in node["ops"]]

@@ -58,16 +58,17 @@ class _Stop(BaseException):
 
 
 def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | None,
-                         functorch_settings: dict | None = None) -> tuple[list, object]:
+                         functorch_settings: dict | None = None, residual_sums_saved: bool = True) -> tuple[list, object]:
     """The forward and backward graphs AOT autograd hands Inductor for one compiled BertLayer (as
     `compiled.compile_transformer_layers` compiles it), with their example inputs and Inductor's
     keyword arguments; and the model config. `functorch_settings`: torch._functorch.config values
-    for the split (its partitioner's)."""
+    for the split (its partitioner's); `residual_sums_saved`: `model.RESIDUAL_SUMS_SAVED` (False: the
+    partitioner decides, as before that mark)."""
     from torch._inductor.compile_fx import compile_fx
     import torch._functorch.config as functorch_config
 
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.models import bucket_attention, ffn_activation
+    from megatron_pmlm.models import bucket_attention, ffn_activation, model
     from megatron_pmlm.models.model import BertLayer
     from megatron_pmlm.parallel.layers import LocalLayers
 
@@ -94,7 +95,8 @@ def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | N
     # Traced, never run: the triton backend's attention is a custom op, opaque to Inductor, which the model
     # accepts on the CPU only in Triton's interpreter; the trace sees it as the interpreter would.
     with contextlib.suppress(_Stop), unittest.mock.patch.object(bucket_attention, "INTERPRETED", True), \
-            unittest.mock.patch.object(ffn_activation, "INTERPRETED", ffn_activation.KERNEL_ENABLED):
+            unittest.mock.patch.object(ffn_activation, "INTERPRETED", ffn_activation.KERNEL_ENABLED), \
+            unittest.mock.patch.object(model, "RESIDUAL_SUMS_SAVED", residual_sums_saved):
         torch.compile(BertLayer.forward, backend=keep_graph, dynamic=False)(layer, hidden, inputs)
     graph_module, example_inputs = captured["dynamo"]
 
@@ -297,17 +299,18 @@ def parse_settings(texts: list[str]) -> tuple[dict, dict]:
 
 
 def layer_report(preset: str, batch: int, width: int, dropout: float | None, bandwidth_tbps: float,
-                 settings: list[str] | None = None) -> dict:
+                 settings: list[str] | None = None, residual_sums_saved: bool = True) -> dict:
     """Both graphs' schedules with their totals (see the module docstring), under `settings`
-    (`parse_settings`)."""
+    (`parse_settings`) and `residual_sums_saved` (`capture_layer_graphs`)."""
     import torch._inductor.config as inductor_config
 
     inductor_settings, functorch_settings = parse_settings(settings or [])
-    graphs, config = capture_layer_graphs(preset, batch, width, dropout, functorch_settings)
+    graphs, config = capture_layer_graphs(preset, batch, width, dropout, functorch_settings, residual_sums_saved)
     activation = batch * width * config.hidden_size * 2  # one [tokens, hidden] bf16 tensor
     report = {"preset": preset, "micro_batch_size": batch, "width": width, "hidden_size": config.hidden_size,
               "num_layers": config.num_layers, "dropout": config.hidden_dropout, "activation_bytes": activation,
-              "bandwidth_tbps": bandwidth_tbps, "settings": list(settings or []), "graphs": {}}
+              "bandwidth_tbps": bandwidth_tbps, "settings": list(settings or []),
+              "residual_sums_saved": residual_sums_saved, "graphs": {}}
     with fake_cuda_device(), inductor_config.patch(inductor_settings):
         for name, (graph, inputs, kwargs) in zip(("forward", "backward"), graphs):
             nodes, code = schedule_for_cuda(graph, inputs, kwargs)
@@ -363,7 +366,8 @@ def trace_bandwidth(report: dict, trace_path: str) -> dict:
 
 def print_report(report: dict) -> None:
     print(f"{report['preset']} layer, micro batch {report['micro_batch_size']} x width {report['width']}, dropout "
-          f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}: "
+          f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}"
+          f"{'' if report['residual_sums_saved'] else ', residual sums recomputed'}: "
           f"one activation = {report['activation_bytes'] / 1e6:.1f} MB")
     for name, graph in report["graphs"].items():
         print(f"\n{name}: {graph['triton_launches']} Triton launches of Inductor's, {graph['our_kernels']} of ours, "
@@ -403,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=[], metavar="OWNER.NAME=VALUE",
                         help="a torch setting for the compilation, repeatable: inductor.NAME=VALUE "
                         "(torch._inductor.config) or functorch.NAME=VALUE (AOT autograd's partitioner)")
+    parser.add_argument("--recompute-residual-sums", action="store_true",
+                        help="leave the residual sums to AOT autograd's partitioner (models.model.RESIDUAL_SUMS_SAVED "
+                        "off), as before they were marked to be saved: the schedule that mark changed")
     parser.add_argument("--trace", help="a Chrome trace of a GPU step at this shape (make gpu-check's *.trace.json): "
                         "each fused kernel's time there and the bandwidth it reached")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
@@ -434,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
     with logs_to_stderr(args.json):
         report = layer_report(args.preset, args.micro_batch_size, args.width, args.dropout, args.bandwidth,
-                              args.config)
+                              args.config, residual_sums_saved=not args.recompute_residual_sums)
         if args.trace:
             try:
                 report["trace"] = trace_bandwidth(report, args.trace)

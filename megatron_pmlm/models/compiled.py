@@ -28,7 +28,9 @@ one kernel on CUDA).
   instance): dynamo, inlining nn.Modules, treats parameters as inputs, so a 12-layer model
   compiles one layer graph per shape.
 - Activation checkpointing stays outside: `model.checkpointed_layer` recomputes the compiled layer
-  under non-reentrant checkpointing, unchanged.
+  under non-reentrant checkpointing, unchanged. Inside the layer, each BertSelfOutput marks its
+  residual sum for AOT autograd to save (`model.RESIDUAL_SUMS_SAVED`: selective checkpointing's
+  policy, nothing recomputed), which with dropout it had recomputed in the backward.
 - Shapes: the layout width T varies per micro batch. Compiled for static shapes, the model pads T
   to a multiple of `COMPILE_LAYOUT_QUANTUM` (`compile_layout_quantum`; $PMLM_LAYOUT_QUANTUM wins),
   so few widths compile; each new shape is counted and announced on rank 0 (`compilations`), and

@@ -142,6 +142,28 @@ class BertSelfAttention(nn.Module):
         return context.transpose(1, 2).reshape(batch, length, -1)
 
 
+RESIDUAL_SUMS_SAVED = True
+"""Under `--compile`, each BertSelfOutput's residual sum (its LayerNorm's input) is one AOT autograd's
+partitioner must save for the backward (selective activation checkpointing's MUST_SAVE; every other
+op PREFER_SAVE, so nothing is recomputed): with dropout it otherwise recomputed the attention block's
+sum from the saved GEMM output, mask and residual, in a backward kernel of its own that wrote it in
+fp32 for the LayerNorm's backward (tools/bench_layer_graph.py: 4.5 activations of memory traffic a
+layer at base; the memory held is the same, the sum in place of the GEMM output). Eager runs are
+never wrapped."""
+
+
+def _save_residual_sums(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.add.Tensor else CheckpointPolicy.PREFER_SAVE
+
+
+def _residual_sums_saved():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_residual_sums)
+
+
 class BertSelfOutput(nn.Module):
     """Projection + dropout + residual + post-LayerNorm (used after attention and after the FFN)."""
 
@@ -152,6 +174,12 @@ class BertSelfOutput(nn.Module):
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if RESIDUAL_SUMS_SAVED and torch.compiler.is_compiling() and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(self._normed_sum, hidden, residual, use_reentrant=False,
+                                                     context_fn=_residual_sums_saved)
+        return self._normed_sum(hidden, residual)
+
+    def _normed_sum(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return self.LayerNorm(self.dropout(self.dense(hidden)) + residual)
 
 
