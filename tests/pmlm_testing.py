@@ -189,3 +189,26 @@ def compiled_for_gpus(source: str):
         pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout)
+
+
+def philox_keep_bits(seed: int, rows: int, columns: int, threshold: int, rounds: int = 7):
+    """numpy's reference for `hidden_dropout.dropout_keep_bits` (Salmon et al.'s Philox4x32, written
+    from the paper's round function, not Triton's code): uint8 [rows, ceil(columns / 8)], bit k of
+    byte c set where the k-th 16-bit half of Philox(key = seed, counter = (c, row, 0, 0)) >= threshold."""
+    import numpy as np
+
+    byte_columns = (columns + 7) // 8
+    word = np.uint64(0xFFFFFFFF)
+    c0 = np.tile(np.arange(byte_columns, dtype=np.uint64), (rows, 1))
+    c1 = np.tile(np.arange(rows, dtype=np.uint64)[:, None], (1, byte_columns))
+    c2, c3 = np.zeros_like(c0), np.zeros_like(c0)
+    k0, k1 = np.uint64(seed) & word, (np.uint64(seed) >> np.uint64(32)) & word
+    for _ in range(rounds):
+        product0, product2 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # exact in 64 bits
+        c0, c1, c2, c3 = (((product2 >> np.uint64(32)) ^ c1 ^ k0) & word, product2 & word,
+                          ((product0 >> np.uint64(32)) ^ c3 ^ k1) & word, product0 & word)
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & word, (k1 + np.uint64(0xBB67AE85)) & word
+    halves = [part for c in (c0, c1, c2, c3) for part in (c & np.uint64(0xFFFF), c >> np.uint64(16))]
+    keep = np.stack(halves, -1) >= threshold
+    keep &= (np.arange(byte_columns * 8) < columns).reshape(byte_columns, 8)
+    return (keep.astype(np.uint32) << np.arange(8, dtype=np.uint32)).sum(-1).astype(np.uint8)

@@ -48,9 +48,12 @@ H100_SXM_BANDWIDTH_TBPS = 3.35
 """HBM3 bandwidth of an H100 SXM (NVIDIA's datasheet): the floor's denominator."""
 
 
-OUR_MEMORY_BOUND_KERNELS = {"megatron_pmlm.gelu_backward_with_bias_sums.default": "gelu_backward_kernel"}
-"""Our custom ops whose time is their bytes (elementwise, `models/ffn_activation.py`), with the name of
-their Triton kernel in a GPU trace: counted with Inductor's fused kernels (kind "ours")."""
+OUR_MEMORY_BOUND_KERNELS = {"megatron_pmlm.gelu_backward_with_bias_sums.default": "gelu_backward_kernel",
+                            "megatron_pmlm.dropout_keep_bits.default": "dropout_keep_bits_kernel"}
+"""Our custom ops that run beside Inductor's fused kernels, with the name of their Triton kernel in a GPU
+trace (kind "ours"): GELU's backward (`models/ffn_activation.py`), whose time is its bytes, and the
+hidden dropout's bits (`models/hidden_dropout.py`), whose few bytes are counted but whose time is its
+Philox arithmetic (a call per 8 positions)."""
 
 
 class _Stop(BaseException):
@@ -68,7 +71,7 @@ def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | N
     import torch._functorch.config as functorch_config
 
     from megatron_pmlm.config import model_config_from_preset
-    from megatron_pmlm.models import bucket_attention, ffn_activation, model
+    from megatron_pmlm.models import bucket_attention, ffn_activation, hidden_dropout, model
     from megatron_pmlm.models.model import BertLayer
     from megatron_pmlm.parallel.layers import LocalLayers
 
@@ -96,6 +99,7 @@ def capture_layer_graphs(preset: str, batch: int, width: int, dropout: float | N
     # accepts on the CPU only in Triton's interpreter; the trace sees it as the interpreter would.
     with contextlib.suppress(_Stop), unittest.mock.patch.object(bucket_attention, "INTERPRETED", True), \
             unittest.mock.patch.object(ffn_activation, "INTERPRETED", ffn_activation.KERNEL_ENABLED), \
+            unittest.mock.patch.object(hidden_dropout, "INTERPRETED", hidden_dropout.KERNEL_ENABLED), \
             unittest.mock.patch.object(model, "RESIDUAL_SUMS_SAVED", residual_sums_saved):
         torch.compile(BertLayer.forward, backend=keep_graph, dynamic=False)(layer, hidden, inputs)
     graph_module, example_inputs = captured["dynamo"]

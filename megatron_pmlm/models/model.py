@@ -24,7 +24,8 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
                      pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
-from . import bucket_attention, bucket_sums, ffn_activation
+from . import bucket_attention, bucket_sums, ffn_activation, hidden_dropout
+from .hidden_dropout import UNPACKING_OPS, HiddenDropout
 from .bucket_attention import BucketAttentionInputs
 from .relative_bias import (LayerBiasUse, PerLayerBias, blocked_bias, query_dtype, relative_attention_bias,
                             relative_buckets, relative_position_bucket)
@@ -84,7 +85,7 @@ class BertEmbeddings(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = layer_norm(config.hidden_size, config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout)
 
     def forward(self, input_ids, position_ids, token_type_ids):
         embeddings = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
@@ -155,7 +156,10 @@ never wrapped."""
 def _save_residual_sums(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.add.Tensor else CheckpointPolicy.PREFER_SAVE
+    if op is torch.ops.aten.add.Tensor:
+        return CheckpointPolicy.MUST_SAVE
+    # the dropout's kept positions recomputed from its bits (`hidden_dropout`), not saved a byte each
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in UNPACKING_OPS else CheckpointPolicy.PREFER_SAVE
 
 
 def _residual_sums_saved():
@@ -171,7 +175,7 @@ class BertSelfOutput(nn.Module):
         super().__init__()
         self.dense = layers.row_linear(in_features, config.hidden_size)
         self.LayerNorm = layer_norm(config.hidden_size, config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if RESIDUAL_SUMS_SAVED and torch.compiler.is_compiling() and torch.is_grad_enabled():
@@ -408,9 +412,11 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     on CUDA devices below compute capability 8.0 (`flex_attention.flex_capability_problem`); the
     triton backend takes head sizes 16-128 (powers of two) and runs on CUDA SM 8.0+ (or in Triton's
     interpreter); pass the `device_type` the model will run on (None: not known yet, only the
-    configuration is checked). Also refuses a malformed PMLM_FFN_BIAS_GRADIENT (`ffn_activation`)."""
-    if ffn_activation.ENVIRONMENT_PROBLEM:
-        raise ConfigError(ffn_activation.ENVIRONMENT_PROBLEM)
+    configuration is checked). Also refuses a malformed PMLM_FFN_BIAS_GRADIENT (`ffn_activation`) or
+    PMLM_HIDDEN_DROPOUT (`hidden_dropout`)."""
+    for problem in (ffn_activation.ENVIRONMENT_PROBLEM, hidden_dropout.ENVIRONMENT_PROBLEM):
+        if problem:
+            raise ConfigError(problem)
     if config.attention_backend == "flex" and config.attention_dropout > 0:
         raise ConfigError(f"attention backend flex has no attention dropout: set --attention-dropout 0 "
                           f"(now {config.attention_dropout}) or use --attention-backend sdpa")

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .layout import IGNORE_INDEX, PAD, pmlm_attention_allowed
+from .hidden_dropout import HiddenDropout
 from .metrics import MetricSpec
 from .model import (BertAttention, BertIntermediate, BertModel, BertOnlyMLMHead, BertSelfAttention, BertSelfOutput,
                     LayerKeyValues, PMLMLosses, initialize_weights, mask_vocabulary_padding, pmlm_losses,
@@ -218,7 +219,7 @@ class DecoderEmbeddings(nn.Module):
         super().__init__()
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout)
         self.layers = layers
 
     def forward(self, word_embedding_weight: torch.Tensor, input_ids, position_ids):

@@ -36,6 +36,7 @@ from . import bucket_attention
 from .layout import (MASKED, PSEUDO, AttentionRule, gather_slots, pad_layout_inputs, pmlm_attention_allowed,
                      pmlm_predicted_index, widen_flat_index)
 from .flex_attention import build_block_mask, build_flex_attention_mask, default_layout_quantum
+from .hidden_dropout import HiddenDropout
 from .model import (BertLayer, BertPredictionHeadTransform, RelativePositionBias, initialize_weights,
                     mask_vocabulary_padding, pmlm_losses_from_logits, triton_attention_inputs, vocabulary_padding)
 from .objectives import Objective
@@ -132,7 +133,7 @@ class EmbeddingPipe(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = HiddenDropout(config.hidden_dropout)
         self.rel_pos_bias = (RelativePositionBias(config.num_attention_heads // layers.tensor_parallel_size,
                                                   config.rel_pos_bins, config.max_rel_pos)
                              if config.rel_pos else None)
