@@ -5,6 +5,7 @@ each one reads and writes.
 
     python tools/bench_layer_graph.py [--preset base] [--width 176] [--micro-batch-size 256] [--json FILE]
     python tools/bench_layer_graph.py --width 176 --micro-batch-size 256 --trace gpu-check/.../x.pretrain.trace.json
+    python tools/bench_layer_graph.py --instructions
 
 Why: on the H100s `make gpu-check` ran, Inductor's fused elementwise kernels (GELU, the residual,
 dropout and LayerNorm, the bias gradients) took ~21 ms of pretrain's ~86 ms compiled step at seq 128 x
@@ -22,7 +23,10 @@ Per scheduled kernel: what it fuses (its ATen ops) and the bytes of the buffers 
 (one [tokens, hidden] tensor in the compute dtype), which do not depend on the micro batch. The
 floor in ms is those bytes at the peak HBM bandwidth given (`--bandwidth`, H100 SXM's 3.35 TB/s).
 With `--trace`, a GPU step's Chrome trace at the same shape gives each of these kernels' time there
-(matched by name) and so the bandwidth it reached: which kernels are slow for their bytes.
+(matched by name) and so the bandwidth it reached: which kernels are slow for their bytes. With
+`--instructions`, each kernel is also compiled for SM 9.0 (Triton's compiler and cuobjdump, still no
+GPU) and its SASS instructions an element give an issue floor beside the bytes' floor: a kernel whose
+instructions take longer than its bytes is slow for its arithmetic (Inductor's dropout draws were).
 Figures: docs/benchmarks.md, "The compiled layer's kernels on a GPU".
 """
 
@@ -33,6 +37,7 @@ import collections
 import contextlib
 import importlib.util
 import json
+import re
 import sys
 import types
 import unittest.mock
@@ -278,6 +283,145 @@ def _describe(node, kernel_names: dict[str, str]) -> dict:
             "bytes": int(node.get_read_write_buffers_sizes())}
 
 
+H100_SXM_ISSUE = (132, 4, 1.98e9)
+"""An H100 SXM's SMs, the warp instructions each issues a clock (one a scheduler) and its boost clock:
+the issue floor's denominator (optimistic: integer multiplies, Philox's, issue at half that rate)."""
+OUR_LAUNCHES = {
+    "gelu_backward_kernel": ("megatron_pmlm.models.ffn_activation_triton", {
+        "grad_ptr": "*bf16", "pre_ptr": "*bf16", "out_ptr": "*bf16", "partial_ptr": "*fp32", "rows": "i32",
+        "columns": "i32", "ROWS": "constexpr", "COLUMNS": "constexpr", "ROUND_TO_BF16": "constexpr"},
+        {"ROWS": 32, "COLUMNS": 128, "ROUND_TO_BF16": False}, 4, 32 * 128, "ffn"),
+    "dropout_keep_bits_kernel": ("megatron_pmlm.models.hidden_dropout_triton", {
+        "seed_ptr": "*i64", "bits_ptr": "*u8", "rows": "i32", "columns": "i32", "byte_columns": "i32",
+        "threshold": "i32", "ROWS": "constexpr", "BYTES": "constexpr"},
+        {"ROWS": 32, "BYTES": 32}, 4, 32 * 32 * 8, "hidden")}
+"""Our kernels' launches as models/ffn_activation.py and models/hidden_dropout.py make them: module,
+signature, constexprs, warps, elements a program (GELU: [tokens, ffn] values; dropout: positions of
+[tokens, hidden]) and which width's [tokens, width] elements the launch covers."""
+KERNEL_SOURCE = re.compile(r"(\w+) = async_compile\.triton\('\w+', '''(.*?)''', device_str='cuda'\)", re.S)
+"""An Inductor kernel's definition in its wrapper code: its name and Triton source."""
+
+
+def _sass(compiled) -> tuple[list[str], list[str], int]:
+    """(every SASS instruction, the hot loop's, registers a thread) of a compiled Triton kernel, read by
+    Triton's cuobjdump as tools/bench_kernel_code.py reads it."""
+    import subprocess
+    import tempfile
+
+    from bench_kernel_code import INSTRUCTION, binary_tools, hot_loop
+
+    cuobjdump = binary_tools()
+    with tempfile.TemporaryDirectory() as folder:
+        cubin = Path(folder) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    registers = re.search(r"\bREG:(\d+)", usage)
+    return [text for _, text in INSTRUCTION.findall(sass)], hot_loop(sass), int(registers.group(1)) if registers else 0
+
+
+def _count(kernel, signature: dict, constexprs: dict, attributes: dict, warps: int, capability: int) -> dict:
+    """One kernel compiled for a GPU of `capability`: its SASS instructions, its hot loop's, its registers."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attributes),
+                              target=GPUTarget("cuda", capability, 32), options={"num_warps": warps, "num_stages": 1})
+    instructions, loop, registers = _sass(compiled)
+    return {"sass_instructions": len(instructions), "loop_instructions": len(loop), "registers": registers,
+            "num_warps": warps}
+
+
+def inductor_launches(source: str, folder: Path):
+    """(the jitted kernel, Inductor's candidate launches as [(constexprs, warps)], its signature and
+    alignment) of one Inductor kernel's source: its heuristics decorator run with the autotuner
+    replaced by a recorder (the launches it would time on the GPU; inside `fake_cuda_device`)."""
+    from torch._inductor.runtime import triton_heuristics
+
+    name = re.search(r"^def (\w+)\(", source, re.M).group(1)
+    recorded: dict = {}
+
+    def record(size_hints, configs, triton_meta, heuristic_type, filename=None, inductor_meta=None, **kwargs):
+        recorded.update(configs=list(configs), meta=triton_meta)
+        return lambda kernel: kernel
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.py"
+    path.write_text(source.replace("triton_helpers.set_driver_to_gpu()", ""))
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    with unittest.mock.patch.object(triton_heuristics, "cached_autotune", record):
+        spec.loader.exec_module(module)
+    meta = recorded["meta"]
+    launches = []
+    for launch in recorded["configs"]:
+        constexprs = {key: value for key, value in {**meta.get("constants", {}), **launch.kwargs}.items()
+                      if key in meta["signature"]}
+        if (constexprs, launch.num_warps) not in launches:
+            launches.append((constexprs, launch.num_warps))
+    return getattr(module, name), launches, meta["signature"], meta["configs"][0]
+
+
+def _instructions_per_element(source: str, sizes: dict, constexprs: dict, warps: int, folder: Path,
+                              capability: int) -> dict:
+    """A thread's SASS instructions per element of an Inductor kernel's iteration space at one launch:
+    a pointwise kernel's per block of elements; a persistent reduction's per block of whole rows (a
+    mix-order reduction's loop over rows, an iteration per XBLOCK rows); a looped reduction's whole
+    program over its rows, its loop of R0_BLOCK-wide chunks counted from the kernel compiled for one
+    and for two chunks (Triton unrolls loops of constant trip counts, partly or wholly)."""
+    kernel, _, signature, alignment = inductor_launches(source, folder / "launch")
+    row = _count(kernel, signature, constexprs, alignment, warps, capability)
+    rows = min(constexprs.get("XBLOCK", 1), sizes["x"]) * min(constexprs.get("YBLOCK", 1), sizes.get("y", 1))
+    threads = warps * 32
+    if "@triton_heuristics.persistent_reduction(" in source or "r0_" not in sizes:
+        issued = row["loop_instructions"] or row["sass_instructions"]
+        return {**row, "instructions_per_element": issued * threads / (rows * sizes.get("r0_", 1))}
+    chunk = min(constexprs.get("R0_BLOCK", sizes["r0_"]), sizes["r0_"])
+    totals = []
+    for chunks in (1, 2):
+        variant = re.sub(r"\br0_numel = \d+", f"r0_numel = {chunk * chunks}", source)
+        kernel, _, _, _ = inductor_launches(variant, folder / f"chunks{chunks}")
+        totals.append(_count(kernel, signature, constexprs, alignment, warps, capability)["sass_instructions"])
+    trips = -(-sizes["r0_"] // chunk)
+    issued = totals[0] + (trips - 1) * (totals[1] - totals[0])
+    return {**row, "instructions_per_element": issued * threads / (rows * sizes["r0_"])}
+
+
+def kernel_instructions(codes: list[str], tokens: int, config, wanted: set[str], capability: int = 90) -> dict[str, dict]:
+    """Each Triton kernel named in `wanted` of the scheduled graphs' wrapper `codes` (Inductor's, of static
+    sizes: at the fewest instructions among the launches Inductor would time) and of ours, compiled for a
+    GPU of `capability` on the CPU (Triton's compiler and cuobjdump, no GPU): SASS instructions a thread
+    issues per element of the kernel's iteration space, and the elements (`tokens` rows for ours)."""
+    import tempfile
+
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_layer_graph_") as folder:
+        for name, source in (pair for code in codes for pair in KERNEL_SOURCE.findall(code)):
+            sizes = {axis: int(value) for axis, value in re.findall(r"\b(x|y|r0_)numel = (\d+)", source)}
+            if "x" not in sizes or name in results or name not in wanted:
+                continue  # of symbolic sizes, counted, or not asked for
+            _, launches, signature, _ = inductor_launches(source, Path(folder) / name)
+            counted = []
+            for constexprs, warps in launches:
+                if any(kind == "constexpr" and key not in constexprs for key, kind in signature.items()):
+                    continue  # a launch parameter this tool does not model
+                row = _instructions_per_element(source, sizes, constexprs, warps, Path(folder) / name, capability)
+                counted.append({**row, "launch": {key: value for key, value in constexprs.items()
+                                                  if key.endswith(("BLOCK", "SIZE"))}})
+            if counted:
+                results[name] = {**min(counted, key=lambda row: row["instructions_per_element"]),
+                                 "launches": len(counted), "elements": sizes["x"] * sizes.get("y", 1) * sizes.get("r0_", 1)}
+    for name, (module_name, signature, constexprs, warps, per_program, width) in OUR_LAUNCHES.items():
+        if name not in wanted:
+            continue
+        row = _count(getattr(importlib.import_module(module_name), name), signature, constexprs, {}, warps, capability)
+        results[name] = {**row, "instructions_per_element": row["sass_instructions"] * warps * 32 / per_program,
+                         "launches": 1, "launch": dict(constexprs),
+                         "elements": tokens * (config.ffn_hidden_size if width == "ffn" else config.hidden_size)}
+    return results
+
+
 def parse_settings(texts: list[str]) -> tuple[dict, dict]:
     """`inductor.NAME=VALUE` and `functorch.NAME=VALUE` (a Python literal) into torch._inductor.config
     and torch._functorch.config values, each name checked against its config (ValueError: one line)."""
@@ -303,9 +447,11 @@ def parse_settings(texts: list[str]) -> tuple[dict, dict]:
 
 
 def layer_report(preset: str, batch: int, width: int, dropout: float | None, bandwidth_tbps: float,
-                 settings: list[str] | None = None, residual_sums_saved: bool = True) -> dict:
+                 settings: list[str] | None = None, residual_sums_saved: bool = True, instructions: bool = False) -> dict:
     """Both graphs' schedules with their totals (see the module docstring), under `settings`
-    (`parse_settings`) and `residual_sums_saved` (`capture_layer_graphs`)."""
+    (`parse_settings`) and `residual_sums_saved` (`capture_layer_graphs`); with `instructions`, each
+    fused kernel's SASS instructions an element and its issue floor beside its bytes' floor
+    (`kernel_instructions`)."""
     import torch._inductor.config as inductor_config
 
     inductor_settings, functorch_settings = parse_settings(settings or [])
@@ -315,9 +461,11 @@ def layer_report(preset: str, batch: int, width: int, dropout: float | None, ban
               "num_layers": config.num_layers, "dropout": config.hidden_dropout, "activation_bytes": activation,
               "bandwidth_tbps": bandwidth_tbps, "settings": list(settings or []),
               "residual_sums_saved": residual_sums_saved, "graphs": {}}
+    codes = []
     with fake_cuda_device(), inductor_config.patch(inductor_settings):
         for name, (graph, inputs, kwargs) in zip(("forward", "backward"), graphs):
             nodes, code = schedule_for_cuda(graph, inputs, kwargs)
+            codes.append(code)
             nodes = [node for node in nodes if node["kind"] != "none"]
             fused = sum(node["bytes"] for node in nodes if node["kind"] == "triton")
             ours = sum(node["bytes"] for node in nodes if node["kind"] == "ours")
@@ -331,6 +479,20 @@ def layer_report(preset: str, batch: int, width: int, dropout: float | None, ban
     moved = sum(graph["triton_bytes"] + graph["our_bytes"] for graph in report["graphs"].values())
     report["memory_bound_activations_per_layer"] = moved / activation
     report["memory_bound_floor_ms_per_step"] = moved * config.num_layers / (bandwidth_tbps * 1e12) * 1e3
+    if instructions:
+        # the kernels moving at least 1% of an activation (seeds, concatenations of weights: not worth compiling)
+        wanted = {node["kernel"] for graph in report["graphs"].values() for node in graph["nodes"]
+                  if node["kind"] in ("triton", "ours") and node["bytes"] >= activation / 100}
+        with fake_cuda_device():  # Inductor's launch heuristics read the device
+            counted = kernel_instructions(codes, batch * width, config, wanted)
+        sms, issue, clock = H100_SXM_ISSUE
+        for node in (node for graph in report["graphs"].values() for node in graph["nodes"]):
+            row = counted.get(node["kernel"])
+            if row and node["kind"] in ("triton", "ours"):
+                node.update({key: row[key] for key in ("instructions_per_element", "registers", "num_warps", "launch")},
+                            issue_floor_us=row["instructions_per_element"] * row["elements"] / 32 / (sms * issue * clock) * 1e6,
+                            bytes_floor_us=node["bytes"] / (bandwidth_tbps * 1e12) * 1e6)
+        report["issue_rate"] = {"sms": sms, "warp_instructions_per_clock": issue, "clock_hz": clock}
     return report
 
 
@@ -378,13 +540,27 @@ def print_report(report: dict) -> None:
               f"{graph['extern_calls']} extern calls; the memory-bound kernels move "
               f"{(graph['triton_bytes'] + graph['our_bytes']) / 1e9:.3f} GB = {graph['memory_bound_activations']:.2f} "
               f"activations")
-        print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}  kernel (a GPU trace's name) or extern call")
+        counted = "issue_rate" in report
+        extra = f" {'instr/el':>8s} {'issue us':>8s} {'bytes us':>8s}" if counted else ""
+        print(f"  {'kind':7s} {'MB':>9s} {'activations':>11s}{extra}  kernel (a GPU trace's name) or extern call")
         for node in sorted(graph["nodes"], key=lambda node: -node["bytes"]):
-            print(f"  {node['kind']:7s} {node['bytes'] / 1e6:9.1f} {node['bytes'] / report['activation_bytes']:11.2f}  "
+            extra = ""
+            if counted:
+                extra = (f" {node['instructions_per_element']:8.1f} {node['issue_floor_us']:8.1f} {node['bytes_floor_us']:8.1f}"
+                         if "issue_floor_us" in node else f" {'':8s} {'':8s} {'':8s}")
+            print(f"  {node['kind']:7s} {node['bytes'] / 1e6:9.1f} {node['bytes'] / report['activation_bytes']:11.2f}{extra}  "
                   f"{node['kernel'][:110]}")
     print(f"\nmemory-bound kernels: {report['memory_bound_activations_per_layer']:.2f} activations a layer; x "
           f"{report['num_layers']} layers at {report['bandwidth_tbps']} TB/s: {report['memory_bound_floor_ms_per_step']:.2f} "
           f"ms a step at least")
+    if "issue_rate" in report:
+        rate = report["issue_rate"]
+        slower = sorted({node["kernel"] for graph in report["graphs"].values() for node in graph["nodes"]
+                         if node.get("bytes_floor_us", 0) >= 1 and node["issue_floor_us"] > node["bytes_floor_us"]})
+        print(f"instructions: SASS for SM 9.0 a thread issues per element (Inductor's kernels: the fewest among the "
+              f"launches it would time); issue floor at {rate['warp_instructions_per_clock']} warp instructions a clock "
+              f"on {rate['sms']} SMs at {rate['clock_hz'] / 1e9:.2f} GHz; issuing takes longer than the bytes (>= 1 us "
+              f"of them) in: {', '.join(slower) or 'none'}")
     trace = report.get("trace")
     if trace:
         print(f"\nin the trace {trace['path']}: {trace['matched']} of {trace['matched'] + trace['unmatched']} kernels "
@@ -416,6 +592,10 @@ def main(argv: list[str] | None = None) -> int:
                         "off), as before they were marked to be saved: the schedule that mark changed")
     parser.add_argument("--trace", help="a Chrome trace of a GPU step at this shape (make gpu-check's *.trace.json): "
                         "each fused kernel's time there and the bandwidth it reached")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also compile each fused kernel moving >= 1%% of an activation for SM 9.0 (Triton's compiler "
+                        "and cuobjdump, no GPU): SASS instructions an element, and the time issuing them takes at least "
+                        "beside the bytes' floor")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     from megatron_pmlm.config import PRESETS
@@ -445,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(error))
     with logs_to_stderr(args.json):
         report = layer_report(args.preset, args.micro_batch_size, args.width, args.dropout, args.bandwidth,
-                              args.config, residual_sums_saved=not args.recompute_residual_sums)
+                              args.config, residual_sums_saved=not args.recompute_residual_sums,
+                              instructions=args.instructions)
         if args.trace:
             try:
                 report["trace"] = trace_bandwidth(report, args.trace)
