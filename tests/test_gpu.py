@@ -386,6 +386,32 @@ def test_the_ffn_gelu_backward_kernel_equals_autograds_and_the_model_uses_it(gpu
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_the_hidden_dropout_kernel_draws_philox_bits_and_compiled_layers_apply_them():
+    """`hidden_dropout`'s kernel on CUDA: the bits of Philox4x32-7 (numpy's reference) at the base width
+    and a ragged one, ~90% kept at 0.1; a compiled HiddenDropout in training: every output 0 or its
+    input x 65536/58982, the kept fraction as drawn, the gradient through the same positions."""
+    import numpy as np
+
+    from megatron_pmlm.models import hidden_dropout
+    from pmlm_testing import philox_keep_bits
+
+    if not hidden_dropout.KERNEL_ENABLED:
+        pytest.skip("Triton is not importable here (or PMLM_HIDDEN_DROPOUT=torch)")
+    for seed, rows, columns in ((2 ** 61 + 12345, 4096, 768), (7, 333, 100)):
+        bits = torch.ops.megatron_pmlm.dropout_keep_bits(torch.tensor([seed], device=DEVICE), rows, columns, 6554)
+        assert np.array_equal(bits.cpu().numpy(), philox_keep_bits(seed, rows, columns, 6554)), (rows, columns)
+    drop = hidden_dropout.HiddenDropout(0.1).train()
+    compiled = torch.compile(drop, fullgraph=True)
+    x = torch.randn(8, 177, 768, device=DEVICE, requires_grad=True)
+    out = compiled(x)
+    out.sum().backward()
+    _, scale = hidden_dropout.dropout_threshold(0.1)
+    kept = out != 0
+    assert abs(float(kept.float().mean()) - (1 - 6554 / 65536)) < 5e-3
+    torch.testing.assert_close(out[kept], x.detach()[kept] * scale, rtol=0, atol=0)
+    assert torch.equal(x.grad, torch.where(kept, torch.full_like(x, scale), 0.0))
+
+
 @pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus, objective, monkeypatch):
