@@ -415,7 +415,14 @@ def kernel_instructions(codes: list[str], tokens: int, config, wanted: set[str],
     for name, (module_name, signature, constexprs, warps, per_program, width) in OUR_LAUNCHES.items():
         if name not in wanted:
             continue
-        row = _count(getattr(importlib.import_module(module_name), name), signature, constexprs, {}, warps, capability)
+        columns = config.ffn_hidden_size if width == "ffn" else config.hidden_size
+        values = {"rows": tokens, "columns": columns, "byte_columns": -(-columns // 8)}
+        # as Triton's launcher specialises a launch: pointers (PyTorch's allocations) and integers that
+        # are multiples of 16 marked so, which lets it load vectors
+        alignment = {(index,): [["tt.divisibility", 16]] for index, (argument, kind) in enumerate(signature.items())
+                     if kind.startswith("*") or (kind == "i32" and values.get(argument, 1) % 16 == 0)}
+        row = _count(getattr(importlib.import_module(module_name), name), signature, constexprs, alignment, warps,
+                     capability)
         results[name] = {**row, "instructions_per_element": row["sass_instructions"] * warps * 32 / per_program,
                          "launches": 1, "launch": dict(constexprs),
                          "elements": tokens * (config.ffn_hidden_size if width == "ffn" else config.hidden_size)}
