@@ -532,7 +532,8 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
              "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
              "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
     outputs = {}
-    for value in ("32x64w8s3/128x128w4s1", "64x64/64x64w4s3", "64x64w4s2/32x128w4s3", None):
+    for value in ("32x64w8s3/128x128w4s1", "64x64/64x64w4s3", "64x64w4s2/32x128w4s3", "64x64w4s1r168/64x64w4s1",
+                  "64x64w4s1r300/64x64w4s1", None):
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
         env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
         if value:
@@ -546,7 +547,11 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
     default, refusal = outputs["64x64/64x64w4s3"]
     assert default == "64x64w4s1 64x64w4s1"
     assert refusal == ("refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
-                       "e.g. 128x64w8s3"), refusal
+                       "e.g. 128x64w8s3 (a register cap after it: 64x64w4s1r168)"), refusal
+    assert outputs["64x64w4s1r168/64x64w4s1"] == ["64x64w4s1r168 64x64w4s1"]  # a register cap a thread
+    assert outputs["64x64w4s1r300/64x64w4s1"][1] == (
+        "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 64x64w4s1r300: a register cap must be a multiple of 8 "
+        "from 64 to 255 (registers a thread)"), outputs["64x64w4s1r300/64x64w4s1"]
     assert outputs["64x64w4s2/32x128w4s3"][1] == (
         "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
         "64 or 128")
@@ -761,6 +766,14 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     refused = run_tool("bench_kernel_code.py", "--launch", "64x64w4s2/32x128w4s3", timeout=120)
     assert refused.returncode == 2 and ("--launch: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries "
                                         "must be 64 or 128") in refused.stderr, refused.stderr
+    # a register cap (ptxas's .maxnreg): the default forward at seq 128's width holds 211 registers a thread,
+    # two programs an SM; capped at 168, three, with no spill
+    (uncapped,) = kernel_code("--kernels", "attention forward", "--width", "176")["kernels"]
+    capped = kernel_code("--kernels", "attention forward", "--width", "176", "--launch", "64x64w4s1r168/64x64w4s1")
+    (forward,) = capped["kernels"]
+    assert capped["launch"] == "64x64w4s1r168/64x64w4s1", capped["launch"]
+    assert uncapped["registers"] > 168 and uncapped["programs_per_sm"] == 2, uncapped
+    assert forward["registers"] <= 168 and forward["spilled_bytes"] == 0 and forward["programs_per_sm"] == 3, forward
 
 
 @needs_triton

@@ -102,14 +102,14 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
         {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
-         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages}, "pointer_types": bias_type,
+         "options": forward.launch_options(), "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          # a tile of keys and values, and the tile's codes
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
          "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
                             TRANSPOSED=transposed, WRITE_DS=True),
-         "options": {"num_warps": key_value.num_warps, "num_stages": key_value.num_stages},
+         "options": key_value.launch_options(),
          "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(key_value, forward)),
          # a tile of queries and output gradients, codes, kept bits, and dS written
@@ -117,7 +117,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
                         * (1 + size) + key_value.block_queries * key_value.block_keys // 8)},
         {"name": "attention dQ", "kernel": bucket_attention_triton.attention_backward_query_kernel,
          "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
-         "options": {"num_warps": forward.num_warps, "num_stages": forward.num_stages}, "pointer_types": bias_type,
+         "options": forward.launch_options(), "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
                         + forward.block_queries * forward.block_keys // 8)},
@@ -195,6 +195,21 @@ def hot_loop(sass: str) -> list[str]:
     return [text for address, text in lines if start <= address <= end]
 
 
+SM_REGISTERS, SM_SHARED_BYTES, SM_THREADS = 65536, 228 * 1024, 2048
+"""An SM 8.0/9.0 multiprocessor's register file (32-bit registers), shared memory (an H100's; an A100
+has 164 KiB) and resident threads: what bounds the programs it holds at once."""
+
+
+def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
+    """Programs of a kernel an SM holds at once: its register file over a program's registers (ptxas
+    allocates them in steps of 8 a thread), its shared memory (1 KiB reserved a program) and threads.
+    Fewer programs hide less of the memory's latency, which a kernel launched with one pipeline stage
+    does not hide itself."""
+    by_registers = SM_REGISTERS // (-(-max(registers, 1) // 8) * 8 * warps * 32)
+    by_shared = SM_SHARED_BYTES // (shared_bytes + 1024)
+    return min(by_registers, by_shared, SM_THREADS // (warps * 32), 32)
+
+
 def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -230,7 +245,8 @@ def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> d
             "loop_bytes": spec["loop_bytes"],
             "loop_shared_bytes": shared_moved * warps * 32, "loop_barriers": barriers,
             "warp_instructions_per_kb": round(len(loop) * warps * 1024 / spec["loop_bytes"], 1) if loop else None,
-            "loop_mix": mix.most_common(12)}
+            "loop_mix": mix.most_common(12),
+            "programs_per_sm": resident_programs(int(resources.get("REG", 0)), warps, compiled.metadata.shared)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dropout", type=float, default=None,
                         help="the attention kernels' dropout (default: the recipe's; 0: the kernels without it)")
     parser.add_argument("--launch", help="the attention kernels launched as FORWARD/KEY_VALUE, e.g. "
-                        "128x64w8s2/64x64w4s2 (default: bucket_attention's defaults)")
+                        "128x64w8s2/64x64w4s2 or with a register cap 64x64w4s1r168/64x64w4s1 (default: "
+                        "bucket_attention's defaults)")
     parser.add_argument("--key-value-tiles", choices=("transposed", "rows"),
                         help="the dK dV dS kernel's tiles keys x queries or queries x keys (default: as "
                         "bucket_attention.transposed_tiles picks them for --capability and the launch)")
@@ -312,13 +329,14 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
           f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}, bias {args.bias}: instructions "
           "of each kernel's "
           "hot loop (one iteration = one tile)", file=out)
-    print("| kernel | warps | registers | spilled B | shared KiB | loop instructions | KB a tile "
+    print("| kernel | warps | registers | spilled B | shared KiB | programs an SM | loop instructions | KB a tile "
           "| warp instructions / KB | shared-memory KB a tile | barriers a tile | loop's commonest |", file=out)
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|", file=out)
     for row in rows:
         mix = ", ".join(f"{name} {count}" for name, count in row["loop_mix"][:6])
         print(f"| {row['kernel']} | {row['num_warps']} | {row['registers']} | {row['spilled_bytes']} | "
-              f"{row['shared_bytes'] / 1024:.0f} | {row['loop_instructions']} | {row['loop_bytes'] / 1024:.1f} | "
+              f"{row['shared_bytes'] / 1024:.0f} | {row['programs_per_sm']} | {row['loop_instructions']} | "
+              f"{row['loop_bytes'] / 1024:.1f} | "
               f"{row['warp_instructions_per_kb']} | {row['loop_shared_bytes'] / 1024:.1f} | {row['loop_barriers']} | "
               f"{mix} |", file=out)
 

@@ -81,12 +81,15 @@ ATTENTION_KERNEL_SHAPES = "512x64"
 bias and its gradient against FlexAttention with the dense bias, the model's flex, and no bias) at
 seq 512, where attention weighs most (~60 TFLOP/s on the first H100s: 20% of the compiled step at
 seq 128, more at 512); after the eager rows at the large micro batches, before the compiled ones."""
-TRITON_KERNEL_SHAPES = "64x64w4s2/64x64w4s2,64x64w4s2/64x64w4s1,64x64w4s1/64x64w4s2,128x64w8s1/64x64w4s1"
+TRITON_KERNEL_SHAPES = ("64x64w4s2/64x64w4s2,64x64w4s2/64x64w4s1,64x64w4s1/64x64w4s2,128x64w8s1/64x64w4s1,"
+                        "64x64w4s1r168/64x64w4s1,64x64w4s1r168/64x64w4s1r168")
 """The triton backend's kernels launched otherwise beside its default (64x64w4s1 for all three, the
 fastest on the seventh run's H100), as `bench_attention_kernels.py --triton-shapes` rows: forward and
 dQ / dK, dV, dS (tiles queries x keys, warps, pipeline stages): two stages for both passes (the
 former default: 4.90 ms a layer at seq 512 x 64 there against 3.27 with one) and for either, 128
-queries a tile with 8 warps for the forward; the fastest that is the same attention launches the
+queries a tile with 8 warps for the forward, and the forward (then both passes) capped at 168
+registers a thread (three programs an SM instead of two: no spill in the forward, 64 bytes in the
+key/value pass; `tools/bench_kernel_code.py`); the fastest that is the same attention launches the
 triton rows after it (`fastest_triton_launch`), and a GPU where another wins says which default to
 choose."""
 ATTENTION_PRIORITY = 0.55

@@ -49,15 +49,26 @@ DROPOUT_RESOLUTION = 1 << 16
 
 class KernelShape(NamedTuple):
     """How a kernel is launched: its tile (queries x keys: BLOCK_SIZES x KEY_BLOCK_SIZES) and
-    Triton's launch options. Written `64x64w4s3` (tools/bench_attention_kernels.py --triton-shapes)."""
+    Triton's launch options, `max_registers` a thread may use (ptxas's .maxnreg; 0: the compiler's
+    choice). Written `64x64w4s3`, or `64x64w4s1r168` with a register cap
+    (tools/bench_attention_kernels.py --triton-shapes)."""
 
     block_queries: int
     block_keys: int
     num_warps: int = 4
     num_stages: int = 3
+    max_registers: int = 0
 
     def __str__(self) -> str:
-        return f"{self.block_queries}x{self.block_keys}w{self.num_warps}s{self.num_stages}"
+        cap = f"r{self.max_registers}" if self.max_registers else ""
+        return f"{self.block_queries}x{self.block_keys}w{self.num_warps}s{self.num_stages}{cap}"
+
+    def launch_options(self) -> dict:
+        """Triton's launch keywords for this shape."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 BLOCK_SIZES = (32, 64, 128)
@@ -76,6 +87,9 @@ layer's forward and backward took 3.27 ms launched so against 4.90 with 2 stages
 and pretrain's compiled step went from 21.1% to 24.3% MFU (docs/benchmarks.md). (The sixth run,
 before the transposed pass and the kept pairs read from their bytes, had found 2 stages faster
 than 3: 5.84 against 7.68 ms.)"""
+MIN_REGISTER_CAP = 64
+"""The lowest register cap a launch may ask (`KernelShape.max_registers`): below, the kernels spill
+most of their tiles (ptxas allocates registers in steps of 8 a thread)."""
 KEY_VALUE_BLOCK_SIZES = (64, 128)
 """Blocks of queries the dK, dV, dS kernel takes: launched with 32 queries x 128 keys (4 warps, 3
 stages) it gave dK 3.2e-2 from sdpa's on an H100 (Triton 3.6; the others 4e-3), while Triton's
@@ -87,11 +101,13 @@ fastest; a GPU other than those measured may want its own)."""
 
 
 def parse_kernel_shape(text: str) -> KernelShape:
-    """'128x64w8s3' -> KernelShape(128, 64, 8, 3); ValueError naming what is wrong."""
-    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+    """'128x64w8s3' -> KernelShape(128, 64, 8, 3), '64x64w4s1r168' -> ... max_registers=168;
+    ValueError naming what is wrong."""
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)(?:r(\d+))?", text.strip())
     if not match:
-        raise ValueError(f"kernel shape {text!r}: give QUERIESxKEYSwWARPSsSTAGES, e.g. 128x64w8s3")
-    shape = KernelShape(*(int(value) for value in match.groups()))
+        raise ValueError(f"kernel shape {text!r}: give QUERIESxKEYSwWARPSsSTAGES, e.g. 128x64w8s3 (a register "
+                         "cap after it: 64x64w4s1r168)")
+    shape = KernelShape(*(int(value) for value in match.groups() if value is not None))
     problem = shape_problem(shape)
     if problem:
         raise ValueError(problem)
@@ -117,6 +133,9 @@ def shape_problem(shape: KernelShape) -> str | None:
                 f"of keys {' or '.join(map(str, KEY_BLOCK_SIZES))}")
     if shape.num_warps not in (1, 2, 4, 8, 16) or not 1 <= shape.num_stages <= 8:
         return f"kernel shape {shape}: warps must be 1, 2, 4, 8 or 16 and stages 1-8"
+    if shape.max_registers and not (MIN_REGISTER_CAP <= shape.max_registers <= 255 and shape.max_registers % 8 == 0):
+        return (f"kernel shape {shape}: a register cap must be a multiple of 8 from {MIN_REGISTER_CAP} to 255 "
+                "(registers a thread)")
     return None
 
 
@@ -522,7 +541,7 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
             *table_strides, queries, *bits_strides, scale, threshold, keep_scale,
             HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, DENSE=dense,
             DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
-            num_warps=shape.num_warps, num_stages=shape.num_stages)
+            **shape.launch_options())
     return out, lse, seed, keep_bits
 
 
@@ -625,8 +644,7 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
             query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
             keep_scale, DENSE=dense,
             BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, TRANSPOSED=transposed,
-            WRITE_DS=write_scores,
-            num_warps=key_value.num_warps, num_stages=key_value.num_stages, **common)
+            WRITE_DS=write_scores, **key_value.launch_options(), **common)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
@@ -637,8 +655,7 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                 heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
                 *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
                 *table_strides, delta.stride(0), *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
-                BLOCK_N=forward.block_keys, DENSE=dense, num_warps=forward.num_warps,
-                num_stages=forward.num_stages, **common)
+                BLOCK_N=forward.block_keys, DENSE=dense, **forward.launch_options(), **common)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
