@@ -146,11 +146,12 @@ class BertSelfAttention(nn.Module):
 RESIDUAL_SUMS_SAVED = True
 """Under `--compile`, each BertSelfOutput's residual sum (its LayerNorm's input) is one AOT autograd's
 partitioner must save for the backward (selective activation checkpointing's MUST_SAVE; every other
-op PREFER_SAVE, so nothing is recomputed): with dropout it otherwise recomputed the attention block's
-sum from the saved GEMM output, mask and residual, in a backward kernel of its own that wrote it in
-fp32 for the LayerNorm's backward (tools/bench_layer_graph.py: 4.5 activations of memory traffic a
-layer at base; the memory held is the same, the sum in place of the GEMM output). Eager runs are
-never wrapped."""
+op PREFER_SAVE, so nothing is recomputed but the hidden dropout's unpacking of its bits, cheaper
+recomputed than saved a byte a position: `hidden_dropout.UNPACKING_OPS`): with dropout it otherwise
+recomputed the attention block's sum from the saved GEMM output, mask and residual, in a backward
+kernel of its own that wrote it in fp32 for the LayerNorm's backward (tools/bench_layer_graph.py: 4.5
+activations of memory traffic a layer at base; the memory held is the same, the sum in place of the
+GEMM output). Eager runs are never wrapped."""
 
 
 def _save_residual_sums(ctx, op, *args, **kwargs):
