@@ -703,7 +703,7 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     reports = {}
     for name, flags, env in (("0.1", ["--dropout", "0.1", "--instructions"], None), ("0", ["--dropout", "0"], None),
                              ("recomputed", ["--dropout", "0.1", "--recompute-residual-sums"], None),
-                             ("inductor drawn", ["--dropout", "0.1", "--instructions"], {"PMLM_HIDDEN_DROPOUT": "torch"})):
+                             ("inductor drawn", ["--dropout", "0.1"], {"PMLM_HIDDEN_DROPOUT": "torch"})):
         result = run_tool(*tool, *flags, "--json", "-", env=env)
         if result.returncode and "cuobjdump is missing" in result.stderr:
             pytest.skip(result.stderr.strip().splitlines()[-1][:200])
@@ -738,17 +738,14 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     assert sum("inductor_random" in node["ops"] for node in inductor_drawn["graphs"]["forward"]["nodes"]) == 2
     assert inductor_drawn["memory_bound_activations_per_layer"] > report["memory_bound_activations_per_layer"] + 1, \
         (inductor_drawn["memory_bound_activations_per_layer"], report["memory_bound_activations_per_layer"])
-    # --instructions: each fused kernel compiled for SM 9.0 (no GPU); the LayerNorm forward kernels issue
-    # under half the instructions an element once the dropout's Philox is out of them (base: 115 -> 25)
-    def layer_norm_forward(graphs):
-        return [node for node in graphs["forward"]["nodes"] if node["kind"] == "triton" and "var_mean" in node["ops"]]
-
-    ours_drawn, inductors = layer_norm_forward(report["graphs"]), layer_norm_forward(inductor_drawn["graphs"])
-    assert len(ours_drawn) == len(inductors) == 2, (ours_drawn, inductors)
-    for node in ours_drawn + inductors:
+    # --instructions: each fused kernel compiled for SM 9.0 (no GPU); with the dropout's Philox out of
+    # them the LayerNorm forward kernels issue ~27 instructions an element here (87 with Inductor's
+    # draws, PMLM_HIDDEN_DROPOUT=torch; at base 25 against 115)
+    layer_norms = [node for node in forward["nodes"] if node["kind"] == "triton" and "var_mean" in node["ops"]]
+    assert len(layer_norms) == 2, forward["nodes"]
+    for node in layer_norms:
         assert node["issue_floor_us"] > 0 and node["bytes_floor_us"] > 0 and node["registers"] > 0, node
-    assert max(node["instructions_per_element"] for node in ours_drawn) < \
-        0.5 * min(node["instructions_per_element"] for node in inductors), (ours_drawn, inductors)
+        assert node["instructions_per_element"] < 50, node
     counted = {node["kernel"]: node for graph in report["graphs"].values() for node in graph["nodes"]
                if "instructions_per_element" in node}
     assert counted["gelu_backward_kernel"]["instructions_per_element"] > 0, counted.keys()
