@@ -7,6 +7,7 @@ checkpoints are unchanged) and falls back to `F.layer_norm` for CPU tensors.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from torch import nn
@@ -36,3 +37,20 @@ def layer_norm(hidden_size: int, eps: float) -> nn.Module:
     """A LayerNorm over the last dimension: apex's fused one where available, else torch's."""
     fused = fused_layer_norm_class()
     return fused(hidden_size, eps=eps) if fused is not None else nn.LayerNorm(hidden_size, eps=eps)
+
+
+def alternative_from_environment(name: str, default: str, alternative: str) -> tuple[bool, str | None]:
+    """(whether the environment variable `name` picks `alternative` over `default`, what is wrong with
+    its value or None: a malformed value keeps the default, and the model refuses to start with it)."""
+    value = os.environ.get(name, default)
+    if value not in (default, alternative):
+        return False, f"{name}={value!r}: give {default} (the default) or {alternative}"
+    return value == alternative, None
+
+
+def warn_kernel_failed(kernel: str, fallback: str, switch: str, error: Exception) -> None:
+    """The one warning after one of our Triton kernels failed to compile or launch on this machine:
+    which kernel, the error's first line, what runs instead from now on, and the setting that skips it."""
+    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
+    warnings.warn(f"megatron-pmlm: {kernel}'s Triton kernel failed here ({type(error).__name__}: {first_line}); "
+                  f"{fallback} from now on (set {switch} to skip the kernel)", RuntimeWarning, stacklevel=4)

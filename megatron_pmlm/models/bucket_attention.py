@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
+from .accelerated import alternative_from_environment
 from . import bucket_sums
 
 BLOCKED = 255
@@ -172,16 +173,7 @@ DQ_ENV = "PMLM_TRITON_DQ"
 tile) also where the backward writes dS; by default dQ = scale x dS @ K there, a batched GEMM a head."""
 
 
-def _alternative_from_environment(name: str, default: str, alternative: str) -> tuple[bool, str | None]:
-    """(whether the environment variable `name` picks `alternative` over `default`, what is wrong with
-    its value or None: a malformed value keeps the default and a triton model refuses to start)."""
-    value = os.environ.get(name, default)
-    if value not in (default, alternative):
-        return False, f"{name}={value!r}: give {default} (the default) or {alternative}"
-    return value == alternative, None
-
-
-_DQ_KERNEL, DQ_PROBLEM = _alternative_from_environment(DQ_ENV, "gemm", "kernel")
+_DQ_KERNEL, DQ_PROBLEM = alternative_from_environment(DQ_ENV, "gemm", "kernel")
 DQ_FROM_SCORES = not _DQ_KERNEL
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
 dQ comes from it by batched GEMMs, one a head (cuBLAS: 2 x B x heads x T^2 x head size FLOPs
@@ -200,7 +192,7 @@ pair (`table`, the default). An experiment for a GPU lease to time (`make gpu-ch
 pipeline stages)."""
 
 
-DENSE_BIAS, BIAS_PROBLEM = _alternative_from_environment(BIAS_ENV, "table", "dense")
+DENSE_BIAS, BIAS_PROBLEM = alternative_from_environment(BIAS_ENV, "table", "dense")
 """Whether `kernel_inputs` builds the dense kernel bias (given a dtype); `dense_bias` switches it.
 BIAS_PROBLEM: what is wrong with BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
@@ -208,7 +200,7 @@ KEY_VALUE_ENV = "PMLM_TRITON_KEY_VALUE_TILES"
 """`rows`: the dK, dV, dS kernel computes [queries, keys] tiles on every GPU; `auto` (the default):
 transposed where `transposed_tiles` says (a way back without a code change, should a GPU's Triton
 build the transposed kernel wrong or slow)."""
-_ROWS_ONLY, KEY_VALUE_PROBLEM = _alternative_from_environment(KEY_VALUE_ENV, "auto", "rows")
+_ROWS_ONLY, KEY_VALUE_PROBLEM = alternative_from_environment(KEY_VALUE_ENV, "auto", "rows")
 KEY_VALUE_TRANSPOSED: bool | None = False if _ROWS_ONLY else None
 """Whether the dK, dV, dS kernel computes its tiles transposed (keys x queries, FlashAttention-2's
 orientation); None: by the device (`key_value_transposed`). `key_value_tiles` sets it for a block

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 
 import torch
+
+from .accelerated import warn_kernel_failed
 
 TABLE_GRADIENT_ENV = "PMLM_TABLE_GRADIENT"
 """`gemm` keeps the one-hot GEMMs on a GPU too (a fallback, and what `bench_attention_kernels` compares)."""
@@ -125,10 +126,8 @@ def _turn_off(error: Exception) -> None:
     """After the kernel failed: one warning, and the GEMMs (with the shared bias) from then on."""
     global KERNEL_ENABLED, INTERPRETED
     KERNEL_ENABLED = INTERPRETED = False
-    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-    warnings.warn(f"megatron-pmlm: the relative-bias table gradient's Triton kernel failed here "
-                  f"({type(error).__name__}: {first_line}); using the one-hot GEMMs from now on "
-                  f"(set {TABLE_GRADIENT_ENV}=gemm to skip the kernel)", RuntimeWarning, stacklevel=3)
+    warn_kernel_failed("the relative-bias table gradient", "using the one-hot GEMMs", f"{TABLE_GRADIENT_ENV}=gemm",
+                       error)
 
 
 def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .accelerated import alternative_from_environment, warn_kernel_failed
 
 BIAS_GRADIENT_ENV = "PMLM_FFN_BIAS_GRADIENT"
 """`kernel` (the default): the FFN bias gradient from the GELU backward kernel; `autograd`: as before."""
@@ -45,11 +46,8 @@ COLUMNS = 128
 def _from_environment() -> tuple[bool, str | None]:
     """(whether BIAS_GRADIENT_ENV leaves the kernel on, what is wrong with its value or None: a
     malformed value keeps autograd's way and the model refuses to start, `model.check_attention_backend`)."""
-    value = os.environ.get(BIAS_GRADIENT_ENV, "kernel")
-    if value not in ("kernel", "autograd"):
-        return False, (f"{BIAS_GRADIENT_ENV}={value!r}: give kernel (the default: the FFN bias gradient summed by "
-                       "the GELU backward kernel) or autograd")
-    return value == "kernel" and importlib.util.find_spec("triton") is not None, None
+    autograd, problem = alternative_from_environment(BIAS_GRADIENT_ENV, "kernel", "autograd")
+    return not (autograd or problem) and importlib.util.find_spec("triton") is not None, problem
 
 
 KERNEL_ENABLED, ENVIRONMENT_PROBLEM = _from_environment()
@@ -111,10 +109,8 @@ def _turn_off(error: Exception) -> None:
     """After the kernel failed: one warning, and torch's ops (autograd's values) from then on."""
     global KERNEL_ENABLED, INTERPRETED
     KERNEL_ENABLED = INTERPRETED = False
-    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-    warnings.warn(f"megatron-pmlm: the FFN GELU backward's Triton kernel failed here ({type(error).__name__}: "
-                  f"{first_line}); using torch's GELU backward and bias sum from now on (set "
-                  f"{BIAS_GRADIENT_ENV}=autograd to skip the kernel)", RuntimeWarning, stacklevel=3)
+    warn_kernel_failed("the FFN GELU backward", "using torch's GELU backward and bias sum",
+                       f"{BIAS_GRADIENT_ENV}=autograd", error)
 
 
 def _kernel(grad: torch.Tensor, pre: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import warnings
 
 import torch
 from torch import nn
 
+from .accelerated import alternative_from_environment, warn_kernel_failed
 from .bucket_attention import dropout_threshold
 
 DROPOUT_ENV = "PMLM_HIDDEN_DROPOUT"
@@ -53,11 +53,8 @@ path eagerly)."""
 def _from_environment() -> tuple[bool, str | None]:
     """(whether DROPOUT_ENV leaves the kernel on, what is wrong with its value or None: a malformed
     value keeps Inductor's dropout and the model refuses to start, `model.check_attention_backend`)."""
-    value = os.environ.get(DROPOUT_ENV, "bits")
-    if value not in ("bits", "torch"):
-        return False, (f"{DROPOUT_ENV}={value!r}: give bits (the default: compiled regions draw hidden dropout as "
-                       "bits with one Triton kernel) or torch (Inductor's dropout)")
-    return value == "bits" and importlib.util.find_spec("triton") is not None, None
+    inductors, problem = alternative_from_environment(DROPOUT_ENV, "bits", "torch")
+    return not (inductors or problem) and importlib.util.find_spec("triton") is not None, problem
 
 
 KERNEL_ENABLED, ENVIRONMENT_PROBLEM = _from_environment()
@@ -153,7 +150,4 @@ def _turn_off(error: Exception) -> None:
     """After the kernel failed: one warning, and torch's generator from then on."""
     global KERNEL_ENABLED, INTERPRETED
     KERNEL_ENABLED = INTERPRETED = False
-    first_line = str(error).strip().splitlines()[0][:300] if str(error).strip() else ""
-    warnings.warn(f"megatron-pmlm: the hidden dropout's Triton kernel failed here ({type(error).__name__}: "
-                  f"{first_line}); drawing its bits with torch's generator from now on (set {DROPOUT_ENV}=torch "
-                  f"to skip the kernel)", RuntimeWarning, stacklevel=3)
+    warn_kernel_failed("the hidden dropout", "drawing its bits with torch's generator", f"{DROPOUT_ENV}=torch", error)
