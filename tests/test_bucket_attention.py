@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from megatron_pmlm.config import ConfigError, model_config_from_preset
-from megatron_pmlm.models import bucket_attention
+from megatron_pmlm.models import bucket_attention, launch_tuning
 from megatron_pmlm.models.model import check_attention_backend
 from pmlm_testing import REPO_ROOT, compiled_for_gpus, kernel_code, run_tool, torchrun
 
@@ -778,6 +778,8 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     assert capped["launch"] == "64x64w4s1r168/64x64w4s1", capped["launch"]
     assert uncapped["registers"] > 168 and uncapped["programs_per_sm"] == 2, uncapped
     assert forward["registers"] <= 168 and forward["spilled_bytes"] == 0 and forward["programs_per_sm"] == 3, forward
+    # the cap the launch tuner offers beside the uncapped launch (models/launch_tuning.py) is that one
+    assert launch_tuning.register_cap_for_one_more_program(uncapped["registers"], 4, uncapped["shared_bytes"]) == 168
 
 
 @needs_triton

@@ -495,6 +495,60 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
             assert error <= 0.03, (transposed, name, error)  # bf16 inputs and dS, as without dropout's bound
 
 
+@pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")
+def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus):
+    """models/launch_tuning.py times launches that differ in pipeline stages and register cap only, on
+    the premise that they compute the same bits (exact resume, every rank free to choose): here, on a
+    real layout in bf16 with dropout and the table's gradient, each candidate it tried for the
+    forward and the dK, dV, dS kernel (a register cap included where registers bound the programs)
+    gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too."""
+    from megatron_pmlm.models import bucket_attention, launch_tuning
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    from megatron_pmlm.models.relative_bias import relative_buckets
+
+    if not bucket_attention.TRITON_INSTALLED:
+        pytest.skip("Triton is not importable here")
+    samples, _ = gpu_corpus
+    layout = _batch(samples, "ae+par", 8).to(DEVICE)
+    codes = bucket_attention.attention_codes(relative_buckets(layout.position_ids, layout.position_ids, 32, 128),
+                                             pmlm_attention_allowed(layout.roles, layout.steps))
+    batch_size, width = layout.roles.shape
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16().requires_grad_()
+               for _ in range(3))
+    table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
+    grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
+    inputs = bucket_attention.kernel_inputs(codes, table)
+    computed = (codes != bucket_attention.BLOCKED)[:, None].expand(batch_size, 12, width, width)
+
+    def run():
+        torch.cuda.manual_seed(7)
+        out, _, _, bits = bucket_attention.bucket_attention_forward(q, k, v, inputs.padded_codes, *inputs.tiles, table,
+                                                                    inputs.kernel_table, 0.1, 0.125)
+        kept = bucket_attention.stored_keep_mask(bits, width, width)[computed]
+        return [out, kept, *torch.autograd.grad(out, (q, k, v, table), grad)]
+
+    launch_tuning.forget_choices()
+    with launch_tuning.tuning("off"):
+        expected = run()
+    with launch_tuning.tuning("on"):
+        tuned = run()
+    choices = {key[0]: choice for key, choice in launch_tuning.chosen_launches().items()}
+    forward, key_value = (choices["attention_forward_kernel"], choices["attention_backward_key_value_kernel"])
+    print({name: {str(shape): ms for shape, ms in choice.times.items()} for name, choice in choices.items()})
+    assert all(torch.equal(a, b) for a, b in zip(tuned, expected))
+    base_forward, base_key_value = bucket_attention.FORWARD_SHAPE, bucket_attention.KEY_VALUE_SHAPE
+    launches = ([(shape, base_key_value) for shape, ms in forward.times.items() if ms is not None]
+                + [(base_forward, shape) for shape, ms in key_value.times.items() if ms is not None])
+    assert len(launches) >= 4, launches
+    for launch in launches:
+        with bucket_attention.kernel_shapes(*launch):
+            got = run()
+        for name, a, b in zip(("out", "kept", "dq", "dk", "dv", "dtable"), got, expected):
+            assert torch.equal(a, b), (launch, name, float((a.double() - b.double()).abs().max()))
+    launch_tuning.forget_choices()
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "flex", "triton"])
 def test_bench_train_runs_on_cuda(backend, tmp_path):
     if backend in ("flex", "triton") and not flex_supported():

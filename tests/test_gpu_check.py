@@ -134,6 +134,10 @@ def test_the_triton_rows_launch_as_the_fastest_row_of_the_attention_table():
     fastest = gpu_check.fastest_triton_launch(shapes)
     assert fastest == {"launch": "128x64w8s3/64x64w4s3",
                        "ms": {"64x64w4s3/64x64w4s3": 7.0, "128x64w8s3/64x64w4s3": 5.5}}, fastest
+    # on a GPU the `triton` row's launch is tuned (models/launch_tuning.py): when it wins, the rows tune too
+    tuned = {"shapes": [{"rows": [row("triton", "tuned", 1.5), row("triton[64x64w4s1/64x64w4s1]", "64x64w4s1/64x64w4s1",
+                                                                    2.0)]}]}
+    assert gpu_check.fastest_triton_launch(tuned) == {"launch": "tuned", "ms": {"tuned": 1.5, "64x64w4s1/64x64w4s1": 2.0}}
     assert gpu_check.fastest_triton_launch({"shapes": [{"rows": [{"variant": "sdpa", "ms": 1.0}]}]}) is None
     assert gpu_check.fastest_triton_launch(None) is None
 

@@ -25,7 +25,9 @@ attention alone, per variant:
 - `triton`: the model's triton backend (`models/bucket_attention.py`: flash attention in Triton that
   reads the table per tile from each pair's uint8 bucket code; the table's gradient from the score
   gradient by `bucket_sums`), compared with sdpa including the table's gradient (sdpa's bias
-  gradient reduced per bucket in float64); CUDA, or Triton's interpreter;
+  gradient reduced per bucket in float64); CUDA, or Triton's interpreter. On a GPU its launch is
+  tuned as the model's is (`models/launch_tuning.py`; the warm-up tunes): its row's launch reads
+  `tuned`, and `tuned_launches` names each kernel's choice;
 - `triton[FORWARD/KEY_VALUE]` (one per `--triton-shapes` entry, e.g. `128x64w8s3/64x128w8s2`): the
   triton variant launched with other tiles (queries x keys) and Triton options (warps, pipeline
   stages) for its forward and dQ kernels / its dK, dV, dS kernel (`bucket_attention.kernel_shapes`),
@@ -268,7 +270,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
             iterations: int, warmup: int, triton_shapes: dict | None = None) -> dict:
     """Every variant's figures at one shape; `triton_shapes`: the `--triton-shapes` variants (their
     names are in `variants`) -> (forward shape, key/value shape)."""
-    from megatron_pmlm.models import bucket_attention
+    from megatron_pmlm.models import bucket_attention, launch_tuning
 
     triton_shapes = triton_shapes or {}
     seq_length, micro_batch = shape
@@ -298,6 +300,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                     else bucket_attention.key_value_tiles(False) if name.endswith("-kv-rows")
                     else bucket_attention.dense_bias(True) if name in ("triton-dense-bias", "triton-dropout-dense-bias")
                     else contextlib.nullcontext())
+        chosen_before = set(launch_tuning.chosen_launches())
         try:
             with launched:
                 kernel_inputs = _kernel_inputs(dense_built, buckets, rel_pos_bias,  # tile lists in its tiles
@@ -308,8 +311,10 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                 seconds = _time(lambda: run_variant(name, query, key, value, biases.get(name, dense), flex, grad_out,
                                                     kernel_inputs, keep=False),
                                 iterations, device)
-                # how the triton kernels were launched (forward and dQ / dK, dV, dS)
-                launch = f"{bucket_attention.FORWARD_SHAPE}/{bucket_attention.KEY_VALUE_SHAPE}"
+                # how the triton kernels were launched (forward and dQ / dK, dV, dS; `tuned` where the tuner chose)
+                tuned = launch_tuning.tunes(device, bucket_attention.INTERPRETED, bucket_attention.SHAPES_PINNED)
+                launch = (launch_tuning.TUNED_LAUNCH if tuned
+                          else f"{bucket_attention.FORWARD_SHAPE}/{bucket_attention.KEY_VALUE_SHAPE}")
         except Exception as error:  # a kernel that cannot run this shape: recorded, the others still run
             reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
             # not on this device; or a launch that does not fit this GPU (Triton's OutOfResources)
@@ -322,6 +327,9 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
         row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
         if name.startswith("triton"):
             row["launch"] = launch
+            if launch == launch_tuning.TUNED_LAUNCH:  # the choices this row's warm-up made
+                row["tuned_launches"] = {key[0]: str(choice.shape) for key, choice
+                                         in launch_tuning.chosen_launches().items() if key not in chosen_before}
         if name == REFERENCE:
             reference = (out, grads)
         elif reference is not None and name not in TIMED_ONLY:
@@ -454,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
             check_output(args.json, "--json")
         except OutputError as error:
             parser.error(str(error))
+    from megatron_pmlm.models import launch_tuning
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
@@ -477,7 +487,8 @@ def main(argv: list[str] | None = None) -> int:
                 worst = max(row["relative_difference"].items(), key=lambda item: item[1])
                 check = (f" | {'same attention' if row['same_attention'] else 'DIFFERS'} as sdpa "
                          f"(largest relative difference {worst[1]:.1e}, {worst[0]})")
-            print(f"  {row['variant']:<20} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
+            variant = row["variant"] + launch_tuning.choices_text(row.get("tuned_launches"))
+            print(f"  {variant:<20} {row['ms']:9.3f} ms forward + backward | {row['tflops']:7.1f} TFLOP/s{check}")
         for name, timing in figures.get("table_gradient", {}).items():
             print(f"  table gradient, {name:<26} " + (f"not available: {timing['unavailable']}" if "unavailable" in timing
                                                    else f"{timing['ms']:9.3f} ms | relative difference from a float64 "

@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_pmlm.files import OutputError, check_output, logs_to_stderr, write_json_atomically  # noqa: E402
+from megatron_pmlm.models.launch_tuning import resident_programs  # noqa: E402
 
 HEADS = 12
 """The base preset's heads: the rows of data each bucket_sums tile reads per pair."""
@@ -193,21 +194,6 @@ def hot_loop(sass: str) -> list[str]:
         return []
     start, end = max(innermost, key=lambda loop: loop[1] - loop[0])
     return [text for address, text in lines if start <= address <= end]
-
-
-SM_REGISTERS, SM_SHARED_BYTES, SM_THREADS = 65536, 228 * 1024, 2048
-"""An SM 8.0/9.0 multiprocessor's register file (32-bit registers), shared memory (an H100's; an A100
-has 164 KiB) and resident threads: what bounds the programs it holds at once."""
-
-
-def resident_programs(registers: int, warps: int, shared_bytes: int) -> int:
-    """Programs of a kernel an SM holds at once: its register file over a program's registers (ptxas
-    allocates them in steps of 8 a thread), its shared memory (1 KiB reserved a program) and threads.
-    Fewer programs hide less of the memory's latency, which a kernel launched with one pipeline stage
-    does not hide itself."""
-    by_registers = SM_REGISTERS // (-(-max(registers, 1) // 8) * 8 * warps * 32)
-    by_shared = SM_SHARED_BYTES // (shared_bytes + 1024)
-    return min(by_registers, by_shared, SM_THREADS // (warps * 32), 32)
 
 
 def compile_kernel(spec: dict, dtype: str, capability: int, cuobjdump: str) -> dict:

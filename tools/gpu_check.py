@@ -81,17 +81,18 @@ ATTENTION_KERNEL_SHAPES = "512x64"
 bias and its gradient against FlexAttention with the dense bias, the model's flex, and no bias) at
 seq 512, where attention weighs most (~60 TFLOP/s on the first H100s: 20% of the compiled step at
 seq 128, more at 512); after the eager rows at the large micro batches, before the compiled ones."""
-TRITON_KERNEL_SHAPES = ("64x64w4s2/64x64w4s2,64x64w4s2/64x64w4s1,64x64w4s1/64x64w4s2,128x64w8s1/64x64w4s1,"
-                        "64x64w4s1r168/64x64w4s1,64x64w4s1r168/64x64w4s1r168")
-"""The triton backend's kernels launched otherwise beside its default (64x64w4s1 for all three, the
-fastest on the seventh run's H100), as `bench_attention_kernels.py --triton-shapes` rows: forward and
-dQ / dK, dV, dS (tiles queries x keys, warps, pipeline stages): two stages for both passes (the
-former default: 4.90 ms a layer at seq 512 x 64 there against 3.27 with one) and for either, 128
-queries a tile with 8 warps for the forward, and the forward (then both passes) capped at 168
-registers a thread (three programs an SM instead of two: no spill in the forward, 64 bytes in the
-key/value pass; `tools/bench_kernel_code.py`); the fastest that is the same attention launches the
-triton rows after it (`fastest_triton_launch`), and a GPU where another wins says which default to
-choose."""
+TRITON_KERNEL_SHAPES = ("64x64w4s1/64x64w4s1,64x64w4s2/64x64w4s2,64x64w4s2/64x64w4s1,64x64w4s1/64x64w4s2,"
+                        "128x64w8s1/64x64w4s1,64x64w4s1r168/64x64w4s1,64x64w4s1r168/64x64w4s1r168")
+"""The triton backend's kernels launched as given beside the `triton` row (whose launch the tuner
+chooses: models/launch_tuning.py), as `bench_attention_kernels.py --triton-shapes` rows: forward and
+dQ / dK, dV, dS (tiles queries x keys, warps, pipeline stages): the base launch untuned (64x64w4s1
+for all three, the fastest on the seventh run's H100), two stages for both passes (the former
+default: 4.90 ms a layer at seq 512 x 64 there against 3.27 with one) and for either, 128 queries a
+tile with 8 warps for the forward, and the forward (then both passes) capped at 168 registers a
+thread (three programs an SM instead of two: no spill in the forward, 64 bytes in the key/value
+pass; `tools/bench_kernel_code.py`); the fastest that is the same attention launches the triton
+rows after it (`fastest_triton_launch`; the tuned row: the rows tune), and a GPU where a given
+launch beats the tuned one says which to offer the tuner."""
 ATTENTION_PRIORITY = 0.55
 """After sdpa's eager rows at the large micro batches (0.5), before the triton rows there (0.6),
 which then launch the triton kernels as the fastest row of the attention table did
@@ -486,7 +487,9 @@ def markdown(report: dict) -> str:
                          + f" | {first} |")
         if report.get("triton_launch"):
             fastest = report["triton_launch"]
-            lines += ["", f"The triton rows launched the kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS), "
+            how = ("tuned the kernels' launch (models/launch_tuning.py), the tuned row being" if fastest["launch"] == "tuned"
+                   else f"launched the kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS),")
+            lines += ["", f"The triton rows {how} "
                       "the fastest in the attention table (ms over its shapes: " + ", ".join(
                           f"{launch} {ms:.2f}" for launch, ms in sorted(fastest["ms"].items(), key=lambda i: i[1]))
                       + ")."]
@@ -533,6 +536,8 @@ def markdown(report: dict) -> str:
 
 def _attention_section(attention: dict | None) -> list[str]:
     """The attention kernels' table (tools/bench_attention_kernels.py), or nothing when not run."""
+    from megatron_pmlm.models.launch_tuning import choices_text
+
     if not attention:
         return []
     lines = ["", "## The attention kernel alone (`tools/bench_attention_kernels.py`)", "",
@@ -556,7 +561,8 @@ def _attention_section(attention: dict | None) -> list[str]:
             if "relative_difference" in row:
                 worst = max(row["relative_difference"].items(), key=lambda item: item[1])
                 check = f"{'yes' if row['same_attention'] else 'NO'} ({worst[1]:.1e}, {worst[0]})"
-            lines.append(f"| {row['variant']} | {row['ms']:.3f} | {row['tflops']:.1f} | {check} |")
+            variant = row["variant"] + choices_text(row.get("tuned_launches"))
+            lines.append(f"| {variant} | {row['ms']:.3f} | {row['tflops']:.1f} | {check} |")
         for name, timing in shape.get("table_gradient", {}).items():
             if "unavailable" in timing:
                 lines.append(f"| table gradient, {name} | not available: {timing['unavailable']} | | |")
@@ -779,9 +785,11 @@ def main(argv: list[str] | None = None) -> int:
                 fastest = fastest_triton_launch(attention.get("figures"))
                 if fastest:
                     from megatron_pmlm.models.bucket_attention import KERNEL_SHAPES_ENV
+                    from megatron_pmlm.models.launch_tuning import TUNED_LAUNCH
 
                     report["triton_launch"] = fastest
-                    triton_env[KERNEL_SHAPES_ENV] = fastest["launch"]
+                    if fastest["launch"] != TUNED_LAUNCH:  # the tuned row won: the rows tune as it did
+                        triton_env[KERNEL_SHAPES_ENV] = fastest["launch"]
                     print(f"gpu-check: the triton rows that follow launch {fastest['launch']} (the fastest of "
                           f"{len(fastest['ms'])} in the attention table)", flush=True)
             else:

@@ -7,6 +7,7 @@ checkpoints are unchanged) and falls back to `F.layer_norm` for CPU tensors.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import torch
@@ -39,13 +40,31 @@ def layer_norm(hidden_size: int, eps: float) -> nn.Module:
     return fused(hidden_size, eps=eps) if fused is not None else nn.LayerNorm(hidden_size, eps=eps)
 
 
+def value_from_environment(name: str, choices: tuple[str, ...]) -> tuple[str, str | None]:
+    """(the environment variable `name`'s value among `choices`, the first being the default; what is
+    wrong with its value or None: a malformed value keeps the default, and the model refuses to start
+    with it)."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        others = " or ".join(choices[1:]) if len(choices) > 2 else choices[1]
+        return choices[0], f"{name}={value!r}: give {choices[0]} (the default) or {others}"
+    return value, None
+
+
 def alternative_from_environment(name: str, default: str, alternative: str) -> tuple[bool, str | None]:
     """(whether the environment variable `name` picks `alternative` over `default`, what is wrong with
     its value or None: a malformed value keeps the default, and the model refuses to start with it)."""
-    value = os.environ.get(name, default)
-    if value not in (default, alternative):
-        return False, f"{name}={value!r}: give {default} (the default) or {alternative}"
-    return value == alternative, None
+    value, problem = value_from_environment(name, (default, alternative))
+    return value == alternative, problem
+
+
+def announce(line: str, rank: int = 0) -> None:
+    """`line` on standard error, on rank `rank` only (-1: the last rank): what the model does once
+    that a user waits for (a compilation, a launch tuned)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == rank % dist.get_world_size():
+        print(line, file=sys.stderr, flush=True)
 
 
 def warn_kernel_failed(kernel: str, fallback: str, switch: str, error: Exception) -> None:

@@ -40,7 +40,8 @@ import torch
 
 from ..config import ConfigError
 from .accelerated import alternative_from_environment
-from . import bucket_sums
+from . import bucket_sums, launch_tuning
+from .launch_tuning import MIN_REGISTER_CAP
 
 BLOCKED = 255
 """The code of a query-key pair the attention rule forbids (its score is -inf)."""
@@ -88,9 +89,6 @@ layer's forward and backward took 3.27 ms launched so against 4.90 with 2 stages
 and pretrain's compiled step went from 21.1% to 24.3% MFU (docs/benchmarks.md). (The sixth run,
 before the transposed pass and the kept pairs read from their bytes, had found 2 stages faster
 than 3: 5.84 against 7.68 ms.)"""
-MIN_REGISTER_CAP = 64
-"""The lowest register cap a launch may ask (`KernelShape.max_registers`): below, the kernels spill
-most of their tiles (ptxas allocates registers in steps of 8 a thread)."""
 KEY_VALUE_BLOCK_SIZES = (64, 128)
 """Blocks of queries the dK, dV, dS kernel takes: launched with 32 queries x 128 keys (4 warps, 3
 stages) it gave dK 3.2e-2 from sdpa's on an H100 (Triton 3.6; the others 4e-3), while Triton's
@@ -159,10 +157,14 @@ def _launch_from_environment() -> tuple[KernelShape, KernelShape, str | None]:
 
 
 FORWARD_SHAPE, KEY_VALUE_SHAPE, LAUNCH_PROBLEM = _launch_from_environment()
-"""FORWARD_SHAPE: the forward's and the dQ kernel's launch (both walk the key blocks of a block of
-queries: `key_tiles`); KEY_VALUE_SHAPE: the dK, dV, dS kernel's (it walks the query blocks of a
-block of keys: `query_tiles`). `make gpu-check` times other launches beside the defaults
-(docs/gpu.md). LAUNCH_PROBLEM: what is wrong with KERNEL_SHAPES_ENV (the model refuses to start)."""
+"""FORWARD_SHAPE: the forward's and the dQ kernel's tiles and base launch (both walk the key blocks
+of a block of queries: `key_tiles`); KEY_VALUE_SHAPE: the dK, dV, dS kernel's (it walks the query
+blocks of a block of keys: `query_tiles`). On a GPU each kernel's stages and register cap are then
+tuned per problem size (`launch_tuning`) unless the launch was given. `make gpu-check` times other
+launches beside the defaults (docs/gpu.md). LAUNCH_PROBLEM: what is wrong with KERNEL_SHAPES_ENV
+(the model refuses to start)."""
+SHAPES_PINNED = bool(os.environ.get(KERNEL_SHAPES_ENV))
+"""Whether the launch was given (KERNEL_SHAPES_ENV, `kernel_shapes`): launched as given, not tuned."""
 HEAD_DIMS = (16, 32, 64, 128)
 """Head sizes the kernels take (tl.dot wants a power of two >= 16)."""
 ROWSUM_BLOCK = 64
@@ -526,14 +528,19 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     if batch * heads and queries:
         forward_codes, *forward_strides = _codes_args(codes, False)
         table_arg, *table_strides, dense = _table_args(kernel_table, False)
-        _launch(attention_forward_kernel, grid,
-            query, key, value, forward_codes, key_tiles, table_arg, seed, out, lse, bits_arg,
-            heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(out),
-            *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
-            *table_strides, queries, *bits_strides, scale, threshold, keep_scale,
-            HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, DENSE=dense,
-            DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED,
-            **shape.launch_options())
+        constants = dict(HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, DENSE=dense,
+                         DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
+
+        def launch(launch_shape: KernelShape):
+            return _launch(attention_forward_kernel, grid,
+                query, key, value, forward_codes, key_tiles, table_arg, seed, out, lse, bits_arg,
+                heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(out),
+                *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
+                *table_strides, queries, *bits_strides, scale, threshold, keep_scale,
+                **constants, **launch_shape.launch_options())
+
+        _tuned_launch(attention_forward_kernel, shape, grid, (_blocks(keys, shape.block_keys), constants), launch,
+                      query.device)
     return out, lse, seed, keep_bits
 
 
@@ -570,13 +577,13 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     return dq, dk, dv, table_grad
 
 
-def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
-    """kernel[grid](*args, **kwargs); where Triton cannot compile or launch it on this machine (its
+def _launch(kernel, grid: tuple, *args, **kwargs):
+    """kernel[grid](*args, **kwargs), returning what Triton's launch returns (the compiled kernel); where Triton cannot compile or launch it on this machine (its
     ptxas, a driver older than its PTX, too little shared memory for a launch), a ConfigError naming
     the kernel and the way out (pretrain and finetune_s2s print it in one line), the error kept as
     its cause. In Triton's interpreter (the tests) errors pass as they are."""
     try:
-        kernel[grid](*args, **kwargs)
+        return kernel[grid](*args, **kwargs)
     except Exception as error:
         if INTERPRETED:
             raise
@@ -585,6 +592,21 @@ def _launch(kernel, grid: tuple, *args, **kwargs) -> None:
         raise ConfigError(f"the triton attention backend's {name} could not be compiled or launched here "
                           f"({type(error).__name__}: {first_line}); run with --attention-backend sdpa "
                           f"(auto picks triton on CUDA GPUs of compute capability 8.0+ with Triton)") from error
+
+
+def _tuned_launch(kernel, shape: KernelShape, grid: tuple, problem: tuple, launch, device: torch.device) -> None:
+    """launch(shape) with `shape`'s stages and register cap tuned for this grid and problem (the
+    blocks each program walks at most, the constants) where `launch_tuning` tunes: on a GPU, unless
+    the launch was given. Widths that make the same grid and walk share one choice: a run whose
+    layouts take many widths tunes a few times, not at each."""
+    name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
+    blocks, constants = problem
+    key = (grid, blocks, tuple(sorted(constants.items())))
+    settings = ", ".join(f"{setting.lower()} {value}" for setting, value in sorted(constants.items())
+                         if setting not in ("BLOCK_M", "BLOCK_N", "INTERPRETED"))
+    launch_tuning.tuned_launch(name, shape, key, launch, device,
+                               launch_tuning.tunes(device, INTERPRETED, SHAPES_PINNED),
+                               describe=f"{grid[0]} x {grid[1]} programs of up to {blocks} tiles; {settings}")
 
 
 def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:
@@ -629,25 +651,38 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         transposed = key_value_transposed(query.device)
         key_value_codes, *key_value_strides = _codes_args(codes, transposed)
         table_arg, *table_strides, dense = _table_args(kernel_table, transposed)
-        _launch(attention_backward_key_value_kernel, (batch * heads, _blocks(keys, key_value.block_keys)),
-            query, key, value, grad_out, key_value_codes, query_tiles, table_arg, bits_arg, lse2, delta, dk, dv,
-            score_grad, heads, queries, keys, *_strides(query), *_strides(key), *_strides(value),
-            *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad), *key_value_strides,
-            query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
-            keep_scale, DENSE=dense,
-            BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys, TRANSPOSED=transposed,
-            WRITE_DS=write_scores, **key_value.launch_options(), **common)
+        grid = (batch * heads, _blocks(keys, key_value.block_keys))
+        constants = dict(DENSE=dense, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
+                         TRANSPOSED=transposed, WRITE_DS=write_scores, **common)
+
+        def launch(launch_shape: KernelShape):
+            return _launch(attention_backward_key_value_kernel, grid,
+                query, key, value, grad_out, key_value_codes, query_tiles, table_arg, bits_arg, lse2, delta, dk, dv,
+                score_grad, heads, queries, keys, *_strides(query), *_strides(key), *_strides(value),
+                *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad), *key_value_strides,
+                query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
+                keep_scale, **constants, **launch_shape.launch_options())
+
+        _tuned_launch(attention_backward_key_value_kernel, key_value, grid,
+                      (_blocks(queries, key_value.block_queries), constants), launch, query.device)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
             table_arg, *table_strides, dense = _table_args(kernel_table, False)
-            _launch(attention_backward_query_kernel, (batch * heads, _blocks(queries, forward.block_queries)),
-                query, key, value, grad_out, forward_codes, key_tiles, table_arg, bits_arg, lse2, delta, dq,
-                heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-                *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
-                *table_strides, delta.stride(0), *bits_strides, scale, keep_scale, BLOCK_M=forward.block_queries,
-                BLOCK_N=forward.block_keys, DENSE=dense, **forward.launch_options(), **common)
+            grid = (batch * heads, _blocks(queries, forward.block_queries))
+            constants = dict(BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys, DENSE=dense, **common)
+
+            def launch(launch_shape: KernelShape):
+                return _launch(attention_backward_query_kernel, grid,
+                    query, key, value, grad_out, forward_codes, key_tiles, table_arg, bits_arg, lse2, delta, dq,
+                    heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
+                    *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
+                    *table_strides, delta.stride(0), *bits_strides, scale, keep_scale,
+                    **constants, **launch_shape.launch_options())
+
+            _tuned_launch(attention_backward_query_kernel, forward, grid, (_blocks(keys, forward.block_keys), constants),
+                          launch, query.device)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()
@@ -817,19 +852,19 @@ def key_value_tiles(transposed: bool | None):
 
 @contextlib.contextmanager
 def kernel_shapes(forward: KernelShape, key_value: KernelShape):
-    """Launch the kernels as `forward` (forward, dQ) and `key_value` (dK, dV, dS) inside the block:
-    how the attention tool times other tiles and launch options. Tile lists made inside the block
+    """Launch the kernels as `forward` (forward, dQ) and `key_value` (dK, dV, dS) inside the block,
+    untuned: how the attention tool times other tiles and launch options. Tile lists made inside the block
     are in its tiles (the kernels refuse lists of other tiles)."""
-    global FORWARD_SHAPE, KEY_VALUE_SHAPE
+    global FORWARD_SHAPE, KEY_VALUE_SHAPE, SHAPES_PINNED
     problem = shape_problem(forward) or key_value_shape_problem(key_value)
     if problem:
         raise ValueError(problem)
-    saved = FORWARD_SHAPE, KEY_VALUE_SHAPE
-    FORWARD_SHAPE, KEY_VALUE_SHAPE = forward, key_value
+    saved = FORWARD_SHAPE, KEY_VALUE_SHAPE, SHAPES_PINNED
+    FORWARD_SHAPE, KEY_VALUE_SHAPE, SHAPES_PINNED = forward, key_value, True
     try:
         yield
     finally:
-        FORWARD_SHAPE, KEY_VALUE_SHAPE = saved
+        FORWARD_SHAPE, KEY_VALUE_SHAPE, SHAPES_PINNED = saved
 
 
 def stored_keep_mask(keep_bits: torch.Tensor, queries: int, keys: int) -> torch.Tensor:

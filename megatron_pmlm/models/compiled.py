@@ -74,7 +74,6 @@ import contextlib
 import dataclasses
 import functools
 import os
-import sys
 from typing import Callable
 
 import torch
@@ -84,6 +83,7 @@ import torch.fx.experimental._config as fx_config
 from torch import nn
 
 from ..config import ConfigError
+from .accelerated import announce
 from .flex_attention import LAYOUT_QUANTUM, LAYOUT_QUANTUM_ENV
 
 COMPILE_LAYOUT_QUANTUM = LAYOUT_QUANTUM
@@ -209,9 +209,9 @@ def _announce_new_shape(stack: nn.Module, args: tuple, on_new_shape: Callable[[]
     if on_new_shape is not None:
         on_new_shape()
     width = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else "?"
-    _announce(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
-              f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
-              f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})")
+    announce(f"compiled layers: compiling {type(stack).__name__} layer for width {width} "
+             f"(shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors)}"
+             f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, at most {COMPILE_LIMIT})")
 
 
 def compile_step_regions(model: nn.Module, on_new_shape: Callable[[], None] | None = None) -> dict[str, int]:
@@ -299,10 +299,10 @@ class CompiledRegion:
             _signatures.add(signature)
             if self.on_new_shape is not None:
                 self.on_new_shape()
-            _announce(f"compiled regions: compiling {self.name} for {shape_text}"
-                      + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
-                      + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
-                      f"at most {COMPILE_LIMIT})", self.announcing_rank)
+            announce(f"compiled regions: compiling {self.name} for {shape_text}"
+                     + f" (shapes {', '.join('x'.join(map(str, t.shape)) for t in tensors[:2])}"
+                     + f"{'' if torch.is_grad_enabled() else ', no grad'}; shape {len(_signatures)}, "
+                     f"at most {COMPILE_LIMIT})", self.announcing_rank)
         try:
             # the backward compiled now, in this call, rather than at the first backward: a failure
             # of either arrives here, where the shape can still run eagerly
@@ -312,8 +312,8 @@ class CompiledRegion:
             self.eager_signatures.add(signature)
             cause = str(getattr(error, "inner_exception", None) or error).strip()
             reason = cause.splitlines()[0][:300] if cause else type(error).__name__
-            _announce(f"compiled regions: compiling {self.name} for {shape_text} failed ({reason}); it runs eagerly "
-                      f"at this shape from now on and the run goes on", self.announcing_rank)
+            announce(f"compiled regions: compiling {self.name} for {shape_text} failed ({reason}); it runs eagerly "
+                     f"at this shape from now on and the run goes on", self.announcing_rank)
             return self.eager(*args, **kwargs)
 
     def _compiled(self, args: tuple, kwargs: dict):
@@ -333,11 +333,3 @@ def _backward_compiled_in_the_call():
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         return functorch_config.patch(force_non_lazy_backward_lowering=True)
     return contextlib.nullcontext()
-
-
-def _announce(line: str, rank: int = 0) -> None:
-    """`line` on standard error, on rank `rank` only (-1: the last rank)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == rank % dist.get_world_size():
-        print(line, file=sys.stderr, flush=True)

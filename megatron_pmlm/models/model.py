@@ -24,7 +24,7 @@ from .flex_attention import (FlexAttentionMask, build_flex_attention_mask, defau
 from .layout import (MASKED, PSEUDO, AttentionRule, PMLMBatch, gather_slots, pad_layout_inputs,
                      pmlm_attention_allowed, pmlm_predicted_index)
 from .objectives import Objective, get_objective
-from . import bucket_attention, bucket_sums, ffn_activation, hidden_dropout
+from . import bucket_attention, bucket_sums, ffn_activation, hidden_dropout, launch_tuning
 from .hidden_dropout import UNPACKING_OPS, HiddenDropout
 from .bucket_attention import BucketAttentionInputs
 from .relative_bias import (LayerBiasUse, PerLayerBias, blocked_bias, query_dtype, relative_attention_bias,
@@ -427,7 +427,7 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     elif config.attention_backend == "triton":
         problem = (bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM
                    or bucket_attention.DQ_PROBLEM or bucket_attention.BIAS_PROBLEM
-                   or bucket_attention.KEY_VALUE_PROBLEM
+                   or bucket_attention.KEY_VALUE_PROBLEM or launch_tuning.TUNING_PROBLEM
                    or (bucket_attention.device_problem(torch.device(device_type)) if device_type else None))
     if problem:
         raise ConfigError(problem)
