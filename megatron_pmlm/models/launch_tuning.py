@@ -173,7 +173,7 @@ def _fastest(base, launch: Callable[[Any], Any], device: torch.device) -> Choice
         registers = getattr(compiled, "n_regs", 0)
         shared = getattr(getattr(compiled, "metadata", None), "shared", 0)
         cap = (register_cap_for_one_more_program(registers, shape.num_warps, shared, sm)
-               if registers and not shape.max_registers else None)
+               if registers and not shape.max_registers and torch.version.hip is None else None)  # ptxas's cap
         if cap is not None:
             candidates.append(shape._replace(max_registers=cap))
     for shape in candidates:
