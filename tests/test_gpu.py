@@ -496,13 +496,14 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
 
 
 @pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")
-def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus):
+def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus, monkeypatch):
     """models/launch_tuning.py times launches that differ in pipeline stages and register cap only, on
     the premise that they compute the same bits (exact resume, every rank free to choose): here, on a
     real layout in bf16 with dropout and the table's gradient, each candidate it tried for the
     forward and the dK, dV, dS kernel (a register cap included where registers bound the programs)
-    gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too."""
-    from megatron_pmlm.models import bucket_attention, launch_tuning
+    gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too; and
+    each it tried for the table gradient's bucket_sums, the same sums."""
+    from megatron_pmlm.models import bucket_attention, bucket_sums, launch_tuning
     from megatron_pmlm.models.layout import pmlm_attention_allowed
     from megatron_pmlm.models.relative_bias import relative_buckets
 
@@ -546,6 +547,14 @@ def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus):
             got = run()
         for name, a, b in zip(("out", "kept", "dq", "dk", "dv", "dtable"), got, expected):
             assert torch.equal(a, b), (launch, name, float((a.double() - b.double()).abs().max()))
+    # the table gradient's bucket_sums (its stages and cap tuned too): each candidate, the same sums
+    sums = choices["bucket_sums_kernel"]
+    assert len([ms for ms in sums.times.values() if ms is not None]) >= 3, sums
+    for launch in (shape for shape, ms in sums.times.items() if ms is not None):
+        monkeypatch.setattr(bucket_sums, "LAUNCH", launch)
+        with launch_tuning.tuning("off"):
+            got = run()
+        assert torch.equal(got[-1], expected[-1]), (launch, float((got[-1] - expected[-1]).abs().max()))
     launch_tuning.forget_choices()
 
 

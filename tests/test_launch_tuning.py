@@ -1,8 +1,9 @@
 """The triton attention kernels' launch tuned where they run (models/launch_tuning.py): the register
 cap offered where registers bound the programs an SM holds; the fastest candidate kept, announced
-once per problem, a failing candidate left out; and on the real kernels (Triton's interpreter, where
-PMLM_TRITON_LAUNCH_TUNING=on tunes) the same outputs, kept bits and gradients as the untuned launch,
-each problem tuned once, a given launch never tuned. The GPU side (each candidate computes the same
+once per problem, a failing candidate left out; and on the real kernels (the attention kernels and
+the table gradient's bucket_sums in Triton's interpreter, where PMLM_TRITON_LAUNCH_TUNING=on tunes)
+the same outputs, kept bits and gradients as the untuned launch, each problem tuned once, a given
+attention launch never tuned. The GPU side (each candidate computes the same
 bits) is in tests/test_gpu.py."""
 
 from __future__ import annotations
@@ -179,15 +180,24 @@ def test_tuned_kernels_compute_what_the_untuned_launch_does_and_tune_once_a_prob
     assert report["default_tunes_here"] is False  # auto: a GPU's launches only
     assert report["tuned_equal"] and report["again_equal"] and report["no_dropout_equal"], report
     assert report["dq_kernel_equal"] and report["given_equal"], report
-    # the forward and the dK, dV, dS kernel, each from its base (1 stage) and 2 stages; no register
-    # count in the interpreter, so no capped candidate
+    # the forward and the dK, dV, dS kernel, each from its base (1 stage) and 2 stages, and the table
+    # gradient's bucket_sums from Triton's default (3 stages) and 1, 2; no register count in the
+    # interpreter, so no capped candidate
     tuned = [line.split() for line in report["after_one_problem"]]
-    assert [kernel for kernel, *_ in tuned] == ["attention_backward_key_value_kernel", "attention_forward_kernel"]
+    assert [kernel for kernel, *_ in tuned] == ["attention_backward_key_value_kernel", "attention_forward_kernel",
+                                                "bucket_sums_kernel"], tuned
     assert all(base == "64x64w4s1" and kept in ("64x64w4s1", "64x64w4s2") and count == "2"
-               for _, base, kept, count in tuned), tuned
-    assert report["after_again"] == report["after_one_problem"] and report["problems"] == 4, report
+               for _, base, kept, count in tuned[:2]), tuned
+    assert tuned[2][1] == "w4s3" and tuned[2][2] in ("w4s1", "w4s2", "w4s3") and tuned[2][3] == "3", tuned
+    # the same problem again: nothing tuned; without dropout: the attention kernels anew, the sums
+    # (the same problem) not
+    assert report["after_again"] == report["after_one_problem"] and report["problems"] == 5, report
     assert [line.split()[0] for line in report["with_dq_kernel"]].count("attention_backward_query_kernel") == 1
-    assert len(report["with_dq_kernel"]) == report["after_given"] == 5, report
+    assert len(report["with_dq_kernel"]) == 6, report
+    # a given launch: the attention kernels not tuned at the new size, only the sums
+    assert report["after_given"] == 7, report
     announced = [line for line in result.stderr.splitlines() if line.startswith("triton launch tuning:")]
-    assert len(announced) == len(report["with_dq_kernel"]), result.stderr[-3000:]
-    assert all("programs of up to 2 tiles; " in line and "ms a launch: 64x64w4s1 " in line for line in announced), announced
+    assert len(announced) == report["after_given"], result.stderr[-3000:]
+    attention = [line for line in announced if "attention_" in line]
+    assert len(attention) == 5 and all("programs of up to 2 tiles; " in line and "ms a launch: 64x64w4s1 " in line
+                                       for line in attention), announced

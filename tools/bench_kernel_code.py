@@ -95,7 +95,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
                             KEYS_BLOCK=bucket_sums.KEYS_BLOCK, UPCAST=False,
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
                             VECTOR=16 // size),
-         "options": {"num_warps": 4},
+         "options": bucket_sums.LAUNCH.launch_options(),
          "arguments": dict(heads=H, queries=T, keys=T, grad_stride_batch=H * T * padded // vector,
                            grad_stride_head=T * padded // vector, grad_stride_query=padded // vector,
                            bucket_stride_batch=T * T, bucket_stride_query=T, row_blocks=-(-T // bucket_sums.ROWS)),

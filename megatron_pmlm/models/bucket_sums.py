@@ -27,6 +27,7 @@ import os
 
 import torch
 
+from . import launch_tuning
 from .accelerated import warn_kernel_failed
 
 TABLE_GRADIENT_ENV = "PMLM_TABLE_GRADIENT"
@@ -35,6 +36,9 @@ ROWS = 4
 """Query rows per program; with KEYS_BLOCK, 256 query-key pairs per tile."""
 KEYS_BLOCK = 64
 """Keys per tile: 64 contiguous bf16 gradient values (128 bytes) per head and row."""
+LAUNCH = launch_tuning.Launch(num_warps=4, num_stages=3)
+"""The kernel's base launch (Triton's defaults); on a GPU its stages and register cap are tuned per
+problem (`launch_tuning`: the tiles and warps stay, so the sums stay the same bits)."""
 MIN_BLOCK = 16
 """tl.dot's smallest dimension: heads and bins are padded up to a power of two >= this."""
 ONE_HOT_CHUNK_BYTES = 64 * 2 ** 20
@@ -146,12 +150,22 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
     programs = batch * row_blocks
     partial = torch.empty(programs, heads_block, bins_block, dtype=torch.float32, device=grad.device)
     if programs:
-        bucket_sums_kernel[(programs,)](
-            grad, buckets, partial, heads, queries, keys, grad.stride(0) // vector, grad.stride(1) // vector,
-            grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, HEADS_BLOCK=heads_block,
-            BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK, VECTOR=vector,
-            # the interpreter misreads bf16 tl.dot operands (Triton 3.9); fp16 runs as on a GPU
-            UPCAST=INTERPRETED and grad.dtype == torch.bfloat16)
+        constants = dict(HEADS_BLOCK=heads_block, BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK,
+                         VECTOR=vector,
+                         # the interpreter misreads bf16 tl.dot operands (Triton 3.9); fp16 runs as on a GPU
+                         UPCAST=INTERPRETED and grad.dtype == torch.bfloat16)
+
+        def launch(options: launch_tuning.Launch):
+            return bucket_sums_kernel[(programs,)](
+                grad, buckets, partial, heads, queries, keys, grad.stride(0) // vector, grad.stride(1) // vector,
+                grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, **constants,
+                **options.launch_options())
+
+        # the keys walked a program (its loop: what pipeline stages overlap), the grid, the constants
+        problem = (programs, -(-keys // KEYS_BLOCK), grad.dtype, tuple(sorted(constants.items())))
+        launch_tuning.tuned_launch("bucket_sums_kernel", LAUNCH, problem, launch, grad.device,
+                                   launch_tuning.tunes(grad.device, INTERPRETED, pinned=False),
+                                   describe=f"{programs} programs of {-(-keys // KEYS_BLOCK)} tiles, {grad.dtype}")
     return partial[:, :heads, :bins].sum(0)  # one kernel, the padding of the blocks left out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
@@ -48,6 +48,25 @@ clocks up, or beside another process's kernel, gets another chance)."""
 MIN_REGISTER_CAP = 64
 """The lowest register cap a launch may ask (`max_registers`): below, the kernels spill most of their
 tiles (ptxas allocates registers in steps of 8 a thread)."""
+
+
+class Launch(NamedTuple):
+    """Triton's launch options for a kernel whose tiles are fixed elsewhere (`bucket_sums`); the
+    attention kernels' `KernelShape` carries its tiles too. Written `w4s3`, `w4s1r168`."""
+
+    num_warps: int = 4
+    num_stages: int = 3
+    max_registers: int = 0
+
+    def __str__(self) -> str:
+        return f"w{self.num_warps}s{self.num_stages}" + (f"r{self.max_registers}" if self.max_registers else "")
+
+    def launch_options(self) -> dict:
+        """Triton's launch keywords."""
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        if self.max_registers:
+            options["maxnreg"] = self.max_registers
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
