@@ -67,10 +67,7 @@ class KernelShape(NamedTuple):
 
     def launch_options(self) -> dict:
         """Triton's launch keywords for this shape."""
-        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
-        if self.max_registers:
-            options["maxnreg"] = self.max_registers
-        return options
+        return launch_tuning.Launch(self.num_warps, self.num_stages, self.max_registers).launch_options()
 
 
 BLOCK_SIZES = (32, 64, 128)
@@ -524,7 +521,8 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never touched without dropout (no null pointer passed)
     shape = FORWARD_SHAPE
-    grid = (batch * heads, _blocks(queries, shape.block_queries))
+    programs = (batch * heads, _blocks(queries, shape.block_queries))
+    grid = (math.prod(programs),)  # the blocks of a (sequence, head) numbered together: `program_tile`
     if batch * heads and queries:
         forward_codes, *forward_strides = _codes_args(codes, False)
         table_arg, *table_strides, dense = _table_args(kernel_table, False)
@@ -539,7 +537,7 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
                 *table_strides, queries, *bits_strides, scale, threshold, keep_scale,
                 **constants, **launch_shape.launch_options())
 
-        _tuned_launch(attention_forward_kernel, shape, grid, (_blocks(keys, shape.block_keys), constants), launch,
+        _tuned_launch(attention_forward_kernel, shape, programs, (_blocks(keys, shape.block_keys), constants), launch,
                       query.device)
     return out, lse, seed, keep_bits
 
@@ -578,10 +576,11 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
 
 
 def _launch(kernel, grid: tuple, *args, **kwargs):
-    """kernel[grid](*args, **kwargs), returning what Triton's launch returns (the compiled kernel); where Triton cannot compile or launch it on this machine (its
-    ptxas, a driver older than its PTX, too little shared memory for a launch), a ConfigError naming
-    the kernel and the way out (pretrain and finetune_s2s print it in one line), the error kept as
-    its cause. In Triton's interpreter (the tests) errors pass as they are."""
+    """kernel[grid](*args, **kwargs), returning what Triton's launch returns (the compiled kernel:
+    the launch tuner reads its registers); where Triton cannot compile or launch it on this machine
+    (its ptxas, a driver older than its PTX, too little shared memory for a launch), a ConfigError
+    naming the kernel and the way out (pretrain and finetune_s2s print it in one line), the error
+    kept as its cause. In Triton's interpreter (the tests) errors pass as they are."""
     try:
         return kernel[grid](*args, **kwargs)
     except Exception as error:
@@ -594,19 +593,19 @@ def _launch(kernel, grid: tuple, *args, **kwargs):
                           f"(auto picks triton on CUDA GPUs of compute capability 8.0+ with Triton)") from error
 
 
-def _tuned_launch(kernel, shape: KernelShape, grid: tuple, problem: tuple, launch, device: torch.device) -> None:
-    """launch(shape) with `shape`'s stages and register cap tuned for this grid and problem (the
-    blocks each program walks at most, the constants) where `launch_tuning` tunes: on a GPU, unless
-    the launch was given. Widths that make the same grid and walk share one choice: a run whose
-    layouts take many widths tunes a few times, not at each."""
+def _tuned_launch(kernel, shape: KernelShape, programs: tuple, problem: tuple, launch, device: torch.device) -> None:
+    """launch(shape) with `shape`'s stages and register cap tuned for these programs (B x heads,
+    blocks) and problem (the blocks each program walks at most, the constants) where `launch_tuning`
+    tunes: on a GPU, unless the launch was given. Widths that make the same programs and walk share
+    one choice: a run whose layouts take many widths tunes a few times, not at each."""
     name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
     blocks, constants = problem
-    key = (grid, blocks, tuple(sorted(constants.items())))
+    key = (programs, blocks, tuple(sorted(constants.items())))
     settings = ", ".join(f"{setting.lower()} {value}" for setting, value in sorted(constants.items())
                          if setting not in ("BLOCK_M", "BLOCK_N", "INTERPRETED"))
     launch_tuning.tuned_launch(name, shape, key, launch, device,
                                launch_tuning.tunes(device, INTERPRETED, SHAPES_PINNED),
-                               describe=f"{grid[0]} x {grid[1]} programs of up to {blocks} tiles; {settings}")
+                               describe=f"{programs[0]} x {programs[1]} programs of up to {blocks} tiles; {settings}")
 
 
 def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:
@@ -651,7 +650,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         transposed = key_value_transposed(query.device)
         key_value_codes, *key_value_strides = _codes_args(codes, transposed)
         table_arg, *table_strides, dense = _table_args(kernel_table, transposed)
-        grid = (batch * heads, _blocks(keys, key_value.block_keys))
+        programs = (batch * heads, _blocks(keys, key_value.block_keys))
+        grid = (math.prod(programs),)
         constants = dict(DENSE=dense, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
                          TRANSPOSED=transposed, WRITE_DS=write_scores, **common)
 
@@ -663,14 +663,15 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                 query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
                 keep_scale, **constants, **launch_shape.launch_options())
 
-        _tuned_launch(attention_backward_key_value_kernel, key_value, grid,
+        _tuned_launch(attention_backward_key_value_kernel, key_value, programs,
                       (_blocks(queries, key_value.block_queries), constants), launch, query.device)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
             table_arg, *table_strides, dense = _table_args(kernel_table, False)
-            grid = (batch * heads, _blocks(queries, forward.block_queries))
+            programs = (batch * heads, _blocks(queries, forward.block_queries))
+            grid = (math.prod(programs),)
             constants = dict(BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys, DENSE=dense, **common)
 
             def launch(launch_shape: KernelShape):
@@ -681,8 +682,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                     *table_strides, delta.stride(0), *bits_strides, scale, keep_scale,
                     **constants, **launch_shape.launch_options())
 
-            _tuned_launch(attention_backward_query_kernel, forward, grid, (_blocks(keys, forward.block_keys), constants),
-                          launch, query.device)
+            _tuned_launch(attention_backward_query_kernel, forward, programs, (_blocks(keys, forward.block_keys),
+                                                                                 constants), launch, query.device)
     else:
         for tensor in (dq, dk, dv):
             tensor.zero_()

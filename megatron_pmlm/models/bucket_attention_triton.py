@@ -197,12 +197,22 @@ def store_rows(ptr, value, sequence, head, stride_b, stride_h, stride_t, rows, d
 
 
 @device_function
-def program_tile(heads, BLOCK: tl.constexpr):
-    """(sequence x head index, sequence, head, this program's BLOCK rows or keys) of a grid
-    (B x heads, blocks)."""
-    sequence_head = tl.program_id(0)
-    index = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    return sequence_head, (sequence_head // heads).to(tl.int64), (sequence_head % heads).to(tl.int64), index
+def program_tile(heads, length, BLOCK: tl.constexpr):
+    """(sequence x head index, sequence, head, this program's block, its BLOCK rows or keys) of a
+    one-dimensional grid of B x heads x blocks programs (blocks of BLOCK over `length`), the blocks
+    of one (sequence, head) numbered together. A GPU starts programs in the order of their numbers,
+    so the programs of one head run at the same time and share the keys and values (the forward,
+    dQ) or the queries and output gradients (dK, dV) they all walk in L2: read from HBM once a head,
+    not once a block, as a grid ordered heads first did (its next block of a head came B x heads
+    programs later, after more data than L2 holds: 11 reads at seq 512, 3 at seq 128). FlashAttention's
+    grids put the query blocks first for the same reason."""
+    blocks = (length + BLOCK - 1) // BLOCK
+    program = tl.program_id(0)
+    sequence_head = program // blocks
+    block = program % blocks
+    index = block * BLOCK + tl.arange(0, BLOCK)
+    return (sequence_head, (sequence_head // heads).to(tl.int64), (sequence_head % heads).to(tl.int64), block,
+            index)
 
 
 @device_function
@@ -244,10 +254,10 @@ def attention_forward_kernel(
         bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
         DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
+    sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
-    tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
@@ -295,7 +305,9 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, lse_ptr, delta_ptr, lse2_pt
     and dO: delta = rowsum(dO * O) (the softmax backward's row term) and the log-sum-exp in base 2
     (what `exp2` takes). Written for every row of the padded length, 0 and +inf past the queries (a
     row that sees no key), so the backward kernels load them with no mask."""
-    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
+    sequence_head = tl.program_id(0)  # grid (B x heads, blocks): one pass, nothing its blocks share
+    sequence, head = (sequence_head // heads).to(tl.int64), (sequence_head % heads).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
     out = rows_of(out_ptr, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries).to(tl.float32)
@@ -330,9 +342,9 @@ def attention_backward_key_value_kernel(
     left operands in registers: K and V held so for the whole loop spill with dropout. `codes_ptr`:
     the codes as the tile reads them ([keys, queries] when TRANSPOSED: `padded_codes`' transpose);
     the statistics and the dS rows are padded to whole tiles (no mask in the loop)."""
-    sequence_head, sequence, head, cols = program_tile(heads, BLOCK_N)
+    sequence_head, sequence, head, block, cols = program_tile(heads, keys, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
-    tiles = query_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
+    tiles = query_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
     tile_count = tl.load(tiles)
     k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
     v = rows_of(v_ptr, sequence, head, v_stride_b, v_stride_h, v_stride_t, cols, dims, keys)
@@ -354,7 +366,7 @@ def attention_backward_key_value_kernel(
             dp = mm(v, tl.trans(do), PRECISION, INTERPRETED)
             lse, delta = lse[None, :], delta[None, :]
             if DROPOUT:  # unpacked as read, then transposed: Triton moves the bytes, not the booleans
-                keep = tl.trans(stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N,
+                keep = tl.trans(stored_keep(bits_ptr, sequence_head, rows, block * BLOCK_N,
                                             bits_stride_bh, bits_stride_t, BLOCK_M, BLOCK_N))
         else:  # [queries, keys]
             scores = biased_scores(q, k, codes_base, table_ptr, table_row, rows, cols, code_stride_t, scale,
@@ -362,7 +374,7 @@ def attention_backward_key_value_kernel(
             dp = mm(do, tl.trans(v), PRECISION, INTERPRETED)
             lse, delta = lse[:, None], delta[:, None]
             if DROPOUT:
-                keep = stored_keep(bits_ptr, sequence_head, rows, tl.program_id(1) * BLOCK_N, bits_stride_bh,
+                keep = stored_keep(bits_ptr, sequence_head, rows, block * BLOCK_N, bits_stride_bh,
                                    bits_stride_t, BLOCK_M, BLOCK_N)
         p = exp2(scores - lse, INTERPRETED)  # 0 where blocked, and in rows that see no key
         if DROPOUT:  # 1 / (1 - dropout) applied to dV once, and in dS's fused multiply-add
@@ -405,7 +417,7 @@ def attention_backward_query_kernel(
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
         DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    sequence_head, sequence, head, rows = program_tile(heads, BLOCK_M)
+    sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
     do = rows_of(do_ptr, sequence, head, do_stride_b, do_stride_h, do_stride_t, rows, dims, queries)
@@ -414,7 +426,7 @@ def attention_backward_query_kernel(
     delta = tl.load(delta_ptr + stats_base + rows)
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
-    tiles = key_tiles_ptr + sequence * tiles_stride_b + tl.program_id(1) * tiles_stride_t
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
     dq = tl.full((BLOCK_M, HEAD_DIM), 0, dtype=tl.float32)
     for tile in range(0, tl.load(tiles)):
         column_start = tl.load(tiles + 1 + tile) * BLOCK_N
