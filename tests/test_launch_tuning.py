@@ -65,7 +65,7 @@ def test_the_fastest_candidate_is_kept_and_announced_once_and_a_failing_one_left
     launch_tuning.forget_choices()
     capfd.readouterr()
     cpu = torch.device("cpu")
-    launch_tuning.tuned_launch("kernel", base, ("problem", 1), launch, cpu, tune=True, describe="a test")
+    launch_tuning.tuned_launch("kernel", base, ("problem", 1), launch, cpu, tune=True, describe=lambda: "a test")
     choice = launch_tuning.chosen_launches()[("kernel", base, "cpu", ("problem", 1))]
     assert str(choice.shape) == "64x64w4s1r168"
     assert [str(shape) for shape in choice.times] == ["64x64w4s1", "64x64w4s2", "64x64w4s1r168", "64x64w4s2r168"]

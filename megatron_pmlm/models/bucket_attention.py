@@ -598,14 +598,19 @@ def _tuned_launch(kernel, shape: KernelShape, programs: tuple, problem: tuple, l
     blocks) and problem (the blocks each program walks at most, the constants) where `launch_tuning`
     tunes: on a GPU, unless the launch was given. Widths that make the same programs and walk share
     one choice: a run whose layouts take many widths tunes a few times, not at each."""
+    if not launch_tuning.tunes(device, INTERPRETED, SHAPES_PINNED):
+        launch(shape)
+        return
     name = getattr(getattr(kernel, "fn", kernel), "__name__", "kernel")
     blocks, constants = problem
     key = (programs, blocks, tuple(sorted(constants.items())))
-    settings = ", ".join(f"{setting.lower()} {value}" for setting, value in sorted(constants.items())
-                         if setting not in ("BLOCK_M", "BLOCK_N", "INTERPRETED"))
-    launch_tuning.tuned_launch(name, shape, key, launch, device,
-                               launch_tuning.tunes(device, INTERPRETED, SHAPES_PINNED),
-                               describe=f"{programs[0]} x {programs[1]} programs of up to {blocks} tiles; {settings}")
+
+    def describe() -> str:  # for the announcement: built once a problem, not at every launch
+        settings = ", ".join(f"{setting.lower()} {value}" for setting, value in sorted(constants.items())
+                             if setting not in ("BLOCK_M", "BLOCK_N", "INTERPRETED"))
+        return f"{programs[0]} x {programs[1]} programs of up to {blocks} tiles; {settings}"
+
+    launch_tuning.tuned_launch(name, shape, key, launch, device, True, describe)
 
 
 def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, scale: float) -> None:

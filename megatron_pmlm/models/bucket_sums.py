@@ -165,7 +165,7 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
         problem = (programs, -(-keys // KEYS_BLOCK), grad.dtype, tuple(sorted(constants.items())))
         launch_tuning.tuned_launch("bucket_sums_kernel", LAUNCH, problem, launch, grad.device,
                                    launch_tuning.tunes(grad.device, INTERPRETED, pinned=False),
-                                   describe=f"{programs} programs of {-(-keys // KEYS_BLOCK)} tiles, {grad.dtype}")
+                                   lambda: f"{programs} programs of {-(-keys // KEYS_BLOCK)} tiles, {grad.dtype}")
     return partial[:, :heads, :bins].sum(0)  # one kernel, the padding of the blocks left out
 
 

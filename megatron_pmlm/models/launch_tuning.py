@@ -144,13 +144,14 @@ def forget_choices() -> None:
 
 
 def tuned_launch(kernel_name: str, base, problem: tuple, launch: Callable[[Any], Any], device: torch.device,
-                 tune: bool, describe: str = "") -> None:
+                 tune: bool, describe: Callable[[], str] | None = None) -> None:
     """launch(shape) with the shape chosen for (kernel, base, device, problem): `base` where `tune`
     is False; else, at the first call, each candidate timed (`base` and its other STAGE_CHOICES,
     each with a register cap that fits one more program where that exists), the fastest kept and
     announced. `launch` returns what Triton's launch returns (the compiled kernel: its registers
     and shared memory give the caps). A candidate that fails to compile or launch is left out; the
-    base's failure is raised as it is. `describe`: the problem in words for the announcement."""
+    base's failure is raised as it is. `describe`: the problem in words for the announcement (called
+    once a problem: a launch's host time stays what it was)."""
     if not tune:
         launch(base)
         return
@@ -159,7 +160,7 @@ def tuned_launch(kernel_name: str, base, problem: tuple, launch: Callable[[Any],
     if choice is None:
         choice = _CHOSEN[key] = _fastest(base, launch, device)
         timings = ", ".join(f"{shape} {'failed' if ms is None else f'{ms:.3f}'}" for shape, ms in choice.times.items())
-        announce(f"triton launch tuning: {kernel_name}{f' for {describe}' if describe else ''}: {choice.shape} "
+        announce(f"triton launch tuning: {kernel_name}{f' for {describe()}' if describe else ''}: {choice.shape} "
                  f"(ms a launch: {timings})")
     launch(choice.shape)
 
