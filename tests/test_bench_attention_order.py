@@ -33,7 +33,7 @@ def test_a_head_s_blocks_numbered_together_read_its_tiles_from_hbm_once():
 
 
 def test_a_bad_shape_or_size_is_refused():
-    for args, message in ((["--shapes", "512"], "shape '512': give SEQxMICRO_BATCH"),
+    for args, message in ((["--shapes", "512"], "shape '512': give SEQxBATCH"),
                           (["--l2-mb", "0"], "--l2-mb 0.0: give a positive size")):
         result = run_tool("bench_attention_order.py", *args, timeout=120)
         assert result.returncode == 2 and message in result.stderr, result.stderr

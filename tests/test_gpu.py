@@ -412,6 +412,26 @@ def test_the_hidden_dropout_kernel_draws_philox_bits_and_compiled_layers_apply_t
     assert torch.equal(x.grad, torch.where(kept, torch.full_like(x, scale), 0.0))
 
 
+def _bf16_attention_case(samples: Path, objective: str):
+    """A real layout (seq 128 x 8) with base's 12 heads in bf16: (who sees whom [B, T, T], the triton
+    backend's codes, q k v leaves, a 32-bucket table leaf, an output gradient)."""
+    from megatron_pmlm.models import bucket_attention
+    from megatron_pmlm.models.layout import pmlm_attention_allowed
+    from megatron_pmlm.models.relative_bias import relative_buckets
+
+    layout = _batch(samples, objective, 8).to(DEVICE)
+    allowed = pmlm_attention_allowed(layout.roles, layout.steps)
+    codes = bucket_attention.attention_codes(relative_buckets(layout.position_ids, layout.position_ids, 32, 128),
+                                             allowed)
+    batch_size, width = layout.roles.shape
+    generator = torch.Generator(DEVICE).manual_seed(0)
+    qkv = [torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16().requires_grad_()
+           for _ in range(3)]
+    table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
+    grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
+    return allowed, codes, qkv, table, grad
+
+
 @pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")
 @pytest.mark.parametrize("objective", list(OBJECTIVES))
 def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus, objective, monkeypatch):
@@ -420,7 +440,6 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     bf16 kernels within twice PyTorch's own bf16 error (or 4 bf16 roundings) of a float64 reference on a real layout; with
     dropout, the kept fraction of the 16-bit threshold."""
     from megatron_pmlm.models import bucket_attention
-    from megatron_pmlm.models.relative_bias import relative_buckets
 
     if not bucket_attention.TRITON_INSTALLED:
         pytest.skip("Triton is not importable here")
@@ -439,18 +458,8 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     if objective != "ae+par":
         return
     # bf16 on a real layout (seq 128 x 8, base heads), against float64, beside SDPA's own bf16 error.
-    layout = _batch(samples, objective, 8).to(DEVICE)
-    from megatron_pmlm.models.layout import pmlm_attention_allowed
-
-    allowed = pmlm_attention_allowed(layout.roles, layout.steps)
-    codes = bucket_attention.attention_codes(relative_buckets(layout.position_ids, layout.position_ids, 32, 128),
-                                             allowed)
-    batch_size, width = layout.roles.shape
-    generator = torch.Generator(DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16().requires_grad_()
-               for _ in range(3))
-    table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
-    grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
+    allowed, codes, (q, k, v), table, grad = _bf16_attention_case(samples, objective)
+    batch_size, width = allowed.shape[:2]
     inputs = bucket_attention.kernel_inputs(codes, table)
     out = bucket_attention.bucket_attention(q, k, v, inputs)
     ours = [out, *torch.autograd.grad(out, (q, k, v), grad)]
@@ -504,21 +513,12 @@ def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus, 
     gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too; and
     each it tried for the table gradient's bucket_sums, the same sums."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, launch_tuning
-    from megatron_pmlm.models.layout import pmlm_attention_allowed
-    from megatron_pmlm.models.relative_bias import relative_buckets
 
     if not bucket_attention.TRITON_INSTALLED:
         pytest.skip("Triton is not importable here")
     samples, _ = gpu_corpus
-    layout = _batch(samples, "ae+par", 8).to(DEVICE)
-    codes = bucket_attention.attention_codes(relative_buckets(layout.position_ids, layout.position_ids, 32, 128),
-                                             pmlm_attention_allowed(layout.roles, layout.steps))
-    batch_size, width = layout.roles.shape
-    generator = torch.Generator(DEVICE).manual_seed(0)
-    q, k, v = (torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16().requires_grad_()
-               for _ in range(3))
-    table = torch.randn(12, 32, device=DEVICE, generator=generator).requires_grad_()
-    grad = torch.randn(batch_size, 12, width, 64, device=DEVICE, generator=generator).bfloat16()
+    allowed, codes, (q, k, v), table, grad = _bf16_attention_case(samples, "ae+par")
+    batch_size, width = allowed.shape[:2]
     inputs = bucket_attention.kernel_inputs(codes, table)
     computed = (codes != bucket_attention.BLOCKED)[:, None].expand(batch_size, 12, width, width)
 

@@ -34,20 +34,11 @@ import torch  # noqa: E402
 
 from megatron_pmlm.config import HelpFormatter, model_config_from_preset, positive_int  # noqa: E402
 from megatron_pmlm.files import OutputError, check_output, exit_quietly_on_closed_pipe, write_json_atomically  # noqa: E402
+from tools.bench_attention_kernels import parse_shapes  # noqa: E402
 
 ORDERS = ("heads first", "blocks first")
 HEAD_DIM_BYTES = 64 * 2
 """A row of one head's q, k, v, O or dO in bf16 (base: head size 64)."""
-
-
-def parse_shape(text: str) -> tuple[int, int]:
-    try:
-        seq, batch = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: give SEQxMICRO_BATCH, e.g. 512x64") from None
-    if seq < 8 or batch < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: sequence >= 8 and micro batch >= 1")
-    return seq, batch
 
 
 def tile_lists(seq_length: int, micro_batch: int, block: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +107,7 @@ def hbm_bytes(kernel: str, tiles: torch.Tensor, heads: int, rows: int, order: st
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    parser.add_argument("--shapes", type=lambda text: [parse_shape(s) for s in text.split(",")],
-                        default=[(128, 256), (512, 64)], help="SEQxMICRO_BATCH[,...]")
+    parser.add_argument("--shapes", type=parse_shapes, default=[(128, 256), (512, 64)], help="SEQxMICRO_BATCH[,...]")
     parser.add_argument("--heads", type=positive_int, default=12, help="attention heads (base: 12)")
     parser.add_argument("--block", type=int, choices=(64, 128), default=64, help="a tile's queries and keys")
     parser.add_argument("--l2-mb", type=float, default=50.0, help="the L2 modelled, MB (an H100's: 50)")
