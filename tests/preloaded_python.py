@@ -43,6 +43,12 @@ WARM_UPS = (("torch._inductor.cpu_vec_isa", "valid_vec_isa_list"),)
 """Functions the server calls once, after its imports, whose cached results its runs inherit: the
 vector ISAs inductor's C++ backend may use (a build and a probe process each, ~2.5 s of every process
 that compiles on this CPU; their environment reads, CXX among them, recorded as the imports' are)."""
+RESET_AFTER_WARM_UPS = (("torch._dynamo.utils", "CHROMIUM_EVENT_LOG", None),)
+"""(module, name, value) of process state a warm-up may leave that a new interpreter does not have,
+set back after WARM_UPS: dynamo's Chromium event logger, made by the ISA probe's build when the probe
+misses inductor's on-disk cache (the first server of a suite; the other finds the probe cached), and
+logged as made under TORCH_LOGS=dynamo by the first compilation of a process that has none, which a
+forked run of that server then did not log."""
 REREAD_AT_RUN = {"TORCH_LOGS": ("torch._logging._internal", "_init_logs", "+")}
 """Variables read at import by a function a forked run calls again with its own environment when its
 value differs from the server's (module, function, and a mark that makes a value read elsewhere at
@@ -116,6 +122,9 @@ def _import_recording_environment_reads(modules, warm_ups=()) -> set[str]:
             importlib.import_module(module)
         for module, function in warm_ups:
             getattr(importlib.import_module(module), function)()
+        if warm_ups:
+            for module, name, value in RESET_AFTER_WARM_UPS:
+                setattr(importlib.import_module(module), name, value)
     finally:
         environ_type.__getitem__, environ_type.__iter__ = original_getitem, original_iter
     return read

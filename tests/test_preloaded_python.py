@@ -8,12 +8,13 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from pmlm_testing import PRELOADED_ENV, RUN_ENVIRONMENT, preloaded_server, run_python, torchrun
+from pmlm_testing import PRELOADED_ENV, REPO_ROOT, RUN_ENVIRONMENT, preloaded_server, run_python, torchrun
 from preloaded_python import ADDRESS_ENV, environment_problem
 
 PROBE = r'''
@@ -149,6 +150,20 @@ def test_torch_logs_is_read_again_by_a_forked_run_which_logs_as_a_new_interprete
     assert [re.sub(varying, "#", line) for line in forked.stderr.splitlines()] == \
         [re.sub(varying, "#", line) for line in fresh.stderr.splitlines()]
     assert ("torchdynamo start tracing <lambda>" in forked.stderr) == (setting is not None), forked.stderr[-2000:]
+
+
+def test_the_warm_ups_leave_no_state_a_new_interpreter_lacks(tmp_path):
+    """The server's ISA probe, built anew (an empty inductor cache, as the first server of a suite
+    finds it), made dynamo's Chromium event logger, so that a run forked from that server, compiling
+    under TORCH_LOGS=dynamo, did not log its making as a new interpreter does (the TORCH_LOGS test
+    above failed on whichever worker had that server)."""
+    probe = ("import preloaded_python as served, torch._dynamo.utils as dynamo_utils\n"
+             "served._import_recording_environment_reads([], served.WARM_UPS)\n"
+             "print(dynamo_utils.CHROMIUM_EVENT_LOG is None)\n")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+           "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests"), str(REPO_ROOT)])}
+    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.split() == ["True"], result.stdout + result.stderr[-2000:]
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(tmp_path):
