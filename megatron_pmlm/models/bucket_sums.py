@@ -161,11 +161,13 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
                 grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, **constants,
                 **options.launch_options())
 
-        # the keys walked a program (its loop: what pipeline stages overlap), the grid, the constants
-        problem = (programs, -(-keys // KEYS_BLOCK), grad.dtype, tuple(sorted(constants.items())))
-        launch_tuning.tuned_launch("bucket_sums_kernel", LAUNCH, problem, launch, grad.device,
-                                   launch_tuning.tunes(grad.device, INTERPRETED, pinned=False),
-                                   lambda: f"{programs} programs of {-(-keys // KEYS_BLOCK)} tiles, {grad.dtype}")
+        if not launch_tuning.tunes(grad.device, INTERPRETED, pinned=False):
+            launch(LAUNCH)
+        else:  # keyed on the grid, the keys a program walks (what pipeline stages overlap), the constants
+            tiles = -(-keys // KEYS_BLOCK)
+            problem = (programs, tiles, grad.dtype, tuple(sorted(constants.items())))
+            launch_tuning.tuned_launch("bucket_sums_kernel", LAUNCH, problem, launch, grad.device, True,
+                                       lambda: f"{programs} programs of {tiles} tiles, {grad.dtype}")
     return partial[:, :heads, :bins].sum(0)  # one kernel, the padding of the blocks left out
 
 
