@@ -135,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seq {seq_length} x {micro_batch}: {key_tiles.shape[1]} blocks of {args.block} a head, "
               f"{args.heads} heads; L2 {args.l2_mb:g} MB, {wave} programs at a time", file=out)
         for kernel, tiles in (("forward", key_tiles), ("dK dV dS", query_tiles)):
-            figures = {order: hbm_bytes(kernel if kernel == "forward" else "key_value", tiles, args.heads, args.block,
-                                        order, wave, l2_bytes, args.dropout) for order in ORDERS}
+            figures = {order: hbm_bytes(kernel, tiles, args.heads, args.block, order, wave, l2_bytes, args.dropout)
+                       for order in ORDERS}
             shape["kernels"][kernel] = figures
             before, after = (figures[order]["hbm_gb"] for order in ORDERS)
             print(f"  {kernel:<9} reads {figures['blocks first']['read_gb']:.2f} GB a layer; from HBM: heads first "

@@ -486,8 +486,11 @@ def markdown(report: dict) -> str:
                          + (f"{real['peak_memory_gb']:.1f}" if real.get("peak_memory_gb") is not None else "?")
                          + f" | {first} |")
         if report.get("triton_launch"):
+            from megatron_pmlm.models.launch_tuning import TUNED_LAUNCH
+
             fastest = report["triton_launch"]
-            how = ("tuned the kernels' launch (models/launch_tuning.py), the tuned row being" if fastest["launch"] == "tuned"
+            how = ("tuned the kernels' launch (models/launch_tuning.py), the tuned row being"
+                   if fastest["launch"] == TUNED_LAUNCH
                    else f"launched the kernels as `{fastest['launch']}` (forward and dQ / dK, dV, dS),")
             lines += ["", f"The triton rows {how} "
                       "the fastest in the attention table (ms over its shapes: " + ", ".join(

@@ -182,7 +182,7 @@ def _candidates(base) -> list:
 def _fastest(base, launch: Callable[[Any], Any], device: torch.device) -> Choice:
     sm = sm_resources(device) if device.type == "cuda" else HOPPER
     candidates, times = _candidates(base), {}
-    for shape in list(candidates):  # compile each (the first launch), and add its capped sibling
+    for shape in candidates:  # compile each (the first launch); an uncapped one adds its capped sibling
         try:
             compiled = launch(shape)
         except Exception:
@@ -196,16 +196,7 @@ def _fastest(base, launch: Callable[[Any], Any], device: torch.device) -> Choice
                if registers and not shape.max_registers and torch.version.hip is None else None)  # ptxas's cap
         if cap is not None:
             candidates.append(shape._replace(max_registers=cap))
-    for shape in candidates:
-        if shape in times:
-            continue
-        try:
-            launch(shape)
-        except Exception:
-            if shape == base:
-                raise
-            times[shape] = None
-    timed = [shape for shape in candidates if times.get(shape, 0) is not None]
+    timed = [shape for shape in candidates if shape not in times]
     for _ in range(ROUNDS):
         for shape in timed:
             elapsed = _time(lambda: launch(shape), device)
