@@ -56,6 +56,50 @@ json.dump({"results": results, "compiled_error": compiled_error}, sys.stdout)
 """
 
 
+LISTED = r"""
+import json, sys
+import torch
+from megatron_pmlm.models.bucket_attention import BLOCKED, KernelShape, _listed, _nonempty_tiles
+
+generator = torch.Generator().manual_seed(0)
+results = []
+# (batch, heads, queries, keys, bins, tile queries, tile keys): the forward's tiles (64 x 64, 32 x 128,
+# 128 x 64), ragged ends in both dimensions
+for batch, heads, queries, keys, bins, tile_queries, tile_keys in [(2, 12, 70, 130, 32, 64, 64),
+                                                                    (2, 5, 45, 200, 20, 32, 128),
+                                                                    (2, 3, 150, 100, 32, 128, 64)]:
+    for dtype in (torch.float32, torch.bfloat16):
+        buckets = torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8, generator=generator)
+        # whole tiles blocked, and blocked pairs inside the others (blocks of 16 x 16)
+        tiles_allowed = torch.rand(batch, -(-queries // tile_queries), -(-keys // tile_keys), generator=generator) < 0.6
+        allowed = (tiles_allowed.repeat_interleave(tile_queries, 1).repeat_interleave(tile_keys, 2)[:, :queries, :keys]
+                   & (torch.rand(batch, -(-queries // 16), -(-keys // 16), generator=generator) < 0.7)
+                   .repeat_interleave(16, 1).repeat_interleave(16, 2)[:, :queries, :keys])
+        codes = buckets.masked_fill(~allowed, BLOCKED)
+        nonempty = _nonempty_tiles(codes, KernelShape(tile_queries, tile_keys))
+        key_tiles = _listed(nonempty)
+        grad = torch.randn(batch, heads, queries, keys, generator=generator).to(dtype).masked_fill(~allowed[:, None], 0)
+        every_tile = torch.ops.megatron_pmlm.bucket_sums(grad, codes, bins)
+        # NaN in the tiles not listed: a kernel that read them would return NaN
+        skipped = (~nonempty).repeat_interleave(tile_queries, 1).repeat_interleave(tile_keys, 2)[:, :queries, :keys]
+        poisoned = grad.masked_fill(skipped[:, None], float("nan"))
+        listed = torch.ops.megatron_pmlm.bucket_sums(poisoned, codes, bins, key_tiles, tile_queries, tile_keys)
+        results.append({"case": [batch, heads, queries, keys, tile_queries, tile_keys, str(dtype)],
+                        "skipped": float((~nonempty).float().mean()), "same_bits": bool(torch.equal(listed, every_tile)),
+                        "nonzero": bool(every_tile.abs().sum() > 0)})
+errors = []
+grad, codes = torch.randn(2, 3, 70, 130), torch.randint(0, 32, (2, 70, 130), dtype=torch.uint8)
+for tiles, tile_queries, tile_keys in [(torch.zeros(2, 2, 3, dtype=torch.int32), 64, 64),
+                                       (torch.zeros(2, 2, 4, dtype=torch.int64), 64, 64),
+                                       (torch.zeros(2, 2, 4, dtype=torch.int32), 62, 64)]:
+    try:
+        torch.ops.megatron_pmlm.bucket_sums(grad, codes, 32, tiles, tile_queries, tile_keys)
+        errors.append(None)
+    except ValueError as error:
+        errors.append(str(error))
+json.dump({"results": results, "errors": errors}, sys.stdout)
+"""
+
 PER_LAYER = r"""
 import copy, json, sys
 import torch
@@ -184,6 +228,21 @@ def test_the_kernel_sums_each_bucket_as_the_one_hot_gemms_do():
         assert result["out_dtype"] == "torch.float32" and result["out_shape"] == [heads, bins], result
         assert result["error"] <= 1e-6, result
     assert report["compiled_error"] <= 1e-5
+
+
+def test_the_kernel_reads_only_the_listed_tiles_and_sums_the_same_bits():
+    """Given the triton backend's tile lists, the kernel skips the key blocks a block of queries does
+    not list (NaN put there never reaches the sums) and returns bitwise what it returns reading every
+    tile (the skipped pairs are BLOCKED: no bin), for the forward's tile shapes and ragged ends; lists
+    of the wrong shape or dtype, or tiles that are not whole row and key blocks, are refused."""
+    report = run_interpreted(LISTED)
+    assert len(report["results"]) == 6
+    for result in report["results"]:
+        assert result["skipped"] > 0 and result["same_bits"] and result["nonzero"], result
+    wrong_shape, wrong_dtype, wrong_tile = report["errors"]
+    assert wrong_shape and "key_tiles torch.int32 (2, 2, 3) is not int32 (2, 2, 4)" in wrong_shape
+    assert wrong_dtype and "key_tiles torch.int64" in wrong_dtype
+    assert wrong_tile and "tiles of 62 x 64" in wrong_tile
 
 
 def test_the_environment_turns_the_kernel_off():

@@ -323,6 +323,18 @@ def test_the_table_gradient_kernel_equals_the_gemms_and_the_model_uses_it(gpu_co
         for name, result in (("kernel", ours), ("gemms", gemms)):
             assert float((result.double() - exact).abs().max() / exact.abs().max()) <= 1e-6, (dtype, name)
         assert torch.equal(ours, torch.ops.megatron_pmlm.bucket_sums(grad, buckets, 32))  # deterministic
+    # the triton backend's call: only the tiles its forward lists read, the same bits as every tile
+    from megatron_pmlm.models.bucket_attention import BLOCKED, FORWARD_SHAPE, _listed, _nonempty_tiles
+
+    tile_queries, tile_keys = FORWARD_SHAPE.block_queries, FORWARD_SHAPE.block_keys
+    sequences, queries, keys = buckets.shape
+    tiles_allowed = torch.rand(sequences, -(-queries // tile_queries), -(-keys // tile_keys), device=DEVICE,
+                               generator=generator) < 0.6
+    allowed = tiles_allowed.repeat_interleave(tile_queries, 1).repeat_interleave(tile_keys, 2)[:, :queries, :keys]
+    codes = buckets.masked_fill(~allowed, BLOCKED)
+    key_tiles = _listed(_nonempty_tiles(codes, FORWARD_SHAPE))
+    assert torch.equal(torch.ops.megatron_pmlm.bucket_sums(grad, codes, 32, key_tiles, tile_queries, tile_keys),
+                       torch.ops.megatron_pmlm.bucket_sums(grad, codes, 32))
 
     class Calls(TorchDispatchMode):
         count = 0

@@ -94,11 +94,14 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "constexprs": dict(HEADS_BLOCK=bucket_sums._block(HEADS), BINS_BLOCK=32, ROWS=bucket_sums.ROWS,
                             KEYS_BLOCK=bucket_sums.KEYS_BLOCK, UPCAST=False,
                             # strides a multiple of 16 bytes, as the bias buffer's rows (padded to 8)
-                            VECTOR=16 // size),
+                            VECTOR=16 // size,
+                            # walking the forward's tile lists, as the triton backend's table gradient does
+                            LISTED=True, TILE_QUERIES=forward.block_queries, TILE_KEYS=forward.block_keys),
          "options": bucket_sums.LAUNCH.launch_options(),
          "arguments": dict(heads=H, queries=T, keys=T, grad_stride_batch=H * T * padded // vector,
                            grad_stride_head=T * padded // vector, grad_stride_query=padded // vector,
-                           bucket_stride_batch=T * T, bucket_stride_query=T, row_blocks=-(-T // bucket_sums.ROWS)),
+                           bucket_stride_batch=T * T, bucket_stride_query=T, row_blocks=-(-T // bucket_sums.ROWS),
+                           **tiles(forward, key_value)),
          # the gradient of every head for the tile's pairs, and the pairs' buckets
          "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
         {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,

@@ -694,8 +694,10 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
             tensor.zero_()
     if write_scores:
         bins = table.shape[1]
-        table_grad = (bucket_sums.bucket_sums(score_grad, codes[:, 0, :queries, :keys], bins) if queries and keys
-                      else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
+        # reading only the tiles the forward walked: the others' pairs are all BLOCKED (no bin)
+        table_grad = (bucket_sums.bucket_sums(score_grad, codes[:, 0, :queries, :keys], bins, key_tiles,
+                                              FORWARD_SHAPE.block_queries, FORWARD_SHAPE.block_keys)
+                      if queries and keys else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
     else:
         table_grad = query.new_empty(0, dtype=torch.float32)
     return table_grad

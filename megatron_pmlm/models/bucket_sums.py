@@ -110,17 +110,23 @@ def _block(size: int) -> int:
 
 
 @torch.library.custom_op("megatron_pmlm::bucket_sums", mutates_args=())
-def bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+def bucket_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int, key_tiles: torch.Tensor | None = None,
+                tile_queries: int = 0, tile_keys: int = 0) -> torch.Tensor:
     """[heads, bins] fp32: grad[b, h, i, j] ([B, heads, queries, keys], any strides but the last 1)
-    summed over the pairs (b, i, j) whose buckets[b, i, j] ([B, queries, keys], integer < bins) is
-    each bin."""
+    summed over the pairs (b, i, j) whose buckets[b, i, j] ([B, queries, keys], integer) is each bin
+    (a bucket >= bins, BLOCKED, counts in none). `key_tiles`, optional: int32 [B, query blocks, 1 + key
+    blocks] listing per block of `tile_queries` queries the blocks of `tile_keys` keys that hold a
+    bucket < bins (`bucket_attention.TileLists.key_tiles`): the kernel reads only those (the same
+    sums: the others add nothing)."""
     batch, heads, queries, keys = grad.shape
     if buckets.shape != (batch, queries, keys):
         raise ValueError(f"bucket_sums: buckets {tuple(buckets.shape)} do not match the gradient {tuple(grad.shape)}")
+    if key_tiles is not None:
+        _check_tiles(key_tiles, batch, queries, keys, tile_queries, tile_keys)
     if not (KERNEL_ENABLED or INTERPRETED):  # turned off by a failure (below): the GEMMs
         return one_hot_bucket_sums(grad, buckets, bins, torch.float32)
     try:
-        return _kernel_sums(grad, buckets, bins)
+        return _kernel_sums(grad, buckets, bins, key_tiles, tile_queries, tile_keys)
     except Exception as error:  # Triton cannot compile or launch here: the run goes on with the GEMMs
         _turn_off(error)
         return one_hot_bucket_sums(grad, buckets, bins, torch.float32)
@@ -134,7 +140,19 @@ def _turn_off(error: Exception) -> None:
                        error)
 
 
-def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+def _check_tiles(key_tiles: torch.Tensor, batch: int, queries: int, keys: int, tile_queries: int,
+                 tile_keys: int) -> None:
+    if tile_queries <= 0 or tile_queries % ROWS or tile_keys <= 0 or tile_keys % KEYS_BLOCK:
+        raise ValueError(f"bucket_sums: tiles of {tile_queries} x {tile_keys}: the queries must be a positive "
+                         f"multiple of {ROWS} and the keys of {KEYS_BLOCK}")
+    expected = (batch, -(-queries // tile_queries), 1 + -(-keys // tile_keys))
+    if key_tiles.dtype != torch.int32 or key_tiles.shape != expected:
+        raise ValueError(f"bucket_sums: key_tiles {key_tiles.dtype} {tuple(key_tiles.shape)} is not int32 {expected} "
+                         f"(tiles of {tile_queries} x {tile_keys} over {queries} x {keys})")
+
+
+def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int, key_tiles: torch.Tensor | None = None,
+                 tile_queries: int = 0, tile_keys: int = 0) -> torch.Tensor:
     from .bucket_sums_triton import bucket_sums_kernel
 
     batch, heads, queries, keys = grad.shape
@@ -153,13 +171,16 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
         constants = dict(HEADS_BLOCK=heads_block, BINS_BLOCK=bins_block, ROWS=ROWS, KEYS_BLOCK=KEYS_BLOCK,
                          VECTOR=vector,
                          # the interpreter misreads bf16 tl.dot operands (Triton 3.9); fp16 runs as on a GPU
-                         UPCAST=INTERPRETED and grad.dtype == torch.bfloat16)
+                         UPCAST=INTERPRETED and grad.dtype == torch.bfloat16,
+                         LISTED=key_tiles is not None, TILE_QUERIES=tile_queries, TILE_KEYS=tile_keys)
+        tiles_arg = key_tiles if key_tiles is not None else partial  # never read unless LISTED
+        tiles_strides = (key_tiles.stride(0), key_tiles.stride(1)) if key_tiles is not None else (0, 0)
 
         def launch(options: launch_tuning.Launch):
             return bucket_sums_kernel[(programs,)](
-                grad, buckets, partial, heads, queries, keys, grad.stride(0) // vector, grad.stride(1) // vector,
-                grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks, **constants,
-                **options.launch_options())
+                grad, buckets, partial, tiles_arg, heads, queries, keys, grad.stride(0) // vector,
+                grad.stride(1) // vector, grad.stride(2) // vector, buckets.stride(0), buckets.stride(1), row_blocks,
+                *tiles_strides, **constants, **options.launch_options())
 
         if not launch_tuning.tunes(grad.device, INTERPRETED, pinned=False):
             launch(LAUNCH)
@@ -172,5 +193,6 @@ def _kernel_sums(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.
 
 
 @bucket_sums.register_fake
-def _(grad: torch.Tensor, buckets: torch.Tensor, bins: int) -> torch.Tensor:
+def _(grad: torch.Tensor, buckets: torch.Tensor, bins: int, key_tiles: torch.Tensor | None = None,
+      tile_queries: int = 0, tile_keys: int = 0) -> torch.Tensor:
     return grad.new_empty(grad.shape[1], bins, dtype=torch.float32)

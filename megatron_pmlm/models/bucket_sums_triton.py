@@ -8,6 +8,12 @@ half-precision value and 0 or 1 is exact, so the sums are the GEMMs' up to the o
 into a [bins, heads] accumulator. Each program stores its accumulator, as [heads, bins], in its own
 row of `partial`; the caller sums the rows (a fixed order: the result is deterministic).
 
+LISTED (the triton attention backend's table gradient): a program walks only the key blocks its
+rows' block of queries lists (`bucket_attention.TileLists.key_tiles`, in the forward's tiles); the
+others hold only BLOCKED pairs, whose code matches no bin: they add nothing, so the sums are the
+same bits (the listed tiles added in the same ascending order) for fewer bytes read (the share of
+tiles the attention kernels skip: 22-27% on real micro batches).
+
 The kernel is bound by the instructions it issues per byte, not by the bytes (on one H200 the
 former form, a [heads, pairs] x [pairs, bins] product over an fp32 one-hot and the gradient cast to
 fp32, read 0.6 TB/s). Compiled for SM 9.0, this form's loop issues 2.2x fewer instructions per
@@ -46,16 +52,20 @@ def tile_sums(total, grad_rows, bucket_rows, row, key, head, bin_ids, heads, que
 
 
 @triton.jit
-def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, heads, queries, keys,
+def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, key_tiles_ptr, heads, queries, keys,
                        grad_stride_batch, grad_stride_head, grad_stride_query,
-                       bucket_stride_batch, bucket_stride_query, row_blocks,
+                       bucket_stride_batch, bucket_stride_query, row_blocks, tiles_stride_b, tiles_stride_t,
                        HEADS_BLOCK: tl.constexpr, BINS_BLOCK: tl.constexpr, ROWS: tl.constexpr,
-                       KEYS_BLOCK: tl.constexpr, VECTOR: tl.constexpr, UPCAST: tl.constexpr):
+                       KEYS_BLOCK: tl.constexpr, VECTOR: tl.constexpr, UPCAST: tl.constexpr,
+                       LISTED: tl.constexpr, TILE_QUERIES: tl.constexpr, TILE_KEYS: tl.constexpr):
     """The gradient's strides come divided by VECTOR (their common divisor, 1 if none): multiplied
     back here, they tell Triton that a row's keys start at a multiple of VECTOR elements, so a full
     tile loads them as vectors (asynchronously on SM 8.0+) whatever the width. UPCAST (bf16 in Triton's interpreter, whose tl.dot
     misreads bf16 operands in Triton 3.9) multiplies the same values in fp32, where they and the
-    one-hot are exact."""
+    one-hot are exact. LISTED: `key_tiles_ptr` lists, per sequence and block of TILE_QUERIES queries
+    (a multiple of ROWS), how many blocks of TILE_KEYS keys (a multiple of KEYS_BLOCK) hold a pair
+    that is not BLOCKED, then those blocks in ascending order: only the last listed block can reach
+    past the keys."""
     program = tl.program_id(0)
     sequence = program // row_blocks
     pair = tl.arange(0, ROWS * KEYS_BLOCK)
@@ -67,11 +77,28 @@ def bucket_sums_kernel(grad_ptr, bucket_ptr, partial_ptr, heads, queries, keys,
                  + head[:, None].to(tl.int64) * (grad_stride_head * VECTOR))
     bucket_rows = bucket_ptr + sequence.to(tl.int64) * bucket_stride_batch
     total = tl.full((BINS_BLOCK, HEADS_BLOCK), 0, dtype=tl.float32)
-    full_keys = keys // KEYS_BLOCK * KEYS_BLOCK
-    for key_start in range(0, full_keys, KEYS_BLOCK):
-        total = tile_sums(total, grad_rows, bucket_rows, row, key_start + column, head, bin_ids, heads, queries,
-                          keys, grad_stride_query * VECTOR, bucket_stride_query, True, UPCAST)
-    if full_keys < keys:  # the last keys: a tile masked per key
-        total = tile_sums(total, grad_rows, bucket_rows, row, full_keys + column, head, bin_ids, heads, queries,
-                          keys, grad_stride_query * VECTOR, bucket_stride_query, False, UPCAST)
+    if LISTED:
+        tiles = (key_tiles_ptr + sequence * tiles_stride_b
+                 + ((program % row_blocks) * ROWS // TILE_QUERIES) * tiles_stride_t)
+        count = tl.load(tiles)
+        for tile in range(0, count - 1):  # ascending: every listed block but the last lies inside the keys
+            block_start = tl.load(tiles + 1 + tile) * TILE_KEYS
+            for part in tl.static_range(TILE_KEYS // KEYS_BLOCK):
+                total = tile_sums(total, grad_rows, bucket_rows, row, block_start + part * KEYS_BLOCK + column,
+                                  head, bin_ids, heads, queries, keys, grad_stride_query * VECTOR,
+                                  bucket_stride_query, True, UPCAST)
+        if count > 0:  # the last listed block, masked per key: it may be the keys' ragged end
+            block_start = tl.load(tiles + count) * TILE_KEYS
+            for part in tl.static_range(TILE_KEYS // KEYS_BLOCK):
+                total = tile_sums(total, grad_rows, bucket_rows, row, block_start + part * KEYS_BLOCK + column,
+                                  head, bin_ids, heads, queries, keys, grad_stride_query * VECTOR,
+                                  bucket_stride_query, False, UPCAST)
+    else:
+        full_keys = keys // KEYS_BLOCK * KEYS_BLOCK
+        for key_start in range(0, full_keys, KEYS_BLOCK):
+            total = tile_sums(total, grad_rows, bucket_rows, row, key_start + column, head, bin_ids, heads,
+                              queries, keys, grad_stride_query * VECTOR, bucket_stride_query, True, UPCAST)
+        if full_keys < keys:  # the last keys: a tile masked per key
+            total = tile_sums(total, grad_rows, bucket_rows, row, full_keys + column, head, bin_ids, heads,
+                              queries, keys, grad_stride_query * VECTOR, bucket_stride_query, False, UPCAST)
     tl.store(partial_ptr + program * HEADS_BLOCK * BINS_BLOCK + head[None, :] * BINS_BLOCK + bin_ids[:, None], total)
