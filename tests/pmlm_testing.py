@@ -64,19 +64,21 @@ def preloaded_server():
 
 
 def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | None = None,
-               timeout: float | None = None) -> subprocess.CompletedProcess:
-    """`subprocess.run([sys.executable, *argv], capture_output=True, text=True, ...)`, forked from
-    this process's preloaded-python server (torch, DeepSpeed and the project already imported) unless
-    `env` differs from the server's in what its imports read, or PRELOADED_ENV is `0`."""
+               timeout: float | None = None, umask: int | None = None, text: bool = True) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, *argv], capture_output=True, text=text, ...)` (under `umask`
+    when given), forked from this process's preloaded-python server (torch, DeepSpeed and the project
+    already imported) unless `env` differs from the server's in what its imports read, or
+    PRELOADED_ENV is `0`."""
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
     server = preloaded_server()
     if server:
-        result, served = server.run(list(argv), env, cwd, timeout)
+        result, served = server.run(list(argv), env, cwd, timeout, umask=umask, text=text)
         trace(served, argv)
         if result is not None:
             return result
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=text, timeout=timeout, env=env, cwd=cwd,
+                          preexec_fn=None if umask is None else lambda: os.umask(umask))
 
 
 @contextlib.contextmanager
@@ -169,9 +171,9 @@ def damage_in_place(path: Path) -> None:
 
 def kernel_code(*flags: str) -> dict:
     """tools/bench_kernel_code.py's figures (Triton's compiler and cuobjdump, no GPU)."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "bench_kernel_code.py"), *flags, "--json", "-"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    env = {key: value for key, value in {**os.environ, **RUN_ENVIRONMENT}.items() if key != "TRITON_INTERPRET"}
+    result = run_python([str(REPO_ROOT / "tools" / "bench_kernel_code.py"), *flags, "--json", "-"], cwd=REPO_ROOT,
+                        env=env, timeout=600)
     if result.returncode and "is missing" in result.stderr:
         pytest.skip(result.stderr.strip().splitlines()[-1][:200])
     assert result.returncode == 0, result.stderr[-4000:]
@@ -181,10 +183,11 @@ def kernel_code(*flags: str) -> dict:
 def compiled_for_gpus(source: str):
     """The JSON a script printed after compiling Triton kernels for GPUs without one (Triton's own
     compiler; its ptxas ships with Triton: the test is skipped, saying so, where it is missing)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRITON_DEFAULT_FP_FUSION": "1"}
+    env = {**os.environ, **RUN_ENVIRONMENT}
     env.pop("TRITON_INTERPRET", None)
-    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    # set in the run (Triton reads it at each compilation), not given: a forked run needs the server's environment
+    source = 'import os; os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")\n' + source
+    result = run_python(["-c", source], cwd=REPO_ROOT, env=env, timeout=600)
     if result.returncode and "ptxas" in result.stderr and "not found" in result.stderr.lower():
         pytest.skip("Triton's ptxas is missing here: " + result.stderr.strip().splitlines()[-1][:200])
     assert result.returncode == 0, result.stderr[-4000:]

@@ -242,6 +242,8 @@ def _supervise(connection: socket.socket, request: dict, fds: list[int]) -> None
 def _run(request: dict, fds: list[int]) -> None:
     """In the run's process: become what `python ARGV` would be, run it, exit as the interpreter does."""
     os.setpgid(0, 0)  # its own process group: a timeout kills it with whatever it started
+    if request.get("umask") is not None:  # as `preexec_fn=lambda: os.umask(...)` gives a new interpreter
+        os.umask(request["umask"])
     stdin = os.open(os.devnull, os.O_RDONLY)
     for source, target in ((stdin, 0), (fds[0], 1), (fds[1], 2)):
         os.dup2(source, target)
@@ -339,16 +341,18 @@ class PreloadedPython:
             self.server.terminate()
             self.server.wait()
 
-    def run(self, argv: list[str], env: dict[str, str], cwd: str,
-            timeout: float | None) -> tuple[subprocess.CompletedProcess | None, str]:
-        """(`python *argv` forked from the server, output captured as text, "forked"), or (None, why
-        the server refused it: its environment differs in a variable read at import)."""
+    def run(self, argv: list[str], env: dict[str, str], cwd: str, timeout: float | None, umask: int | None = None,
+            text: bool = True) -> tuple[subprocess.CompletedProcess | None, str]:
+        """(`python *argv` forked from the server under `umask` (None: the server's), output captured
+        as text (or bytes), "forked"), or (None, why the server refused it: its environment differs in
+        a variable read at import)."""
         import tempfile
 
         command = [sys.executable, *argv]
+        output = _text if text else _bytes
         with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr, \
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-            replies, first = _request(connection, self.address, {"argv": argv, "env": env, "cwd": cwd},
+            replies, first = _request(connection, self.address, {"argv": argv, "env": env, "cwd": cwd, "umask": umask},
                                       [stdout.fileno(), stderr.fileno()])
             if "refused" in first:
                 return None, "new interpreter: " + first["refused"]
@@ -357,9 +361,9 @@ class PreloadedPython:
                 status = json.loads(replies.readline())["status"]
             except (TimeoutError, socket.timeout):
                 os.killpg(first["pid"], signal.SIGKILL)
-                raise subprocess.TimeoutExpired(command, timeout, _text(stdout), _text(stderr)) from None
-            return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), _text(stdout),
-                                               _text(stderr)), "forked"
+                raise subprocess.TimeoutExpired(command, timeout, output(stdout), output(stderr)) from None
+            return subprocess.CompletedProcess(command, os.waitstatus_to_exitcode(status), output(stdout),
+                                               output(stderr)), "forked"
 
 
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
@@ -400,10 +404,15 @@ def trace(served: str, argv: list[str]) -> None:
             lines.write(f"{served}\t{' '.join(argv[:2])[:100]!r}\n")
 
 
+def _bytes(handle) -> bytes:
+    """The bytes written to `handle`."""
+    handle.seek(0)
+    return handle.read()
+
+
 def _text(handle) -> str:
     """The bytes written to `handle`, decoded as `subprocess.run(text=True)` decodes them."""
-    handle.seek(0)
-    return io.TextIOWrapper(io.BytesIO(handle.read())).read()
+    return io.TextIOWrapper(io.BytesIO(_bytes(handle))).read()
 
 
 if __name__ == "__main__":

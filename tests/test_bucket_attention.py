@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -519,34 +520,47 @@ def test_tile_lists_name_the_tiles_with_a_pair_to_compute():
     assert bucket_attention.KEY_VALUE_SHAPE == bucket_attention.DEFAULT_KEY_VALUE_SHAPE == shape(64, 64, 4, 1)
 
 
-def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused():
+def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(monkeypatch):
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
     triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ,
-    PMLM_TRITON_BIAS and PMLM_TRITON_KEY_VALUE_TILES likewise."""
+    PMLM_TRITON_BIAS and PMLM_TRITON_KEY_VALUE_TILES likewise. Two new interpreters show the values
+    read at import (the alternatives, then malformed values: the defaults kept, the model refused);
+    each value's reading and refusal are checked here with the functions the import calls."""
+    from megatron_pmlm.models.accelerated import alternative_from_environment
+
     probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
-             "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)\n"
+             "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE, ba.DQ_FROM_SCORES, ba.DENSE_BIAS, ba.KEY_VALUE_TRANSPOSED)\n"
              "config = model_config_from_preset('tiny', attention_backend='triton')\n"
              "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
              "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
-    outputs = {}
-    for value in ("32x64w8s3/128x128w4s1", "64x64/64x64w4s3", "64x64w4s2/32x128w4s3", None):
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-        env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
-        if value:
-            env[bucket_attention.KERNEL_SHAPES_ENV] = value
+    variables = (bucket_attention.KERNEL_SHAPES_ENV, bucket_attention.DQ_ENV, bucket_attention.BIAS_ENV,
+                 bucket_attention.KEY_VALUE_ENV)
+    outputs = []
+    for values in (("32x64w8s3/128x128w4s1", "kernel", "dense", "rows"), ("64x64/64x64w4s3", "GEMM", "bf16", "keys")):
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **dict(zip(variables, values))}
         result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
-        outputs[value] = result.stdout.splitlines()
-    assert outputs["32x64w8s3/128x128w4s1"] == ["32x64w8s3 128x128w4s1"]
-    assert outputs[None] == ["64x64w4s1 64x64w4s1"]
-    default, refusal = outputs["64x64/64x64w4s3"]
-    assert default == "64x64w4s1 64x64w4s1"
-    assert refusal == ("refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
-                       "e.g. 128x64w8s3 (a register cap after it: 64x64w4s1r168)"), refusal
+        outputs.append(result.stdout.splitlines())
+    assert outputs[0] == ["32x64w8s3 128x128w4s1 False True False"], outputs[0]
+    assert outputs[1] == ["64x64w4s1 64x64w4s1 True False None",
+                          "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
+                          "e.g. 128x64w8s3 (a register cap after it: 64x64w4s1r168)"], outputs[1]
+
+    default = (bucket_attention.DEFAULT_FORWARD_SHAPE, bucket_attention.DEFAULT_KEY_VALUE_SHAPE)
+    monkeypatch.delenv(bucket_attention.KERNEL_SHAPES_ENV, raising=False)
+    assert bucket_attention._launch_from_environment() == (*default, None)
+    assert [str(shape) for shape in default] == ["64x64w4s1", "64x64w4s1"]
+    monkeypatch.setenv(bucket_attention.KERNEL_SHAPES_ENV, "64x64")
+    assert bucket_attention._launch_from_environment() == (
+        *default, "PMLM_TRITON_KERNEL_SHAPES: '64x64': give FORWARD/KEY_VALUE, e.g. 128x64w8s3/64x64w4s3")
+    monkeypatch.setenv(bucket_attention.KERNEL_SHAPES_ENV, "64x64w4s2/32x128w4s3")
+    *launch, dk_problem = bucket_attention._launch_from_environment()
+    assert tuple(launch) == default and dk_problem == (
+        "PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be 64 or 128")
     # a register cap a thread (the same parser the variable goes through)
     capped = bucket_attention.parse_kernel_shapes("64x64w4s1r168/64x64w4s1")
     assert [str(shape) for shape in capped] == ["64x64w4s1r168", "64x64w4s1"], capped
@@ -556,29 +570,26 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused()
         with pytest.raises(ValueError, match=f"kernel shape 64x64w4s1{cap}: a register cap must be a multiple of 8 "
                                              "from 64 to 255"):
             bucket_attention.parse_kernel_shapes(f"64x64w4s1{cap}/64x64w4s1")
-    assert outputs["64x64w4s2/32x128w4s3"][1] == (
-        "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries must be "
-        "64 or 128")
     # PMLM_TRITON_DQ: gemm (the default) or kernel; PMLM_TRITON_BIAS: table (the default) or dense;
     # PMLM_TRITON_KEY_VALUE_TILES: auto (the default) or rows; anything else refused the same way
-    for variable, printed, cases in (
-            (bucket_attention.DQ_ENV, "ba.DQ_FROM_SCORES",
-             (("kernel", ["False"]), ("gemm", ["True"]),
-              ("GEMM", ["True", "refused: PMLM_TRITON_DQ='GEMM': give gemm (the default) or kernel"]))),
-            (bucket_attention.BIAS_ENV, "ba.DENSE_BIAS",
-             (("dense", ["True"]), ("table", ["False"]),
-              ("bf16", ["False", "refused: PMLM_TRITON_BIAS='bf16': give table (the default) or dense"]))),
-            (bucket_attention.KEY_VALUE_ENV, "ba.KEY_VALUE_TRANSPOSED",
-             (("rows", ["False"]), ("auto", ["None"]),
-              ("keys", ["None", "refused: PMLM_TRITON_KEY_VALUE_TILES='keys': give auto (the default) or rows"])))):
-        variable_probe = probe.replace("print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE)", f"print({printed})")
-        for value, expected in cases:
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), variable: value}
-            env.pop(bucket_attention.KERNEL_SHAPES_ENV, None)
-            result = subprocess.run([sys.executable, "-c", variable_probe], cwd=REPO_ROOT, env=env,
-                                    capture_output=True, text=True, timeout=120)
-            assert result.returncode == 0 and result.stdout.splitlines() == expected, (value, result.stdout,
-                                                                                       result.stderr[-2000:])
+    for variable, default_value, alternative, wrong in ((bucket_attention.DQ_ENV, "gemm", "kernel", "GEMM"),
+                                                        (bucket_attention.BIAS_ENV, "table", "dense", "bf16"),
+                                                        (bucket_attention.KEY_VALUE_ENV, "auto", "rows", "keys")):
+        for value, expected in ((alternative, (True, None)), (default_value, (False, None)),
+                                (wrong, (False, f"{variable}={wrong!r}: give {default_value} (the default) or "
+                                                f"{alternative}"))):
+            monkeypatch.setenv(variable, value)
+            assert alternative_from_environment(variable, default_value, alternative) == expected, (variable, value)
+        monkeypatch.delenv(variable)
+    config = model_config_from_preset("tiny", attention_backend="triton")
+    for name, problem in (("LAUNCH_PROBLEM", dk_problem), ("DQ_PROBLEM", "PMLM_TRITON_DQ='GEMM': give gemm"),
+                          ("BIAS_PROBLEM", "PMLM_TRITON_BIAS='bf16': give table"),
+                          ("KEY_VALUE_PROBLEM", "PMLM_TRITON_KEY_VALUE_TILES='keys': give auto")):
+        with monkeypatch.context() as patch:
+            patch.setattr(bucket_attention, name, problem)
+            check_attention_backend(dataclasses.replace(config, attention_backend="sdpa"))  # sdpa not concerned
+            with pytest.raises(ConfigError, match=re.escape(problem)):
+                check_attention_backend(config)
 
 
 def test_bench_padding_reports_the_share_of_tiles_the_kernels_compute(pretraining_samples):
@@ -788,10 +799,12 @@ def test_check_leakage_passes_with_the_triton_backend_and_catches_a_broken_mask(
     PMLM and UniLM v1 (its four LM masks): who sees whom is the rule's through the codes; a mask
     broken on purpose fails. (The fine-tuning modes pass too: `--mode pseudo-masked`, by hand.)"""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    # one example each: an example checks every position of every factorization step (UniLM: of each
+    # of its four LM masks) in the interpreter; the broken mask leaks in every example
     for extra, returncode in ((["--objective", "ae+par"], 0), (["--objective", "unilm"], 0),
                               (["--inject-fault", "implicit"], 1)):
         result = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--attention-backend", "triton",
-                                 "--examples", "2", *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                 "--examples", "1", *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=300)
         assert result.returncode == returncode, (extra, result.stdout[-2000:], result.stderr[-2000:])
         assert ("PASS: no leakage" in result.stdout) == (returncode == 0), (extra, result.stdout[-2000:])

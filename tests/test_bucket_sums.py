@@ -245,15 +245,17 @@ def test_the_kernel_reads_only_the_listed_tiles_and_sums_the_same_bits():
     assert wrong_tile and "tiles of 62 x 64" in wrong_tile
 
 
-def test_the_environment_turns_the_kernel_off():
-    """PMLM_TABLE_GRADIENT=gemm keeps the GEMMs on a GPU too (read once, at import)."""
+def test_the_environment_turns_the_kernel_off(monkeypatch):
+    """PMLM_TABLE_GRADIENT=gemm keeps the GEMMs on a GPU too (read once, at import: a fresh process
+    here; `kernel`, the default, is checked with the function the import calls)."""
     code = ("from megatron_pmlm.models import bucket_sums; import sys; "
             "sys.stdout.write(str(bucket_sums.KERNEL_ENABLED))")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    for setting, expected in (("gemm", "False"), ("kernel", "True")):
-        result = subprocess.run([sys.executable, "-c", code], env={**env, bucket_sums.TABLE_GRADIENT_ENV: setting},
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0 and result.stdout == expected, result.stderr[-2000:]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), bucket_sums.TABLE_GRADIENT_ENV: "gemm"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "False", result.stderr[-2000:]
+    for setting, expected in (("gemm", False), ("kernel", True)):
+        monkeypatch.setenv(bucket_sums.TABLE_GRADIENT_ENV, setting)
+        assert bucket_sums.kernel_enabled() is expected, setting
 
 
 def test_each_layer_reducing_its_own_bias_gradient_trains_as_the_shared_bias_does():

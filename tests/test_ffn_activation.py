@@ -149,22 +149,35 @@ def test_the_gelu_backward_kernel_sums_the_bias_gradient_and_trains_the_layer_as
     assert "PMLM_FFN_BIAS_GRADIENT=autograd" in warning
 
 
-def test_the_environment_turns_the_kernel_off_and_a_bad_value_stops_the_model():
+def test_the_environment_turns_the_kernel_off_and_a_bad_value_stops_the_model(monkeypatch):
     """PMLM_FFN_BIAS_GRADIENT=autograd keeps autograd's bias gradient on a GPU too (read once, at
-    import); another value than kernel or autograd: the model refuses to start, naming the variable."""
+    import: a fresh process here, given a malformed value, which it keeps and refuses); another value
+    than kernel or autograd: the model refuses to start, naming the variable."""
+    from megatron_pmlm.config import ConfigError, model_config_from_preset
+    from megatron_pmlm.models.model import BertModel
+
     code = ("import sys; from megatron_pmlm.config import model_config_from_preset, ConfigError\n"
             "from megatron_pmlm.models import ffn_activation\nfrom megatron_pmlm.models.model import BertModel\n"
             "try:\n    BertModel(model_config_from_preset('tiny'))\n    built = 'built'\n"
             "except ConfigError as error:\n    built = str(error)\n"
             "sys.stdout.write(f'{ffn_activation.KERNEL_ENABLED}|{built}')")
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), ffn_activation.BIAS_GRADIENT_ENV: "fast"}
     env.pop("TRITON_INTERPRET", None)
-    for setting, expected in (("autograd", "False|built"), ("kernel", "True|built"),
-                              ("fast", "False|PMLM_FFN_BIAS_GRADIENT='fast': give kernel (the default")):
-        result = subprocess.run([sys.executable, "-c", code], env={**env, ffn_activation.BIAS_GRADIENT_ENV: setting},
-                                capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
-        assert result.returncode == 0 and result.stdout.startswith(expected), (setting, result.stdout,
-                                                                              result.stderr[-2000:])
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                            cwd=REPO_ROOT)
+    assert result.returncode == 0 and result.stdout.startswith(
+        "False|PMLM_FFN_BIAS_GRADIENT='fast': give kernel (the default"), (result.stdout, result.stderr[-2000:])
+    for setting, expected in (("autograd", (False, None)), ("kernel", (True, None))):
+        monkeypatch.setenv(ffn_activation.BIAS_GRADIENT_ENV, setting)
+        assert ffn_activation._from_environment() == expected, setting
+    monkeypatch.setenv(ffn_activation.BIAS_GRADIENT_ENV, "fast")
+    enabled, problem = ffn_activation._from_environment()
+    assert not enabled and problem.startswith("PMLM_FFN_BIAS_GRADIENT='fast': give kernel (the default"), problem
+    monkeypatch.setattr(ffn_activation, "ENVIRONMENT_PROBLEM", None)
+    BertModel(model_config_from_preset("tiny"))
+    monkeypatch.setattr(ffn_activation, "ENVIRONMENT_PROBLEM", problem)
+    with pytest.raises(ConfigError, match="PMLM_FFN_BIAS_GRADIENT='fast'"):
+        BertModel(model_config_from_preset("tiny"))
 
 
 def test_the_path_is_taken_only_where_it_computes_the_same_model(monkeypatch):

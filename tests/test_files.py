@@ -9,14 +9,14 @@ import json
 import os
 import stat
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from pmlm_testing import REPO_ROOT, SHARED_DATA
+import pmlm_testing
+from pmlm_testing import REPO_ROOT, RUN_ENVIRONMENT, SHARED_DATA
 
 TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4", "--lr", "1e-4",
         "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
@@ -25,11 +25,10 @@ TINY = ["--preset", "tiny", "--micro-batch-size", "4", "--global-batch-size", "4
 
 def run_python(*args: str, umask: int | None = None, cwd: Path | None = None, timeout: int = 300,
                text: bool = True) -> subprocess.CompletedProcess:
-    """`python ARGS` (a module with -m, or a script), under `umask` when given, output captured."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=text, cwd=cwd, env=env, timeout=timeout,
-                          preexec_fn=None if umask is None else lambda: os.umask(umask))
+    """`python ARGS` (a module with -m, or a script), under `umask` when given, output captured
+    (forked from the suite's preloaded interpreter, which sets the umask first, as a new one would)."""
+    return pmlm_testing.run_python(list(args), env={**os.environ, **RUN_ENVIRONMENT}, cwd=cwd, timeout=timeout,
+                                   umask=umask, text=text)
 
 
 def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
