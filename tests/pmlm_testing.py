@@ -28,7 +28,7 @@ def run_module(module: str, *args: str, timeout: int = 300, nproc: int = 1,
     full_env = {key: value for key, value in full_env.items() if value is not None}
     command = [sys.executable, "-m", module, *args]
     if nproc > 1:
-        server = preloaded_server()
+        server = preloaded_server(interpreted=full_env.get(INTERPRETER_ENV) == "1")
         worker = [str(Path(__file__).with_name("preloaded_python.py")), "--worker"] if server else []
         command = [*torchrun(nproc), *worker, "-m", module, *args]
         if server:
@@ -48,19 +48,23 @@ RUN_ENVIRONMENT = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 PRELOADED_ENV = SETTING_ENV
 """`0`: every run in a new interpreter (tests/preloaded_python.py's server unused); a file path: each
 run appends a line there saying how it was served (forked, or why a new interpreter)."""
-_preloaded = None
+INTERPRETER_ENV = "TRITON_INTERPRET"
+"""`1`: Triton's interpreter, read when the kernels' modules load: such runs are forked from a
+server of their own (started on first use, like the other), which imported everything with it set."""
+_preloaded: dict[bool, PreloadedPython] = {}
 _preloaded_lock = threading.Lock()
 
 
-def preloaded_server():
-    """This process's preloaded-python server (started on first use), or None where PRELOADED_ENV is 0."""
-    global _preloaded
+def preloaded_server(interpreted: bool = False):
+    """This process's preloaded-python server (started on first use) for runs in Triton's interpreter
+    or not, or None where PRELOADED_ENV is 0."""
     if os.environ.get(PRELOADED_ENV) == "0":
         return None
     with _preloaded_lock:
-        if _preloaded is None:
-            _preloaded = PreloadedPython({**os.environ, **RUN_ENVIRONMENT})
-    return _preloaded
+        if interpreted not in _preloaded:
+            _preloaded[interpreted] = PreloadedPython({**os.environ, **RUN_ENVIRONMENT,
+                                                       **({INTERPRETER_ENV: "1"} if interpreted else {})})
+    return _preloaded[interpreted]
 
 
 def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | None = None,
@@ -71,7 +75,7 @@ def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | No
     PRELOADED_ENV is `0`."""
     env = dict(os.environ if env is None else env)
     cwd = str(cwd or os.getcwd())
-    server = preloaded_server()
+    server = preloaded_server(interpreted=env.get(INTERPRETER_ENV) == "1")
     if server:
         result, served = server.run(list(argv), env, cwd, timeout, umask=umask, text=text)
         trace(served, argv)
@@ -79,6 +83,19 @@ def run_python(argv: list[str], *, env: dict | None = None, cwd: str | Path | No
             return result
     return subprocess.run([sys.executable, *argv], capture_output=True, text=text, timeout=timeout, env=env, cwd=cwd,
                           preexec_fn=None if umask is None else lambda: os.umask(umask))
+
+
+def run_interpreted(source: str, timeout: int = 600, unset: tuple[str, ...] = ()) -> dict:
+    """The JSON `python -c source` printed with our Triton kernels in Triton's interpreter
+    (`TRITON_INTERPRET=1`, which must be set before the kernels are defined: a process of its own,
+    forked from the interpreter's preloaded server), from the repository's root, tests/ importable,
+    the variables `unset` unset."""
+    env = {key: value for key, value in {**os.environ, **RUN_ENVIRONMENT, INTERPRETER_ENV: "1"}.items()
+           if key not in unset}
+    source = f"import sys; sys.path.insert(0, {str(REPO_ROOT / 'tests')!r})\n" + source
+    result = run_python(["-c", source], cwd=REPO_ROOT, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from pmlm_testing import REPO_ROOT, run_module
+from pmlm_testing import REPO_ROOT, run_module, run_tool
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import bench_attention_kernels  # noqa: E402
@@ -88,17 +88,13 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     with dQ by its own kernel, with the key/value pass's tiles as [queries, keys], and reading the
     bias from its dense form; its dropout and
     no-bias rows and sdpa's dropout row are timed only."""
-    import os
-    import subprocess
-
     out = tmp_path / "out.json"
-    result = subprocess.run(
-        [sys.executable, "tools/bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
-         "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-kv-rows,"
-         "triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias", "--triton-shapes",
-         "32x64w2s1/64x64w4s3", "--iterations", "1", "--warmup", "1", "--json", str(out)],
-        cwd=REPO_ROOT, env={**os.environ, "TRITON_INTERPRET": "1", "DS_ACCELERATOR": "cpu"}, capture_output=True,
-        text=True, timeout=300)
+    result = run_tool(
+        "bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
+        "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-kv-rows,"
+        "triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias", "--triton-shapes",
+        "32x64w2s1/64x64w4s3", "--iterations", "1", "--warmup", "1", "--json", str(out),
+        cwd=REPO_ROOT, env={"TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
     for name, launch in (("triton", "64x64w4s1/64x64w4s1"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3"),

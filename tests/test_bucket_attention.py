@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -21,7 +20,7 @@ import pytest
 from megatron_pmlm.config import ConfigError, model_config_from_preset
 from megatron_pmlm.models import bucket_attention, launch_tuning
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT, compiled_for_gpus, kernel_code, run_tool, torchrun
+from pmlm_testing import REPO_ROOT, compiled_for_gpus, kernel_code, run_interpreted, run_module, run_tool, torchrun
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -313,14 +312,6 @@ report["graphs"] = {name: [e.graph_count, e.graph_break_count, [str(r.reason) fo
                     for name, e in explained.items()}
 json.dump(report, sys.stdout)
 """
-
-
-def run_interpreted(source: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
 
 
 @needs_triton
@@ -798,20 +789,16 @@ def test_check_leakage_passes_with_the_triton_backend_and_catches_a_broken_mask(
     """`check_leakage --attention-backend triton` (the kernels in Triton's interpreter) passes for
     PMLM and UniLM v1 (its four LM masks): who sees whom is the rule's through the codes; a mask
     broken on purpose fails. (The fine-tuning modes pass too: `--mode pseudo-masked`, by hand.)"""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     # one example each: an example checks every position of every factorization step (UniLM: of each
     # of its four LM masks) in the interpreter; the broken mask leaks in every example
     for extra, returncode in ((["--objective", "ae+par"], 0), (["--objective", "unilm"], 0),
                               (["--inject-fault", "implicit"], 1)):
-        result = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--attention-backend", "triton",
-                                 "--examples", "1", *extra], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                                timeout=300)
+        result = run_module("megatron_pmlm.check_leakage", "--attention-backend", "triton", "--examples", "1", *extra,
+                            env={"TRITON_INTERPRET": "1"})
         assert result.returncode == returncode, (extra, result.stdout[-2000:], result.stderr[-2000:])
         assert ("PASS: no leakage" in result.stdout) == (returncode == 0), (extra, result.stdout[-2000:])
     # Outside the interpreter the CPU cannot run the kernels: one line, exit 2.
-    env.pop("TRITON_INTERPRET")
-    result = subprocess.run([sys.executable, "-m", "megatron_pmlm.check_leakage", "--attention-backend", "triton"],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = run_module("megatron_pmlm.check_leakage", "--attention-backend", "triton", env={"TRITON_INTERPRET": None})
     assert result.returncode == 2 and "runs on CUDA GPUs" in result.stderr, result.stderr[-2000:]
 
 

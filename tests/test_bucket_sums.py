@@ -8,7 +8,6 @@ itself is checked in tests/test_gpu.py.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import sys
 import pytest
 
 from megatron_pmlm.models import bucket_sums
-from pmlm_testing import REPO_ROOT, kernel_code
+from pmlm_testing import REPO_ROOT, kernel_code, run_interpreted
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
@@ -207,14 +206,6 @@ json.dump({"warnings": [str(w.message) for w in caught if issubclass(w.category,
            "enabled_after": bucket_sums.KERNEL_ENABLED or bucket_sums.INTERPRETED,
            "runs_on_after": bucket_sums.runs_on(torch.device("cpu"), torch.float32)}, sys.stdout)
 """
-
-
-def run_interpreted(source: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
 
 
 def test_the_kernel_sums_each_bucket_as_the_one_hot_gemms_do():

@@ -8,7 +8,6 @@ is checked in tests/test_gpu.py.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 from megatron_pmlm.models import ffn_activation
+import pmlm_testing
 from pmlm_testing import REPO_ROOT, compiled_for_gpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -114,12 +114,7 @@ json.dump(report, sys.stdout)
 
 
 def run_interpreted(source: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop(ffn_activation.BIAS_GRADIENT_ENV, None)
-    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
+    return pmlm_testing.run_interpreted(source, unset=(ffn_activation.BIAS_GRADIENT_ENV,))
 
 
 def test_the_gelu_backward_kernel_sums_the_bias_gradient_and_trains_the_layer_as_autograd_does():

@@ -8,7 +8,6 @@ itself is checked in tests/test_gpu.py.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import torch
 
 from megatron_pmlm.config import model_config_from_preset
 from megatron_pmlm.models import hidden_dropout
+import pmlm_testing
 from pmlm_testing import REPO_ROOT, compiled_for_gpus
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -155,12 +155,7 @@ json.dump(report, sys.stdout)
 
 
 def run_interpreted(source: str) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "tests")])}
-    env.pop(hidden_dropout.DROPOUT_ENV, None)
-    result = subprocess.run([sys.executable, "-c", source], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return json.loads(result.stdout)
+    return pmlm_testing.run_interpreted(source, unset=(hidden_dropout.DROPOUT_ENV,))
 
 
 def test_compiled_hidden_dropout_draws_philox_bits_and_applies_them_as_the_eager_path_does():

@@ -12,8 +12,6 @@ import dataclasses
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 import types
 
@@ -25,7 +23,7 @@ from megatron_pmlm.models import launch_tuning
 from megatron_pmlm.models.accelerated import value_from_environment
 from megatron_pmlm.models.bucket_attention import KernelShape
 from megatron_pmlm.models.model import check_attention_backend
-from pmlm_testing import REPO_ROOT
+from pmlm_testing import REPO_ROOT, RUN_ENVIRONMENT, run_python
 
 
 def test_a_register_cap_is_offered_where_registers_bound_the_programs():
@@ -170,11 +168,9 @@ print(json.dumps(report))
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="Triton is not installed (pyproject's test extra installs it on x86_64 Linux)")
 def test_tuned_kernels_compute_what_the_untuned_launch_does_and_tune_once_a_problem():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    env.pop(launch_tuning.TUNING_ENV, None)
-    env.pop("PMLM_TRITON_KERNEL_SHAPES", None)
-    result = subprocess.run([sys.executable, "-c", TUNED], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
+    env = {key: value for key, value in {**os.environ, **RUN_ENVIRONMENT, "TRITON_INTERPRET": "1"}.items()
+           if key not in (launch_tuning.TUNING_ENV, "PMLM_TRITON_KERNEL_SHAPES")}
+    result = run_python(["-c", TUNED], cwd=REPO_ROOT, env=env, timeout=600)  # forked: the interpreter's server
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["default_tunes_here"] is False  # auto: a GPU's launches only

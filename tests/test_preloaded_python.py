@@ -111,18 +111,23 @@ session id (a label)."""
         "PYTEST_CURRENT_TEST differs from the server's (read at import)"
 
 
-@pytest.mark.parametrize("variable,value", [("TRITON_INTERPRET", "1"), ("PMLM_TRITON_DQ", "kernel")])
-def test_a_variable_read_at_import_sends_the_run_to_a_new_interpreter(variable, value, monkeypatch, tmp_path):
-    """Triton's interpreter and the kernels' settings are read when the modules load: a forked run
-    would keep the server's; the run starts a new interpreter and sees the value."""
+@pytest.mark.parametrize("interpreted", [False, True], ids=["compiled", "interpreted"])
+def test_a_variable_read_at_import_sends_the_run_to_a_new_interpreter(interpreted, monkeypatch, tmp_path):
+    """The kernels' settings are read when the modules load: a forked run would keep the server's;
+    the run starts a new interpreter and sees the value. Triton's interpreter too, but the suite
+    runs so many of those that they have a server of their own, which imported everything with it:
+    such runs are forked from it (and refused by it alike for another setting)."""
     probe = ("import os, sys, megatron_pmlm.models.bucket_attention as kernels; "
              "print(kernels.INTERPRETED, kernels._DQ_KERNEL)")
-    result, served = _traced(monkeypatch, tmp_path, ["-c", probe], env=_environment(**{variable: value}), timeout=120)
-    assert served == f"new interpreter: {variable} differs from the server's (read at import)"
+    interpreter = {"TRITON_INTERPRET": "1"} if interpreted else {}
+    result, served = _traced(monkeypatch, tmp_path, ["-c", probe], env=_environment(**interpreter), timeout=120)
+    assert served == "forked" and result.returncode == 0, (served, result.stderr[-2000:])
+    assert result.stdout.split() == [str(interpreted), "False"]
+    result, served = _traced(monkeypatch, tmp_path, ["-c", probe],
+                             env=_environment(**interpreter, PMLM_TRITON_DQ="kernel"), timeout=120)
+    assert served == "new interpreter: PMLM_TRITON_DQ differs from the server's (read at import)"
     assert result.returncode == 0, result.stderr[-2000:]
-    interpreted, dq_kernel = result.stdout.split()
-    assert (interpreted == "True") == (variable == "TRITON_INTERPRET")
-    assert (dq_kernel == "True") == (variable == "PMLM_TRITON_DQ")
+    assert result.stdout.split() == [str(interpreted), "True"]
 
 
 TORCH_LOGS_PROBE = r'''
