@@ -85,26 +85,28 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     """In Triton's interpreter (a fresh process: it is read when the kernels are defined) the
     triton variant is the same attention as sdpa, the table's gradient compared with sdpa's bias
     gradient reduced per bucket, launched as the model does and with other tiles (--triton-shapes),
-    with dQ by its own kernel, with the key/value pass's tiles as [queries, keys], and reading the
+    with dQ by its own kernel or from dS over the listed tiles, with the key/value pass's tiles as [queries, keys], and reading the
     bias from its dense form; its dropout and
     no-bias rows and sdpa's dropout row are timed only."""
     out = tmp_path / "out.json"
     result = run_tool(
         "bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
-        "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-kv-rows,"
-        "triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias", "--triton-shapes",
+        "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-dq-tiles,"
+        "triton-dropout-dq-tiles,triton-kv-rows,triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias",
+        "--triton-shapes",
         "32x64w2s1/64x64w4s3", "--iterations", "1", "--warmup", "1", "--json", str(out),
         cwd=REPO_ROOT, env={"TRITON_INTERPRET": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["shapes"][0]["rows"]}
     for name, launch in (("triton", "64x64w4s1/64x64w4s1"), ("triton[32x64w2s1/64x64w4s3]", "32x64w2s1/64x64w4s3"),
                          ("triton-dq-kernel", "64x64w4s1/64x64w4s1"),  # dQ by its kernel: the same attention
+                         ("triton-dq-tiles", "64x64w4s1/64x64w4s1"),  # dQ from dS over the listed tiles: too
                          ("triton-kv-rows", "64x64w4s1/64x64w4s1"),  # the other orientation: the same too
                          ("triton-dense-bias", "64x64w4s1/64x64w4s1")):  # the dense bias: the same too
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
-    for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-kv-rows",
-                 "triton-dropout-dense-bias"):
+    for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-dq-tiles",
+                 "triton-dropout-kv-rows", "triton-dropout-dense-bias"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 
 

@@ -832,6 +832,72 @@ def test_a_kernel_triton_cannot_build_here_stops_the_run_in_one_line_naming_the_
         bucket_attention._launch(Kernel(), (1, 1))
 
 
+DQ_OVER_TILES = r"""
+import json, sys
+import torch
+from megatron_pmlm.models import bucket_attention as ba
+
+score_grad_buffer = ba.score_grad_buffer
+
+
+def poisoned_buffer(*args, **kwargs):  # what no pass writes reads as NaN, wherever it lies
+    return score_grad_buffer(*args, **kwargs).fill_(float("nan"))
+
+
+ba.score_grad_buffer = poisoned_buffer
+
+
+def gradients(dtype, dropout, shapes, over_tiles):
+    batch, heads, queries, keys, head_dim, bins = 2, 3, 150, 140, 16, 32
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
+               for length in (queries, keys, keys))
+    allowed = torch.rand(batch, queries, keys, generator=generator) > 0.3
+    allowed[:, :64, 64:128] = False  # whole tiles nobody sees: context queries, pseudo tokens' keys
+    allowed[:, 128:] = False  # a block of padded queries
+    allowed[1, :, 128:] = False  # a block of keys nobody sees
+    codes = ba.attention_codes(torch.randint(0, bins, (batch, queries, keys), dtype=torch.uint8,
+                                             generator=generator), allowed)
+    table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
+    grad = torch.randn(batch, heads, queries, head_dim, generator=generator).to(dtype)
+    with ba.kernel_shapes(*shapes), ba.dq_over_tiles(over_tiles):
+        inputs = ba.kernel_inputs(codes, table, dtype)
+        torch.manual_seed(5)
+        out = ba.bucket_attention(q, k, v, inputs, dropout)
+        return torch.autograd.grad(out, (q, k, v, table), grad)
+
+
+shape = ba.KernelShape
+same, taller, wider = (shape(64, 64, 4, 1), shape(64, 64, 4, 1)), (shape(128, 64, 4, 1), shape(64, 64, 4, 1)), \
+    (shape(32, 128, 4, 1), shape(64, 64, 4, 1))
+report = {}
+for shapes, dtype, dropout in [(same, torch.float32, 0.0), (same, torch.float32, 0.1), (same, torch.bfloat16, 0.0),
+                               (same, torch.bfloat16, 0.1), (taller, torch.bfloat16, 0.1), (wider, torch.float32, 0.0)]:
+    by_gemm, over_tiles = gradients(dtype, dropout, shapes, False), gradients(dtype, dropout, shapes, True)
+    report[f"{shapes[0]}/{shapes[1]} {dtype} {dropout}"] = {
+        "finite": all(bool(torch.isfinite(g).all()) for g in by_gemm + over_tiles),
+        "dq": float((over_tiles[0].double() - by_gemm[0].double()).abs().max() / by_gemm[0].double().abs().max()),
+        "dk_dv_table_same_bits": all(torch.equal(a, b) for a, b in zip(over_tiles[1:], by_gemm[1:]))}
+json.dump({"cases": report, "default": ba.DQ_OVER_TILES}, sys.stdout)
+"""
+
+
+@needs_triton
+def test_dq_over_the_listed_tiles_equals_the_gemm_and_reads_no_unwritten_score_gradient():
+    """PMLM_TRITON_DQ=tiles: dQ = scale x dS @ K by our kernel over the forward's listed tiles, and the
+    key/value pass then skips writing dS's skipped tiles (the forward's tiles its own): dQ equals the
+    GEMM's up to the order of its fp32 sums (bf16: one rounding either way), dK, dV and the table's
+    gradient are the same bits; the dS buffer filled with NaN first, nothing unwritten is read, with
+    the tiles the same or the forward's taller or wider than the key/value pass's (then it writes
+    the zeros as for the GEMM), with and without dropout."""
+    report = run_interpreted(DQ_OVER_TILES)
+    assert report["default"] is False, "cuBLAS stays dQ's default until a GPU times the kernel"
+    assert len(report["cases"]) == 6
+    for case, result in report["cases"].items():
+        assert result["finite"] and result["dk_dv_table_same_bits"], (case, result)
+        assert result["dq"] <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, result)
+
+
 def test_dq_from_the_score_gradient_is_written_into_the_packed_gradient_without_copies():
     """`_query_grad_from_scores` writes scale x dS @ K head by head into dq, a view of the packed
     q, k, v gradient, reading K as a view of the packed q, k, v: the float64 product, nothing

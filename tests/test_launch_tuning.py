@@ -148,6 +148,8 @@ report = {"default_tunes_here": lt.tunes(torch.device("cpu"), ba.INTERPRETED, ba
 expected = {case: run(*case) for case in ((70, 0.1), (70, 0.0), (40, 0.1))}
 with ba.dq_from_scores(False):
     expected_dq_kernel = run(70, 0.1)
+with ba.dq_over_tiles(True):
+    expected_dq_tiles = run(70, 0.1)
 with lt.tuning("on"):
     report["tuned_equal"] = same(run(70, 0.1), expected[70, 0.1])
     report["after_one_problem"] = kernels()
@@ -158,6 +160,9 @@ with lt.tuning("on"):
     with ba.dq_from_scores(False):  # dQ by its kernel: tuned as the forward's tiles
         report["dq_kernel_equal"] = same(run(70, 0.1), expected_dq_kernel)
     report["with_dq_kernel"] = kernels()
+    with ba.dq_over_tiles(True):  # dQ from dS over the listed tiles: its kernel tuned, the others as above
+        report["dq_tiles_equal"] = same(run(70, 0.1), expected_dq_tiles)
+    report["with_dq_tiles"] = kernels()
     with ba.kernel_shapes(ba.KernelShape(64, 64, 4, 2), ba.KernelShape(64, 64, 4, 2)):  # given: not tuned
         report["given_equal"] = same(run(40, 0.1), expected[40, 0.1])
     report["after_given"] = len(lt.chosen_launches())
@@ -188,12 +193,18 @@ def test_tuned_kernels_compute_what_the_untuned_launch_does_and_tune_once_a_prob
     # the same problem again: nothing tuned; without dropout: the attention kernels anew, the sums
     # (the same problem) not
     assert report["after_again"] == report["after_one_problem"] and report["problems"] == 5, report
-    assert [line.split()[0] for line in report["with_dq_kernel"]].count("attention_backward_query_kernel") == 1
-    assert len(report["with_dq_kernel"]) == 6, report
+    # dQ by its kernel: tuned as the forward's tiles; and the key/value pass anew (no GEMM reads every
+    # tile of dS then, so it writes no zeros in the skipped ones: another kernel)
+    with_dq_kernel = [line.split()[0] for line in report["with_dq_kernel"]]
+    assert with_dq_kernel.count("attention_backward_query_kernel") == 1, report
+    assert with_dq_kernel.count("attention_backward_key_value_kernel") == 3 and len(with_dq_kernel) == 7, report
+    assert report["dq_tiles_equal"], report
+    assert sorted(set(report["with_dq_tiles"]) - set(report["with_dq_kernel"]))[0].startswith(
+        "attention_query_grad_from_scores_kernel ") and len(report["with_dq_tiles"]) == 8, report
     # a given launch: the attention kernels not tuned at the new size, only the sums
-    assert report["after_given"] == 7, report
+    assert report["after_given"] == 9, report
     announced = [line for line in result.stderr.splitlines() if line.startswith("triton launch tuning:")]
     assert len(announced) == report["after_given"], result.stderr[-3000:]
     attention = [line for line in announced if "attention_" in line]
-    assert len(attention) == 5 and all("programs of up to 2 tiles; " in line and "ms a launch: 64x64w4s1 " in line
+    assert len(attention) == 7 and all("programs of up to 2 tiles; " in line and "ms a launch: 64x64w4s1 " in line
                                        for line in attention), announced

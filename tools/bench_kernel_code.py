@@ -112,7 +112,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
          "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
-                            TRANSPOSED=transposed, WRITE_DS=True),
+                            TRANSPOSED=transposed, WRITE_DS=True, ZERO_SKIPPED=True),
          "options": key_value.launch_options(),
          "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(key_value, forward)),
@@ -125,6 +125,13 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
                         + forward.block_queries * forward.block_keys // 8)},
+        {"name": "attention dQ from dS", "kernel": bucket_attention_triton.attention_query_grad_from_scores_kernel,
+         "constexprs": dict(HEAD_DIM=head_dim, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys,
+                            PRECISION=attention["PRECISION"], INTERPRETED=False),
+         "options": forward.launch_options(),
+         "arguments": dict(attention_arguments, **tiles(forward, key_value)),
+         # a tile of dS and a tile of keys
+         "loop_bytes": forward.block_queries * forward.block_keys * size + forward.block_keys * head_dim * size},
     ]
 
 
@@ -244,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capability", type=int, default=90, help="the GPU's compute capability x 10 (80: A100)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the data's dtype")
     parser.add_argument("--kernels", default="", help="comma-separated names (default: all): "
-                        "bucket_sums, attention forward, attention dK dV dS, attention dQ")
+                        "bucket_sums, attention forward, attention dK dV dS, attention dQ, attention dQ from dS")
     parser.add_argument("--width", type=int, default=674,
                         help="the layout width T the launch is modelled at (674: seq 512's; 176: seq 128's)")
     parser.add_argument("--dropout", type=float, default=None,

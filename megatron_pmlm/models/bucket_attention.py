@@ -39,7 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..config import ConfigError
-from .accelerated import alternative_from_environment
+from .accelerated import alternative_from_environment, value_from_environment
 from . import bucket_sums, launch_tuning
 from .launch_tuning import MIN_REGISTER_CAP
 
@@ -169,10 +169,12 @@ ROWSUM_BLOCK = 64
 ROWSUM_WARPS = 4
 DQ_ENV = "PMLM_TRITON_DQ"
 """`kernel`: compute dQ with its own kernel (recomputing the scores, their softmax and dP tile by
-tile) also where the backward writes dS; by default dQ = scale x dS @ K there, a batched GEMM a head."""
+tile) also where the backward writes dS; by default (`gemm`) dQ = scale x dS @ K there, a batched
+GEMM a head; `tiles`: the same product by our kernel over the listed tiles only."""
 
 
-_DQ_KERNEL, DQ_PROBLEM = alternative_from_environment(DQ_ENV, "gemm", "kernel")
+_DQ_WAY, DQ_PROBLEM = value_from_environment(DQ_ENV, ("gemm", "kernel", "tiles"))
+_DQ_KERNEL = _DQ_WAY == "kernel"
 DQ_FROM_SCORES = not _DQ_KERNEL
 """Where the backward writes the score gradient dS for the table (training with a relative bias),
 dQ comes from it by batched GEMMs, one a head (cuBLAS: 2 x B x heads x T^2 x head size FLOPs
@@ -182,6 +184,12 @@ instructions). The same dS
 in the same dtype enters the same products (the kernel too rounds dS to the inputs' dtype for
 them); only the order of the fp32 sums differs. Read at import; `dq_from_scores` switches it.
 DQ_PROBLEM: what is wrong with DQ_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
+DQ_OVER_TILES = _DQ_WAY == "tiles"
+"""Where dQ comes from dS: by `attention_query_grad_from_scores_kernel` over the tiles the forward's
+lists name (`key_tiles`) instead of cuBLAS over every tile: dS is 0 in the others, so the key/value
+pass need not write them (with the forward's tiles its own) and neither reader reads them, 22-27%
+of dS's bytes on real micro batches. The same products and dQ's one rounding, the fp32 sums in
+another order. Read at import; `dq_over_tiles` switches it (the attention tool's `triton-dq-tiles`)."""
 
 BIAS_ENV = "PMLM_TRITON_BIAS"
 """`dense`: the kernels read each tile's bias from a dense [B, heads, 2, P, P] copy built once per
@@ -626,6 +634,28 @@ def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: tor
         dq[:, head].baddbmm_(score_grad[:, head], key[:, head], beta=0.0, alpha=scale)
 
 
+def _query_grad_over_tiles(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, key_tiles: torch.Tensor,
+                           scale: float, precision: str) -> None:
+    """dq <- scale x dS @ K over the forward's listed tiles (`attention_query_grad_from_scores_kernel`),
+    in place: dq and K views of [B, T, heads, head_dim]-ordered memory, dS the padded buffer's view."""
+    from .bucket_attention_triton import attention_query_grad_from_scores_kernel
+
+    batch, heads, queries, head_dim = dq.shape
+    keys = key.shape[2]
+    forward = FORWARD_SHAPE
+    programs = (batch * heads, _blocks(queries, forward.block_queries))
+    constants = dict(HEAD_DIM=head_dim, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys,
+                     PRECISION=precision, INTERPRETED=INTERPRETED)
+
+    def launch(launch_shape: KernelShape):
+        return _launch(attention_query_grad_from_scores_kernel, (math.prod(programs),),
+            score_grad, key, dq, key_tiles, heads, queries, keys, *_strides(score_grad), *_strides(key), *_strides(dq),
+            key_tiles.stride(0), key_tiles.stride(1), scale, **constants, **launch_shape.launch_options())
+
+    _tuned_launch(attention_query_grad_from_scores_kernel, forward, programs,
+                  (_blocks(keys, forward.block_keys), constants), launch, dq.device)
+
+
 def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table,
                    kernel_table, dropout_p: float, scale: float, table_gradient: bool) -> torch.Tensor:
     """The backward kernels' launches for either op, writing dq, dk, dv (given: apart, or views of one
@@ -641,7 +671,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     write_scores = table is not None and table_gradient
     score_grad = (score_grad_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
-    dq_by_gemm = write_scores and DQ_FROM_SCORES
+    dq_from_scores = write_scores and DQ_FROM_SCORES
+    dq_by_gemm = dq_from_scores and not DQ_OVER_TILES
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
@@ -657,8 +688,11 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         table_arg, *table_strides, dense = _table_args(kernel_table, transposed)
         programs = (batch * heads, _blocks(keys, key_value.block_keys))
         grid = (math.prod(programs),)
+        # dS's skipped tiles are written (as 0) for cuBLAS, which reads every tile, or where the
+        # forward's tiles (what the other readers walk) are not the key/value pass's own
+        zero_skipped = write_scores and (dq_by_gemm or forward[:2] != key_value[:2])
         constants = dict(DENSE=dense, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
-                         TRANSPOSED=transposed, WRITE_DS=write_scores, **common)
+                         TRANSPOSED=transposed, WRITE_DS=write_scores, ZERO_SKIPPED=zero_skipped, **common)
 
         def launch(launch_shape: KernelShape):
             return _launch(attention_backward_key_value_kernel, grid,
@@ -672,6 +706,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                       (_blocks(queries, key_value.block_queries), constants), launch, query.device)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
+        elif dq_from_scores:
+            _query_grad_over_tiles(dq, score_grad, key, key_tiles, scale, common["PRECISION"])
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
             table_arg, *table_strides, dense = _table_args(kernel_table, False)
@@ -844,6 +880,12 @@ def dq_from_scores(enabled: bool):
     """dQ by the GEMM over dS (`DQ_FROM_SCORES`) or by its own kernel inside the block: how the
     attention tool times both."""
     return _module_setting("DQ_FROM_SCORES", enabled)
+
+
+def dq_over_tiles(enabled: bool):
+    """dQ from dS by our kernel over the listed tiles (`DQ_OVER_TILES`) or by cuBLAS inside the block:
+    how the attention tool times both."""
+    return _module_setting("DQ_OVER_TILES", enabled)
 
 
 def dense_bias(enabled: bool):

@@ -330,8 +330,8 @@ def attention_backward_key_value_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, stats_stride_bh,
         bits_stride_bh, bits_stride_t, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr,
-        DENSE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr):
+        DENSE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, ZERO_SKIPPED: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """TRANSPOSED: each tile computed as keys x queries (S^T = K Q^T), as FlashAttention-2's backward
     does, for the tensor cores that read both operands from shared memory (SM 9.0's wgmma): K and V,
     this program's own, are the left operands, staged once; P^T and dS^T come out of one product in
@@ -341,7 +341,8 @@ def attention_backward_key_value_kernel(
     `tools/bench_kernel_code.py`). Otherwise [queries, keys] tiles, for SM 8.x, whose mma holds
     left operands in registers: K and V held so for the whole loop spill with dropout. `codes_ptr`:
     the codes as the tile reads them ([keys, queries] when TRANSPOSED: `padded_codes`' transpose);
-    the statistics and the dS rows are padded to whole tiles (no mask in the loop)."""
+    the statistics and the dS rows are padded to whole tiles (no mask in the loop). ZERO_SKIPPED: dS
+    written as 0 in the tiles skipped too, for a reader of every tile (dQ's cuBLAS GEMM)."""
     sequence_head, sequence, head, block, cols = program_tile(heads, keys, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     tiles = query_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
@@ -394,7 +395,7 @@ def attention_backward_key_value_kernel(
             if WRITE_DS:
                 tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :], ds.to(ds_ptr.dtype.element_ty))
         dk += mm(dk_step, q, PRECISION, INTERPRETED)
-    if WRITE_DS:  # the skipped tiles' dS is 0 (every pair blocked): written, as the table's sums read it
+    if WRITE_DS and ZERO_SKIPPED:  # the skipped tiles' dS is 0 (every pair blocked), for dQ's GEMM
         for tile in range(tile_count, (queries + BLOCK_M - 1) // BLOCK_M):
             rows = tl.load(tiles + 1 + tile) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
@@ -444,6 +445,32 @@ def attention_backward_query_kernel(
         else:
             ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, PRECISION, INTERPRETED)
+    dq *= scale
+    store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
+
+
+@triton.jit
+def attention_query_grad_from_scores_kernel(
+        ds_ptr, k_ptr, dq_ptr, key_tiles_ptr, heads, queries, keys,
+        ds_stride_b, ds_stride_h, ds_stride_t, k_stride_b, k_stride_h, k_stride_t,
+        dq_stride_b, dq_stride_h, dq_stride_t, tiles_stride_b, tiles_stride_t, scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+        INTERPRETED: tl.constexpr):
+    """dq = scale x dS @ K over the tiles a block of queries lists (`key_tiles`, the forward's): the
+    GEMM `_query_grad_from_scores` runs, reading only the tiles that hold a pair that is seen (the
+    others' dS is 0, and need not be written). dS as the key/value pass stored it (the inputs' dtype),
+    read up to the queries and keys only (past them the buffer holds what no pass wrote)."""
+    sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
+    ds_base = ds_ptr + sequence * ds_stride_b + head * ds_stride_h
+    dq = tl.full((BLOCK_M, HEAD_DIM), 0, dtype=tl.float32)
+    for tile in range(0, tl.load(tiles)):
+        cols = tl.load(tiles + 1 + tile) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ds = tl.load(ds_base + rows[:, None] * ds_stride_t + cols[None, :],
+                     mask=(rows < queries)[:, None] & (cols < keys)[None, :], other=0.0)
+        k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
+        dq += mm(ds, k, PRECISION, INTERPRETED)
     dq *= scale
     store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
 
