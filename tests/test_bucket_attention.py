@@ -847,7 +847,7 @@ def poisoned_buffer(*args, **kwargs):  # what no pass writes reads as NaN, where
 ba.score_grad_buffer = poisoned_buffer
 
 
-def gradients(dtype, dropout, shapes, over_tiles):
+def gradients(dtype, dropout, shapes, over_tiles, from_scores=True):
     batch, heads, queries, keys, head_dim, bins = 2, 3, 150, 140, 16, 32
     generator = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
@@ -860,7 +860,7 @@ def gradients(dtype, dropout, shapes, over_tiles):
                                              generator=generator), allowed)
     table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
     grad = torch.randn(batch, heads, queries, head_dim, generator=generator).to(dtype)
-    with ba.kernel_shapes(*shapes), ba.dq_over_tiles(over_tiles):
+    with ba.kernel_shapes(*shapes), ba.dq_over_tiles(over_tiles), ba.dq_from_scores(from_scores):
         inputs = ba.kernel_inputs(codes, table, dtype)
         torch.manual_seed(5)
         out = ba.bucket_attention(q, k, v, inputs, dropout)
@@ -878,6 +878,12 @@ for shapes, dtype, dropout in [(same, torch.float32, 0.0), (same, torch.float32,
         "finite": all(bool(torch.isfinite(g).all()) for g in by_gemm + over_tiles),
         "dq": float((over_tiles[0].double() - by_gemm[0].double()).abs().max() / by_gemm[0].double().abs().max()),
         "dk_dv_table_same_bits": all(torch.equal(a, b) for a, b in zip(over_tiles[1:], by_gemm[1:]))}
+# dQ by its own kernel (PMLM_TRITON_DQ=kernel): no reader of dS's skipped tiles either
+by_gemm, by_kernel = gradients(torch.float32, 0.1, same, False), gradients(torch.float32, 0.1, same, False, False)
+report["dq kernel torch.float32 0.1"] = {
+    "finite": all(bool(torch.isfinite(g).all()) for g in by_kernel),
+    "dq": float((by_kernel[0].double() - by_gemm[0].double()).abs().max() / by_gemm[0].double().abs().max()),
+    "dk_dv_table_same_bits": all(torch.equal(a, b) for a, b in zip(by_kernel[1:], by_gemm[1:]))}
 json.dump({"cases": report, "default": ba.DQ_OVER_TILES}, sys.stdout)
 """
 
@@ -889,10 +895,11 @@ def test_dq_over_the_listed_tiles_equals_the_gemm_and_reads_no_unwritten_score_g
     GEMM's up to the order of its fp32 sums (bf16: one rounding either way), dK, dV and the table's
     gradient are the same bits; the dS buffer filled with NaN first, nothing unwritten is read, with
     the tiles the same or the forward's taller or wider than the key/value pass's (then it writes
-    the zeros as for the GEMM), with and without dropout."""
+    the zeros as for the GEMM), with and without dropout; nor with dQ by its own kernel
+    (PMLM_TRITON_DQ=kernel), where the zeros are left out too."""
     report = run_interpreted(DQ_OVER_TILES)
     assert report["default"] is False, "cuBLAS stays dQ's default until a GPU times the kernel"
-    assert len(report["cases"]) == 6
+    assert len(report["cases"]) == 7
     for case, result in report["cases"].items():
         assert result["finite"] and result["dk_dv_table_same_bits"], (case, result)
         assert result["dq"] <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, result)
