@@ -98,6 +98,28 @@ def run_interpreted(source: str, timeout: int = 600, unset: tuple[str, ...] = ()
     return json.loads(result.stdout)
 
 
+def check_kernel_switch(monkeypatch, module, variable: str, cases: dict[str, bool], wrong: str) -> None:
+    """A kernel module's switch read from the environment (`module._from_environment()`, which its
+    import calls): each value of `cases` turns the kernel on or off; `wrong` leaves it off with a
+    problem naming the variable and its choices, with which the model refuses to start (and builds
+    without it)."""
+    from megatron_pmlm.config import ConfigError, model_config_from_preset
+    from megatron_pmlm.models.model import BertModel
+
+    for value, enabled in cases.items():
+        monkeypatch.setenv(variable, value)
+        assert module._from_environment() == (enabled, None), value
+    monkeypatch.setenv(variable, wrong)
+    enabled, problem = module._from_environment()
+    default = next(value for value, on in cases.items() if on)
+    assert not enabled and problem.startswith(f"{variable}={wrong!r}: give {default} (the default"), problem
+    monkeypatch.setattr(module, "ENVIRONMENT_PROBLEM", None)
+    BertModel(model_config_from_preset("tiny"))
+    monkeypatch.setattr(module, "ENVIRONMENT_PROBLEM", problem)
+    with pytest.raises(ConfigError, match=f"{variable}={wrong!r}"):
+        BertModel(model_config_from_preset("tiny"))
+
+
 @contextlib.contextmanager
 def one_thread():
     """torch's intra-op threads set to one inside, restored after: tiny tensors gain nothing from a

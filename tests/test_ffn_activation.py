@@ -148,9 +148,6 @@ def test_the_environment_turns_the_kernel_off_and_a_bad_value_stops_the_model(mo
     """PMLM_FFN_BIAS_GRADIENT=autograd keeps autograd's bias gradient on a GPU too (read once, at
     import: a fresh process here, given a malformed value, which it keeps and refuses); another value
     than kernel or autograd: the model refuses to start, naming the variable."""
-    from megatron_pmlm.config import ConfigError, model_config_from_preset
-    from megatron_pmlm.models.model import BertModel
-
     code = ("import sys; from megatron_pmlm.config import model_config_from_preset, ConfigError\n"
             "from megatron_pmlm.models import ffn_activation\nfrom megatron_pmlm.models.model import BertModel\n"
             "try:\n    BertModel(model_config_from_preset('tiny'))\n    built = 'built'\n"
@@ -162,17 +159,8 @@ def test_the_environment_turns_the_kernel_off_and_a_bad_value_stops_the_model(mo
                             cwd=REPO_ROOT)
     assert result.returncode == 0 and result.stdout.startswith(
         "False|PMLM_FFN_BIAS_GRADIENT='fast': give kernel (the default"), (result.stdout, result.stderr[-2000:])
-    for setting, expected in (("autograd", (False, None)), ("kernel", (True, None))):
-        monkeypatch.setenv(ffn_activation.BIAS_GRADIENT_ENV, setting)
-        assert ffn_activation._from_environment() == expected, setting
-    monkeypatch.setenv(ffn_activation.BIAS_GRADIENT_ENV, "fast")
-    enabled, problem = ffn_activation._from_environment()
-    assert not enabled and problem.startswith("PMLM_FFN_BIAS_GRADIENT='fast': give kernel (the default"), problem
-    monkeypatch.setattr(ffn_activation, "ENVIRONMENT_PROBLEM", None)
-    BertModel(model_config_from_preset("tiny"))
-    monkeypatch.setattr(ffn_activation, "ENVIRONMENT_PROBLEM", problem)
-    with pytest.raises(ConfigError, match="PMLM_FFN_BIAS_GRADIENT='fast'"):
-        BertModel(model_config_from_preset("tiny"))
+    pmlm_testing.check_kernel_switch(monkeypatch, ffn_activation, ffn_activation.BIAS_GRADIENT_ENV,
+                                     {"autograd": False, "kernel": True}, "fast")
 
 
 def test_the_path_is_taken_only_where_it_computes_the_same_model(monkeypatch):

@@ -15,7 +15,6 @@ import sys
 import pytest
 import torch
 
-from megatron_pmlm.config import model_config_from_preset
 from megatron_pmlm.models import hidden_dropout
 import pmlm_testing
 from pmlm_testing import REPO_ROOT, compiled_for_gpus
@@ -197,23 +196,13 @@ def test_the_environment_turns_the_bits_off_and_a_bad_value_stops_the_model(monk
     """PMLM_HIDDEN_DROPOUT=torch keeps Inductor's dropout (read once, at import: a fresh process here);
     bits is the default; another value than bits or torch: the model refuses to start, naming the
     variable."""
-    from megatron_pmlm.config import ConfigError
-    from megatron_pmlm.models.model import BertModel
-
     code = "import sys; from megatron_pmlm.models import hidden_dropout; sys.stdout.write(str(hidden_dropout.KERNEL_ENABLED))"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), hidden_dropout.DROPOUT_ENV: "torch"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
                             cwd=REPO_ROOT)
     assert result.returncode == 0 and result.stdout == "False", (result.stdout, result.stderr[-2000:])
-    for setting, expected in (("bits", (True, None)), ("torch", (False, None))):
-        monkeypatch.setenv(hidden_dropout.DROPOUT_ENV, setting)
-        assert hidden_dropout._from_environment() == expected, setting
-    monkeypatch.setenv(hidden_dropout.DROPOUT_ENV, "fast")
-    enabled, problem = hidden_dropout._from_environment()
-    assert not enabled and problem.startswith("PMLM_HIDDEN_DROPOUT='fast': give bits (the default"), problem
-    monkeypatch.setattr(hidden_dropout, "ENVIRONMENT_PROBLEM", problem)
-    with pytest.raises(ConfigError, match="PMLM_HIDDEN_DROPOUT='fast'"):
-        BertModel(model_config_from_preset("tiny"))
+    pmlm_testing.check_kernel_switch(monkeypatch, hidden_dropout, hidden_dropout.DROPOUT_ENV,
+                                     {"bits": True, "torch": False}, "fast")
 
 
 def test_the_path_is_taken_only_in_compiled_training_on_a_gpu(monkeypatch):
