@@ -524,8 +524,9 @@ def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus, 
     the premise that they compute the same bits (exact resume, every rank free to choose): here, on a
     real layout in bf16 with dropout and the table's gradient, each candidate it tried for the
     forward and the dK, dV, dS kernel (a register cap included where registers bound the programs)
-    gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too; and
-    each it tried for the table gradient's bucket_sums, the same sums."""
+    gives exactly the untuned launch's output, kept pairs and gradients; the tuned launch too; each
+    it tried for the table gradient's bucket_sums, the same sums; and each for dQ from dS over the
+    listed tiles (PMLM_TRITON_DQ=tiles), the same dQ."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, launch_tuning
 
     if not bucket_attention.TRITON_INSTALLED:
@@ -569,6 +570,22 @@ def test_every_triton_launch_the_tuner_tries_computes_the_same_bits(gpu_corpus, 
         with launch_tuning.tuning("off"):
             got = run()
         assert torch.equal(got[-1], expected[-1]), (launch, float((got[-1] - expected[-1]).abs().max()))
+    # dQ from dS over the listed tiles (PMLM_TRITON_DQ=tiles): each candidate of its kernel, the same dQ
+    launch_tuning.forget_choices()
+    with bucket_attention.dq_over_tiles(True):
+        with launch_tuning.tuning("off"):
+            expected = run()
+        with launch_tuning.tuning("on"):
+            tuned = run()
+        assert all(torch.equal(a, b) for a, b in zip(tuned, expected))
+        choices = {key[0]: choice for key, choice in launch_tuning.chosen_launches().items()}
+        from_scores = choices["attention_query_grad_from_scores_kernel"]
+        launches = [shape for shape, ms in from_scores.times.items() if ms is not None]
+        assert len(launches) >= 2, from_scores
+        for shape in launches:
+            with bucket_attention.kernel_shapes(shape, base_key_value):
+                got = run()
+            assert torch.equal(got[2], expected[2]), (shape, float((got[2] - expected[2]).double().abs().max()))
     launch_tuning.forget_choices()
 
 
