@@ -671,8 +671,8 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     write_scores = table is not None and table_gradient
     score_grad = (score_grad_buffer(batch, heads, queries, keys, query.dtype, query.device) if write_scores
                   else dq)  # never written without a table gradient
-    dq_from_scores = write_scores and DQ_FROM_SCORES
-    dq_by_gemm = dq_from_scores and not DQ_OVER_TILES
+    dq_reads_scores = write_scores and DQ_FROM_SCORES
+    dq_by_gemm = dq_reads_scores and not DQ_OVER_TILES
     threshold, keep_scale = dropout_threshold(dropout_p)
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
@@ -706,7 +706,7 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                       (_blocks(queries, key_value.block_queries), constants), launch, query.device)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
-        elif dq_from_scores:
+        elif dq_reads_scores:
             _query_grad_over_tiles(dq, score_grad, key, key_tiles, scale, common["PRECISION"])
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
