@@ -49,6 +49,13 @@ set back after WARM_UPS: dynamo's Chromium event logger, made by the ISA probe's
 misses inductor's on-disk cache (the first server of a suite; the other finds the probe cached), and
 logged as made under TORCH_LOGS=dynamo by the first compilation of a process that has none, which a
 forked run of that server then did not log."""
+CLEARED_AFTER_WARM_UPS = (("torch._dynamo.utils", "compilation_time_metrics"),
+                          ("torch._dynamo.utils", "cumulative_time_spent_ns"))
+"""(module, name) of dicts a warm-up may fill that a new interpreter starts empty, cleared in place
+after WARM_UPS (other modules hold them by name): dynamo's compile-time metrics, where the ISA probe's
+build, when it misses inductor's on-disk cache, times its `compile_file` and a `gc`; a forked run
+under TORCH_LOGS=dynamo then listed them in its compile-time summary at exit, which a new
+interpreter, finding the probe cached, does not."""
 REREAD_AT_RUN = {"TORCH_LOGS": ("torch._logging._internal", "_init_logs", "+")}
 """Variables read at import by a function a forked run calls again with its own environment when its
 value differs from the server's (module, function, and a mark that makes a value read elsewhere at
@@ -125,6 +132,8 @@ def _import_recording_environment_reads(modules, warm_ups=()) -> set[str]:
         if warm_ups:
             for module, name, value in RESET_AFTER_WARM_UPS:
                 setattr(importlib.import_module(module), name, value)
+            for module, name in CLEARED_AFTER_WARM_UPS:
+                getattr(importlib.import_module(module), name).clear()
     finally:
         environ_type.__getitem__, environ_type.__iter__ = original_getitem, original_iter
     return read

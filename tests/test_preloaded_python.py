@@ -161,14 +161,16 @@ def test_the_warm_ups_leave_no_state_a_new_interpreter_lacks(tmp_path):
     """The server's ISA probe, built anew (an empty inductor cache, as the first server of a suite
     finds it), made dynamo's Chromium event logger, so that a run forked from that server, compiling
     under TORCH_LOGS=dynamo, did not log its making as a new interpreter does (the TORCH_LOGS test
-    above failed on whichever worker had that server)."""
+    above failed on whichever worker had that server); and timed its build and a collection into
+    dynamo's compile-time metrics, which such a run listed at exit (cleared now)."""
     probe = ("import preloaded_python as served, torch._dynamo.utils as dynamo_utils\n"
              "served._import_recording_environment_reads([], served.WARM_UPS)\n"
-             "print(dynamo_utils.CHROMIUM_EVENT_LOG is None)\n")
+             "print(dynamo_utils.CHROMIUM_EVENT_LOG is None, not dynamo_utils.compilation_time_metrics,\n"
+             "      not dynamo_utils.cumulative_time_spent_ns)\n")
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT / "tests"), str(REPO_ROOT)])}
     result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0 and result.stdout.split() == ["True"], result.stdout + result.stderr[-2000:]
+    assert result.returncode == 0 and result.stdout.split() == ["True"] * 3, result.stdout + result.stderr[-2000:]
 
 
 def test_a_timeout_kills_the_run_and_what_it_started(tmp_path):
