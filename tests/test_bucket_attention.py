@@ -212,14 +212,16 @@ bucket_sums.INTERPRETED = bucket_sums.KERNEL_ENABLED = False  # the sdpa twin as
 
 
 class KernelCalls(TorchDispatchMode):
-    count = packed = 0
+    count = packed = bias_sums = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         KernelCalls.count += func in (torch.ops.megatron_pmlm.bucket_attention.default,
                                       torch.ops.megatron_pmlm.bucket_attention_backward.default,
                                       torch.ops.megatron_pmlm.bucket_attention_packed.default,
                                       torch.ops.megatron_pmlm.bucket_attention_packed_backward.default)
-        KernelCalls.packed += func is torch.ops.megatron_pmlm.bucket_attention_packed_backward.default
+        if func is torch.ops.megatron_pmlm.bucket_attention_packed_backward.default:
+            KernelCalls.packed += 1
+            KernelCalls.bias_sums += bool(args[14])  # the Q, K, V bias gradient from the kernels' sums
         return func(*args, **(kwargs or {}))
 
 
@@ -252,12 +254,13 @@ batch = pmlm_batch(make_examples(3, 24, config.vocab_size, seed=3))
 report = {}
 for checkpointing in (False, True):
     sdpa, ours = twins(config, checkpointing)
-    KernelCalls.count = KernelCalls.packed = 0
+    KernelCalls.count = KernelCalls.packed = KernelCalls.bias_sums = 0
     with KernelCalls():
         loss, grads = step(ours, batch)
-    calls, packed = KernelCalls.count, KernelCalls.packed
+    calls, packed, bias_sums = KernelCalls.count, KernelCalls.packed, KernelCalls.bias_sums
     ref_loss, ref_grads = step(sdpa, batch)
-    report[str(checkpointing)] = {"calls": calls, "packed_backwards": packed, "loss": float((loss - ref_loss).abs()),
+    report[str(checkpointing)] = {"calls": calls, "packed_backwards": packed, "bias_sums": bias_sums,
+                                  "loss": float((loss - ref_loss).abs()),
                                   "worst": difference(grads, ref_grads), "same": sorted(grads) == sorted(ref_grads),
                                   "table_grad_norm": float(grads["bert.rel_pos_bias.weight"].norm())}
 # The bias read from its dense form (bucket_attention.DENSE_BIAS, built in the layers' dtype): the same.
@@ -360,7 +363,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
     """A 3-layer model with the triton backend: loss and every gradient equal the sdpa backend's
     (no dropout), with and without activation checkpointing, one forward and one backward kernel
     call per layer (and the recomputation's forward), the packed op's (q, k, v from the fused
-    projection's output, their gradient one tensor); with attention dropout a checkpointed layer's
+    projection's output, their gradient one tensor, their bias's gradient the kernels' sums); with attention dropout a checkpointed layer's
     recomputation redraws the same mask (gradients equal to the plain run's), another seed draws
     another; compiled = eager, a layer and the region building the kernels' inputs one graph each;
     the bias-bytes proxy counts each layer's dS buffer and nothing else (no bias is built); the bias
@@ -371,6 +374,7 @@ def test_the_triton_backend_trains_as_sdpa_does():
         # 3 forward and 3 backward calls; checkpointed, 3 more forward calls (the recomputation)
         assert result["calls"] == (9 if checkpointing == "True" else 6) and result["same"], result
         assert result["packed_backwards"] == 3, result  # q, k, v read from the fused projection's output
+        assert result["bias_sums"] == 3, result  # their bias's gradient summed by the kernels
         assert result["loss"] <= 1e-5 and result["worst"] <= 1e-4 and result["table_grad_norm"] > 0, result
     dense = report["dense"]  # the dense bias: [B, heads, 2, P, P], the same loss and gradients
     assert dense["loss"] <= 1e-5 and dense["worst"] <= 1e-4 and len(dense["kernel_bias"]) == 5, dense
@@ -515,7 +519,7 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
     triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ,
-    PMLM_TRITON_BIAS and PMLM_TRITON_KEY_VALUE_TILES likewise. Two new interpreters show the values
+    PMLM_TRITON_BIAS, PMLM_TRITON_KEY_VALUE_TILES and PMLM_TRITON_QKV_BIAS_GRADIENT likewise. Two new interpreters show the values
     read at import (the alternatives, then malformed values: the defaults kept, the model refused);
     each value's reading and refusal are checked here with the functions the import calls."""
     from megatron_pmlm.models.accelerated import alternative_from_environment
@@ -523,21 +527,23 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
     probe = ("from megatron_pmlm.models import bucket_attention as ba; import dataclasses\n"
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
-             "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE, ba.DQ_FROM_SCORES, ba.DENSE_BIAS, ba.KEY_VALUE_TRANSPOSED)\n"
+             "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE, ba.DQ_FROM_SCORES, ba.DENSE_BIAS, ba.KEY_VALUE_TRANSPOSED,\n"
+             "      ba.PROJECTION_BIAS_SUMS)\n"
              "config = model_config_from_preset('tiny', attention_backend='triton')\n"
              "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
              "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
     variables = (bucket_attention.KERNEL_SHAPES_ENV, bucket_attention.DQ_ENV, bucket_attention.BIAS_ENV,
-                 bucket_attention.KEY_VALUE_ENV)
+                 bucket_attention.KEY_VALUE_ENV, bucket_attention.QKV_BIAS_ENV)
     outputs = []
-    for values in (("32x64w8s3/128x128w4s1", "kernel", "dense", "rows"), ("64x64/64x64w4s3", "GEMM", "bf16", "keys")):
+    for values in (("32x64w8s3/128x128w4s1", "kernel", "dense", "rows", "autograd"),
+                   ("64x64/64x64w4s3", "GEMM", "bf16", "keys", "sums")):
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **dict(zip(variables, values))}
         result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         outputs.append(result.stdout.splitlines())
-    assert outputs[0] == ["32x64w8s3 128x128w4s1 False True False"], outputs[0]
-    assert outputs[1] == ["64x64w4s1 64x64w4s1 True False None",
+    assert outputs[0] == ["32x64w8s3 128x128w4s1 False True False False"], outputs[0]
+    assert outputs[1] == ["64x64w4s1 64x64w4s1 True False None True",
                           "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
                           "e.g. 128x64w8s3 (a register cap after it: 64x64w4s1r168)"], outputs[1]
 
@@ -562,10 +568,12 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
                                              "from 64 to 255"):
             bucket_attention.parse_kernel_shapes(f"64x64w4s1{cap}/64x64w4s1")
     # PMLM_TRITON_DQ: gemm (the default) or kernel; PMLM_TRITON_BIAS: table (the default) or dense;
-    # PMLM_TRITON_KEY_VALUE_TILES: auto (the default) or rows; anything else refused the same way
+    # PMLM_TRITON_KEY_VALUE_TILES: auto (the default) or rows; PMLM_TRITON_QKV_BIAS_GRADIENT: kernel (the
+    # default) or autograd; anything else refused the same way
     for variable, default_value, alternative, wrong in ((bucket_attention.DQ_ENV, "gemm", "kernel", "GEMM"),
                                                         (bucket_attention.BIAS_ENV, "table", "dense", "bf16"),
-                                                        (bucket_attention.KEY_VALUE_ENV, "auto", "rows", "keys")):
+                                                        (bucket_attention.KEY_VALUE_ENV, "auto", "rows", "keys"),
+                                                        (bucket_attention.QKV_BIAS_ENV, "kernel", "autograd", "sums")):
         for value, expected in ((alternative, (True, None)), (default_value, (False, None)),
                                 (wrong, (False, f"{variable}={wrong!r}: give {default_value} (the default) or "
                                                 f"{alternative}"))):
@@ -575,7 +583,8 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
     config = model_config_from_preset("tiny", attention_backend="triton")
     for name, problem in (("LAUNCH_PROBLEM", dk_problem), ("DQ_PROBLEM", "PMLM_TRITON_DQ='GEMM': give gemm"),
                           ("BIAS_PROBLEM", "PMLM_TRITON_BIAS='bf16': give table"),
-                          ("KEY_VALUE_PROBLEM", "PMLM_TRITON_KEY_VALUE_TILES='keys': give auto")):
+                          ("KEY_VALUE_PROBLEM", "PMLM_TRITON_KEY_VALUE_TILES='keys': give auto"),
+                          ("QKV_BIAS_PROBLEM", "PMLM_TRITON_QKV_BIAS_GRADIENT='sums': give kernel")):
         with monkeypatch.context() as patch:
             patch.setattr(bucket_attention, name, problem)
             check_attention_backend(dataclasses.replace(config, attention_backend="sdpa"))  # sdpa not concerned
@@ -903,6 +912,93 @@ def test_dq_over_the_listed_tiles_equals_the_gemm_and_reads_no_unwritten_score_g
     for case, result in report["cases"].items():
         assert result["finite"] and result["dk_dv_table_same_bits"], (case, result)
         assert result["dq"] <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, result)
+
+
+PROJECTION_BIAS = r"""
+import itertools, json, sys
+import torch
+from megatron_pmlm.models import bucket_attention as ba
+
+batch, heads, length, head_dim, bins = 2, 2, 150, 16, 8
+generator = torch.Generator().manual_seed(7)
+allowed = torch.rand(batch, length, length, generator=generator) > 0.3
+allowed[:, :64, 64:128] = False  # whole tiles nobody sees: context queries, pseudo tokens' keys
+allowed[:, 128:] = False  # a block of padded queries
+allowed[1, :, 128:] = False  # a block of keys nobody sees
+allowed[0, 5] = False  # a row that sees no key
+codes = ba.attention_codes(torch.randint(0, bins, (batch, length, length), dtype=torch.uint8, generator=generator),
+                           allowed)
+table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
+scale = head_dim ** -0.5
+
+
+def run(inputs, raw, bias, grad, dropout, sums):
+    # the packed op as the model calls it: the bias added detached and given for its gradient, or added
+    # by autograd (its gradient then autograd's reduction of the packed gradient)
+    leaf = raw.clone().requires_grad_()
+    qkv = leaf + bias.detach() if sums else leaf + bias
+    torch.manual_seed(3)
+    out, _, seed, _ = torch.ops.megatron_pmlm.bucket_attention_packed(
+        qkv, heads, inputs.padded_codes, *inputs.tiles, inputs.table, inputs.kernel_table, dropout, scale,
+        bias if sums else None)
+    wrt = (leaf, bias) + ((inputs.table,) if inputs.table is not None else ())
+    return out, seed, torch.autograd.grad(out, wrt, grad)
+
+
+report = {}
+# every way of dQ with and without dropout in fp32; bf16's roundings once a way; no table: dQ by its kernel
+cases = [(way, torch.float32, dropout, True) for way, dropout in itertools.product(("gemm", "kernel", "tiles"),
+                                                                                   (0.0, 0.1))]
+cases += [("gemm", torch.bfloat16, 0.1, True), ("kernel", torch.bfloat16, 0.0, True), ("tiles", torch.bfloat16, 0.1, True)]
+cases += [("gemm", torch.float32, 0.1, False), ("gemm", torch.bfloat16, 0.0, False)]
+for way, dtype, dropout, with_table in cases:
+    inputs = ba.kernel_inputs(codes, table if with_table else None)
+    raw = torch.randn(batch, length, 3 * heads * head_dim, generator=generator).to(dtype)
+    bias = torch.randn(3 * heads * head_dim, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype)
+    with ba.dq_from_scores(way != "kernel"), ba.dq_over_tiles(way == "tiles"):
+        out, seed, summed = run(inputs, raw, bias, grad, dropout, True)
+        out_autograd, _, by_autograd = run(inputs, raw, bias, grad, dropout, False)
+    # float64: the gradient of the same q, k, v (the bias added in the inputs' dtype) through the
+    # reference attention with the kernels' dropout mask, summed over sequences and positions
+    exact_qkv = (raw + bias.detach()).double().requires_grad_()
+    keep = ba.dropout_keep_mask(seed, batch, heads, length, length, dropout) if dropout else None
+    reference = ba.reference_attention(*ba.unpacked(exact_qkv, heads), codes,
+                                       table.detach().double() if with_table else None, keep=keep, dropout_p=dropout)
+    (exact_grad,) = torch.autograd.grad(reference, exact_qkv, grad.double())
+    exact, scale_of = exact_grad.sum((0, 1)), exact_grad.abs().sum((0, 1)).clamp(min=1e-30)
+    error = lambda bias_grad: float(((bias_grad.double() - exact) / scale_of).abs().max())
+    report[f"{way} {dtype} {dropout} table={with_table}"] = {
+        "kernels": error(summed[1]), "autograd": error(by_autograd[1]), "dtype": str(summed[1].dtype),
+        # nothing else changes: the output, the packed gradient and the table's, bit for bit
+        "same_bits": torch.equal(out, out_autograd) and torch.equal(summed[0], by_autograd[0])
+                     and all(torch.equal(a, b) for a, b in zip(summed[2:], by_autograd[2:])),
+        "finite": bool(torch.isfinite(summed[1]).all())}
+json.dump(report, sys.stdout)
+"""
+
+
+@needs_triton
+def test_the_kernels_sum_the_qkv_bias_gradient_as_autograd_does():
+    """PMLM_TRITON_QKV_BIAS_GRADIENT=kernel (the default): the fused projection's bias added detached
+    and handed to the packed op, whose backward kernels sum its gradient (dK, dV in the key/value
+    pass, dQ in a dQ kernel or by torch after cuBLAS): against float64 (the gradient of the same
+    inputs through the reference attention, the kernels' dropout mask) within 1e-6 of the summed
+    magnitudes in fp32, and in bf16 within one more bf16 rounding (2^-9) of autograd's sums of the
+    bf16 gradient (both within 2^-6: dS and dQ enter rounded to bf16), with dQ by cuBLAS, by its kernel and over the listed
+    tiles, with dropout, without a table; skipped tiles, a padded block, a key block nobody sees and
+    a row that sees no key; the output, the packed gradient and the table's the same bits as with
+    autograd's bias gradient."""
+    report = run_interpreted(PROJECTION_BIAS)
+    assert len(report) == 11
+    for case, result in report.items():
+        assert result["same_bits"] and result["finite"], (case, result)
+        float32 = "float32" in case
+        assert result["dtype"] == ("torch.float32" if float32 else "torch.bfloat16"), (case, result)
+        if float32:
+            assert result["kernels"] <= 1e-6 and result["autograd"] <= 1e-6, (case, result)
+        else:  # bf16's roundings (dS, dQ, the gradient's): no more than one more than autograd's
+            assert result["kernels"] <= min(2.0 ** -6, result["autograd"] + 2.0 ** -9), (case, result)
 
 
 def test_dq_from_the_score_gradient_is_written_into_the_packed_gradient_without_copies():

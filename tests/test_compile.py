@@ -697,13 +697,16 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     drawn as bits by our kernel, which moves fewer bytes than Inductor's own draws and byte masks
     (PMLM_HIDDEN_DROPOUT=torch) and more than a run without dropout;
     GELU's backward is our kernel, which sums the FFN bias gradient (no Inductor kernel reads it again);
+    the attention kernels sum the Q, K, V bias gradient (no Inductor reduction of the packed gradient);
     the residual sums saved rather than recomputed move fewer bytes than the partitioner's choice;
     the process's torch.cuda answers as before once the schedule is made."""
     tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
     reports = {}
     for name, flags, env in (("0.1", ["--dropout", "0.1", "--instructions"], None), ("0", ["--dropout", "0"], None),
                              ("recomputed", ["--dropout", "0.1", "--recompute-residual-sums"], None),
-                             ("inductor drawn", ["--dropout", "0.1"], {"PMLM_HIDDEN_DROPOUT": "torch"})):
+                             # both former ways in one run: Inductor's dropout draws, autograd's Q, K, V bias sums
+                             ("inductor drawn", ["--dropout", "0.1"], {"PMLM_HIDDEN_DROPOUT": "torch",
+                                                                       "PMLM_TRITON_QKV_BIAS_GRADIENT": "autograd"})):
         result = run_tool(*tool, *flags, "--json", "-", env=env)
         if result.returncode and "cuobjdump is missing" in result.stderr:
             pytest.skip(result.stderr.strip().splitlines()[-1][:200])
@@ -738,6 +741,13 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     assert sum("inductor_random" in node["ops"] for node in inductor_drawn["graphs"]["forward"]["nodes"]) == 2
     assert inductor_drawn["memory_bound_activations_per_layer"] > report["memory_bound_activations_per_layer"] + 1, \
         (inductor_drawn["memory_bound_activations_per_layer"], report["memory_bound_activations_per_layer"])
+    # the Q, K, V bias gradient summed by the attention kernels (bucket_attention.PROJECTION_BIAS_SUMS): no
+    # Inductor kernel reads the packed q, k, v gradient (3 activations) again, as autograd's reduction does
+    def qkv_bias_reductions(graph):
+        return [node for node in graph["nodes"] if node["kind"] == "triton" and set(node["ops"]) == {"reshape", "sum"}
+                and node["bytes"] >= 3 * report["activation_bytes"]]
+    assert not qkv_bias_reductions(backward), backward["nodes"]
+    assert len(qkv_bias_reductions(inductor_drawn["graphs"]["backward"])) == 1, inductor_drawn["graphs"]["backward"]
     # --instructions: each fused kernel compiled for SM 9.0 (no GPU); with the dropout's Philox out of
     # them the LayerNorm forward kernels issue ~27 instructions an element here (87 with Inductor's
     # draws, PMLM_HIDDEN_DROPOUT=torch; at base 25 against 115)

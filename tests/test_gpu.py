@@ -450,7 +450,8 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     """`--attention-backend triton` (models/bucket_attention.py) compiled for this GPU: every objective's
     hidden states, loss and gradients (the relative-bias table's included) as sdpa's in fp32; its
     bf16 kernels within twice PyTorch's own bf16 error (or 4 bf16 roundings) of a float64 reference on a real layout; with
-    dropout, the kept fraction of the 16-bit threshold."""
+    dropout, the kept fraction of the 16-bit threshold; the fused projection's bias gradient from the
+    kernels' sums against float64's."""
     from megatron_pmlm.models import bucket_attention
 
     if not bucket_attention.TRITON_INSTALLED:
@@ -516,6 +517,24 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
         for name, mine, want in zip(("out", "dq", "dk", "dv", "dtable"), ours, exact):
             error = float((mine.double() - want).abs().max() / want.abs().max())
             assert error <= 0.03, (transposed, over_tiles, name, error)  # bf16 inputs and dS: the bound above
+    # The fused projection's bias gradient summed by the kernels (PMLM_TRITON_QKV_BIAS_GRADIENT=kernel):
+    # q, k, v packed as the projection writes them, the bias added detached; against float64's sums
+    # over sequences and positions, relative to the summed magnitudes, with dQ by cuBLAS and by our kernel
+    packed = torch.stack([x.detach().transpose(1, 2) for x in (q, k, v)], 2).reshape(batch_size, width, -1)
+    bias = torch.randn(packed.shape[-1], device=DEVICE, generator=torch.Generator(DEVICE).manual_seed(3))
+    bias = bias.bfloat16().requires_grad_()
+    biased = packed + bias.detach()
+    exact_qkv = biased.double().requires_grad_()
+    exact = bucket_attention.reference_attention(*bucket_attention.unpacked(exact_qkv, 12), codes,
+                                                 table.detach().double(), keep=keep, dropout_p=0.1)
+    (exact_grad,) = torch.autograd.grad(exact, exact_qkv, grad.double())
+    for over_tiles in (False, True):
+        with bucket_attention.dq_over_tiles(over_tiles):
+            torch.cuda.manual_seed(7)
+            out = bucket_attention.bucket_attention_packed(biased, 12, inputs, 0.1, projection_bias=bias)
+            (bias_grad,) = torch.autograd.grad(out, bias, grad)
+        error = ((bias_grad.double() - exact_grad.sum((0, 1))) / exact_grad.abs().sum((0, 1)).clamp(min=1e-30))
+        assert float(error.abs().max()) <= 2.0 ** -6, (over_tiles, float(error.abs().max()))
 
 
 @pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")

@@ -36,7 +36,8 @@ HEADS = 12
 """The base preset's heads: the rows of data each bucket_sums tile reads per pair."""
 POINTER_TYPES = {"grad_ptr": "{dtype}", "bucket_ptr": "*u8", "partial_ptr": "*fp32", "codes_ptr": "*u8",
                  "key_tiles_ptr": "*i32", "query_tiles_ptr": "*i32", "table_ptr": "*fp32", "seed_ptr": "*i64",
-                 "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8", "bits_ptr": "*u8"}
+                 "lse_ptr": "*fp32", "delta_ptr": "*fp32", "keep_ptr": "*i8", "bits_ptr": "*u8",
+                 "sums_ptr": "*fp32"}
 FLOAT_ARGUMENTS = ("scale", "keep_scale")
 
 
@@ -80,6 +81,8 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
         code_stride_b=2 * tiled * tiled, code_stride_t=tiled, bits_stride_bh=tiled * tiled // 8, bits_stride_t=tiled // 8,
         stats_stride_bh=tiled,  # the backward's padded per-row statistics
         ds_stride_b=H * ds_rows * ds_row, ds_stride_h=ds_rows * ds_row, ds_stride_t=ds_row,
+        # the Q, K, V bias gradient's column sums (bucket_attention.PROJECTION_BIAS_SUMS): [B, blocks, parts, H, D]
+        sums_stride_b=-(-T // 64) * 2 * H * head_dim, sums_stride_block=2 * H * head_dim, sums_stride_part=H * head_dim,
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})
@@ -88,6 +91,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
         query_blocks, key_blocks = -(-T // forward_shape.block_queries), -(-T // forward_shape.block_keys)
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
     attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False, DENSE=dense)
+    bias_sums = dict(BIAS_SUMS=True)  # the backward's, in training: the Q, K, V bias gradient's column sums too
     bias_type = {"table_ptr": dtype} if dense else {}  # the dense bias in the inputs' dtype
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
@@ -111,7 +115,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          # a tile of keys and values, and the tile's codes
          "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
-         "constexprs": dict(attention, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
+         "constexprs": dict(attention, **bias_sums, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
                             TRANSPOSED=transposed, WRITE_DS=True, ZERO_SKIPPED=True),
          "options": key_value.launch_options(),
          "pointer_types": bias_type,
@@ -120,14 +124,14 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          "loop_bytes": (key_value.block_queries * head_dim * size * 2 + key_value.block_queries * key_value.block_keys
                         * (1 + size) + key_value.block_queries * key_value.block_keys // 8)},
         {"name": "attention dQ", "kernel": bucket_attention_triton.attention_backward_query_kernel,
-         "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
+         "constexprs": dict(attention, **bias_sums, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
          "options": forward.launch_options(), "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
                         + forward.block_queries * forward.block_keys // 8)},
         {"name": "attention dQ from dS", "kernel": bucket_attention_triton.attention_query_grad_from_scores_kernel,
          "constexprs": dict(HEAD_DIM=head_dim, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys,
-                            PRECISION=attention["PRECISION"], INTERPRETED=False),
+                            **bias_sums, PRECISION=attention["PRECISION"], INTERPRETED=False),
          "options": forward.launch_options(),
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
          # a tile of dS and a tile of keys

@@ -203,6 +203,24 @@ DENSE_BIAS, BIAS_PROBLEM = alternative_from_environment(BIAS_ENV, "table", "dens
 """Whether `kernel_inputs` builds the dense kernel bias (given a dtype); `dense_bias` switches it.
 BIAS_PROBLEM: what is wrong with BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
+QKV_BIAS_ENV = "PMLM_TRITON_QKV_BIAS_GRADIENT"
+"""`autograd`: the fused Q, K, V projection's bias gets its gradient from autograd (the column sums
+of the packed q, k, v gradient, a reduction of its own); `kernel` (the default): from the backward
+kernels' column sums (`PROJECTION_BIAS_SUMS`)."""
+_QKV_BIAS_BY_AUTOGRAD, QKV_BIAS_PROBLEM = alternative_from_environment(QKV_BIAS_ENV, "kernel", "autograd")
+PROJECTION_BIAS_SUMS = not _QKV_BIAS_BY_AUTOGRAD
+"""Where the model's fused Q, K, V projection is a plain `nn.Linear` stack in training (`summed_bias`):
+its bias is added detached and its gradient, the column sums of the packed gradient of q, k, v, is
+summed from what the backward kernels hold anyway. The key/value pass sums its dK and dV
+accumulators' columns once a program after its loop (no work in the loop), a dQ kernel (the
+`kernel` or `tiles` ways of PMLM_TRITON_DQ) its dQ's; dQ by cuBLAS (the default) is summed by torch
+in the backward op. Compiled, Inductor's reduction that read the whole packed gradient again (3 of
+the ~46 activations a layer its kernels move, tools/bench_layer_graph.py) goes, 2 of them with dQ by
+cuBLAS. The same sums up to the order of their fp32 additions, and taken before dK's and dV's (and
+a dQ kernel's) rounding to the inputs' dtype. Read at import; `projection_bias_sums` switches it.
+QKV_BIAS_PROBLEM: what is wrong with QKV_BIAS_ENV (the model refuses to start, as for
+LAUNCH_PROBLEM)."""
+
 KEY_VALUE_ENV = "PMLM_TRITON_KEY_VALUE_TILES"
 """`rows`: the dK, dV, dS kernel computes [queries, keys] tiles on every GPU; `auto` (the default):
 transposed where `transposed_tiles` says (a way back without a code change, should a GPU's Triton
@@ -578,8 +596,8 @@ def bucket_attention_backward(grad_out: torch.Tensor, query: torch.Tensor, key: 
     dq = _heads_last(batch, queries, heads, head_dim, query)
     dk = _heads_last(batch, keys, heads, head_dim, key)
     dv = _heads_last(batch, keys, heads, head_dim, value)
-    table_grad = _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles,
-                                query_tiles, table, kernel_table, dropout_p, scale, table_gradient)
+    table_grad, _ = _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles,
+                                   query_tiles, table, kernel_table, dropout_p, scale, table_gradient)
     return dq, dk, dv, table_grad
 
 
@@ -635,9 +653,10 @@ def _query_grad_from_scores(dq: torch.Tensor, score_grad: torch.Tensor, key: tor
 
 
 def _query_grad_over_tiles(dq: torch.Tensor, score_grad: torch.Tensor, key: torch.Tensor, key_tiles: torch.Tensor,
-                           scale: float, precision: str) -> None:
+                           scale: float, precision: str, sums: torch.Tensor | None) -> None:
     """dq <- scale x dS @ K over the forward's listed tiles (`attention_query_grad_from_scores_kernel`),
-    in place: dq and K views of [B, T, heads, head_dim]-ordered memory, dS the padded buffer's view."""
+    in place: dq and K views of [B, T, heads, head_dim]-ordered memory, dS the padded buffer's view;
+    dq's column sums into `sums` ([B, query blocks, heads, head_dim] fp32) where given."""
     from .bucket_attention_triton import attention_query_grad_from_scores_kernel
 
     batch, heads, queries, head_dim = dq.shape
@@ -645,21 +664,34 @@ def _query_grad_over_tiles(dq: torch.Tensor, score_grad: torch.Tensor, key: torc
     forward = FORWARD_SHAPE
     programs = (batch * heads, _blocks(queries, forward.block_queries))
     constants = dict(HEAD_DIM=head_dim, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys,
-                     PRECISION=precision, INTERPRETED=INTERPRETED)
+                     BIAS_SUMS=sums is not None, PRECISION=precision, INTERPRETED=INTERPRETED)
 
     def launch(launch_shape: KernelShape):
         return _launch(attention_query_grad_from_scores_kernel, (math.prod(programs),),
-            score_grad, key, dq, key_tiles, heads, queries, keys, *_strides(score_grad), *_strides(key), *_strides(dq),
-            key_tiles.stride(0), key_tiles.stride(1), scale, **constants, **launch_shape.launch_options())
+            score_grad, key, dq, key_tiles, _sums_arg(sums, dq), heads, queries, keys, *_strides(score_grad),
+            *_strides(key), *_strides(dq), key_tiles.stride(0), key_tiles.stride(1), *_sums_strides(sums, 2), scale,
+            **constants, **launch_shape.launch_options())
 
     _tuned_launch(attention_query_grad_from_scores_kernel, forward, programs,
                   (_blocks(keys, forward.block_keys), constants), launch, dq.device)
 
 
+def _sums_arg(sums: torch.Tensor | None, placeholder: torch.Tensor) -> torch.Tensor:
+    """The column sums' buffer, or a tensor the kernel never touches (BIAS_SUMS off: no null pointer)."""
+    return placeholder if sums is None else sums
+
+
+def _sums_strides(sums: torch.Tensor | None, count: int) -> tuple[int, ...]:
+    """The sums buffer's strides over (sequence, block[, part]) the kernels take (0s without one)."""
+    return (0,) * count if sums is None else sums.stride()[:count]
+
+
 def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits, codes, key_tiles, query_tiles, table,
-                   kernel_table, dropout_p: float, scale: float, table_gradient: bool) -> torch.Tensor:
+                   kernel_table, dropout_p: float, scale: float, table_gradient: bool, bias_sums: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The backward kernels' launches for either op, writing dq, dk, dv (given: apart, or views of one
-    packed gradient); the table's fp32 gradient, empty without `table_gradient`."""
+    packed gradient): (the table's fp32 gradient, empty without `table_gradient`; with `bias_sums`, the
+    column sums of dq, dk and dv over sequences and positions, fp32 [3, heads, head_dim], else None)."""
     from .bucket_attention_triton import (attention_backward_delta_kernel, attention_backward_key_value_kernel,
                                           attention_backward_query_kernel)
 
@@ -677,8 +709,13 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
     bits_strides = (keep_bits.stride(1), keep_bits.stride(2)) if threshold else (0, 0)
     bits_arg = keep_bits if threshold else lse  # never read without dropout
     common = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
+    forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
+    # per program, the column sums of its dK and dV, and of its dQ where a kernel of ours computes dQ
+    key_value_sums = (lse.new_empty(batch, _blocks(keys, key_value.block_keys), 2, heads, head_dim) if bias_sums
+                      else None)
+    query_sums = (lse.new_empty(batch, _blocks(queries, forward.block_queries), heads, head_dim)
+                  if bias_sums and not dq_by_gemm else None)
     if batch * heads and queries and keys:
-        forward, key_value = FORWARD_SHAPE, KEY_VALUE_SHAPE
         _launch(attention_backward_delta_kernel, (batch * heads, _blocks(delta.shape[-1], ROWSUM_BLOCK)),
             out, grad_out, lse, delta, lse2, heads, queries, *_strides(out), *_strides(grad_out), lse.stride(1),
             delta.stride(0), HEAD_DIM=head_dim, BLOCK_M=ROWSUM_BLOCK, INTERPRETED=INTERPRETED,
@@ -692,36 +729,39 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
         # forward's tiles (what the other readers walk) are not the key/value pass's own
         zero_skipped = write_scores and (dq_by_gemm or forward[:2] != key_value[:2])
         constants = dict(DENSE=dense, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
-                         TRANSPOSED=transposed, WRITE_DS=write_scores, ZERO_SKIPPED=zero_skipped, **common)
+                         TRANSPOSED=transposed, WRITE_DS=write_scores, ZERO_SKIPPED=zero_skipped,
+                         BIAS_SUMS=bias_sums, **common)
 
         def launch(launch_shape: KernelShape):
             return _launch(attention_backward_key_value_kernel, grid,
                 query, key, value, grad_out, key_value_codes, query_tiles, table_arg, bits_arg, lse2, delta, dk, dv,
-                score_grad, heads, queries, keys, *_strides(query), *_strides(key), *_strides(value),
-                *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad), *key_value_strides,
-                query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides, scale,
-                keep_scale, **constants, **launch_shape.launch_options())
+                score_grad, _sums_arg(key_value_sums, lse2), heads, queries, keys, *_strides(query), *_strides(key),
+                *_strides(value), *_strides(grad_out), *_strides(dk), *_strides(dv), *_strides(score_grad),
+                *key_value_strides, query_tiles.stride(0), query_tiles.stride(1), *table_strides, delta.stride(0),
+                *bits_strides, *_sums_strides(key_value_sums, 3), scale, keep_scale, **constants,
+                **launch_shape.launch_options())
 
         _tuned_launch(attention_backward_key_value_kernel, key_value, programs,
                       (_blocks(queries, key_value.block_queries), constants), launch, query.device)
         if dq_by_gemm:
             _query_grad_from_scores(dq, score_grad, key, scale)
         elif dq_reads_scores:
-            _query_grad_over_tiles(dq, score_grad, key, key_tiles, scale, common["PRECISION"])
+            _query_grad_over_tiles(dq, score_grad, key, key_tiles, scale, common["PRECISION"], query_sums)
         else:
             forward_codes, *forward_strides = _codes_args(codes, False)
             table_arg, *table_strides, dense = _table_args(kernel_table, False)
             programs = (batch * heads, _blocks(queries, forward.block_queries))
             grid = (math.prod(programs),)
-            constants = dict(BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys, DENSE=dense, **common)
+            constants = dict(BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys, DENSE=dense,
+                             BIAS_SUMS=bias_sums, **common)
 
             def launch(launch_shape: KernelShape):
                 return _launch(attention_backward_query_kernel, grid,
                     query, key, value, grad_out, forward_codes, key_tiles, table_arg, bits_arg, lse2, delta, dq,
-                    heads, queries, keys, *_strides(query), *_strides(key), *_strides(value), *_strides(grad_out),
-                    *_strides(dq), *forward_strides, key_tiles.stride(0), key_tiles.stride(1),
-                    *table_strides, delta.stride(0), *bits_strides, scale, keep_scale,
-                    **constants, **launch_shape.launch_options())
+                    _sums_arg(query_sums, lse2), heads, queries, keys, *_strides(query), *_strides(key),
+                    *_strides(value), *_strides(grad_out), *_strides(dq), *forward_strides, key_tiles.stride(0),
+                    key_tiles.stride(1), *table_strides, delta.stride(0), *bits_strides,
+                    *_sums_strides(query_sums, 2), scale, keep_scale, **constants, **launch_shape.launch_options())
 
             _tuned_launch(attention_backward_query_kernel, forward, programs, (_blocks(keys, forward.block_keys),
                                                                                  constants), launch, query.device)
@@ -736,7 +776,13 @@ def _backward_into(dq, dk, dv, grad_out, query, key, value, out, lse, keep_bits,
                       if queries and keys else torch.zeros(heads, bins, dtype=torch.float32, device=query.device))
     else:
         table_grad = query.new_empty(0, dtype=torch.float32)
-    return table_grad
+    if not bias_sums:
+        return table_grad, None
+    if not (batch * heads and queries and keys):
+        return table_grad, lse.new_zeros(3, heads, head_dim)
+    # dQ by cuBLAS: its column sums by torch (fp32 sums of what the GEMM wrote, as autograd's)
+    query_part = query_sums.sum((0, 1)) if query_sums is not None else dq.sum((0, 2), dtype=torch.float32)
+    return table_grad, torch.cat([query_part[None], key_value_sums.sum((0, 1))])
 
 
 @bucket_attention_backward.register_fake
@@ -780,17 +826,20 @@ def unpacked(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor,
 @torch.library.custom_op("megatron_pmlm::bucket_attention_packed", mutates_args=())
 def bucket_attention_packed_forward(qkv: torch.Tensor, heads: int, codes: torch.Tensor, key_tiles: torch.Tensor,
                                     query_tiles: torch.Tensor, table: torch.Tensor | None,
-                                    kernel_table: torch.Tensor, dropout_p: float, scale: float
+                                    kernel_table: torch.Tensor, dropout_p: float, scale: float,
+                                    projection_bias: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`bucket_attention_forward` with q, k, v read from one fused projection's output [B, T, 3 x
     heads x head_dim] (`unpacked`): its backward writes their gradients into one tensor of that
     shape, the fused projection's output gradient, so no concatenation copies them together
-    (1.6 ms of a compiled step at seq 128 x 256 on an H100 was that copy)."""
+    (1.6 ms of a compiled step at seq 128 x 256 on an H100 was that copy). `projection_bias`: the
+    projection's bias, already in `qkv` (added detached), not read here: its gradient, the column sums
+    of qkv's, comes from the backward kernels (`PROJECTION_BIAS_SUMS`)."""
     return _forward(*unpacked(qkv, heads), codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale)
 
 
 @bucket_attention_packed_forward.register_fake
-def _(qkv, heads, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale):
+def _(qkv, heads, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale, projection_bias=None):
     query, key, value = unpacked(qkv, heads)
     return _forward_fake(query, key, value, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale)
 
@@ -800,37 +849,43 @@ def bucket_attention_packed_backward(grad_out: torch.Tensor, qkv: torch.Tensor, 
                                      lse: torch.Tensor, keep_bits: torch.Tensor, codes: torch.Tensor,
                                      key_tiles: torch.Tensor, query_tiles: torch.Tensor, table: torch.Tensor | None,
                                      kernel_table: torch.Tensor, dropout_p: float, scale: float,
-                                     table_gradient: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the gradient of `qkv`, in its shape, the table's fp32 gradient [heads, bins] or empty)."""
+                                     table_gradient: bool, bias_gradient: bool = False
+                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the gradient of `qkv`, in its shape, the table's fp32 gradient [heads, bins] or empty, and with
+    `bias_gradient` the column sums of qkv's gradient, fp32 [3 x heads x head_dim], or empty)."""
     grad_qkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
-    table_grad = _backward_into(*unpacked(grad_qkv, heads), grad_out, *unpacked(qkv, heads), out, lse, keep_bits,
-                                codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale, table_gradient)
-    return grad_qkv, table_grad
+    table_grad, bias_grad = _backward_into(*unpacked(grad_qkv, heads), grad_out, *unpacked(qkv, heads), out, lse,
+                                           keep_bits, codes, key_tiles, query_tiles, table, kernel_table, dropout_p,
+                                           scale, table_gradient, bias_gradient)
+    return grad_qkv, table_grad, bias_grad.flatten() if bias_gradient else qkv.new_empty(0, dtype=torch.float32)
 
 
 @bucket_attention_packed_backward.register_fake
 def _(grad_out, qkv, heads, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale,
-      table_gradient):
+      table_gradient, bias_gradient=False):
     bins = table.shape[1] if table is not None and table_gradient else None
     return (torch.empty_like(qkv, memory_format=torch.contiguous_format),
-            qkv.new_empty((heads, bins) if bins is not None else (0,), dtype=torch.float32))
+            qkv.new_empty((heads, bins) if bins is not None else (0,), dtype=torch.float32),
+            qkv.new_empty(qkv.shape[-1] if bias_gradient else 0, dtype=torch.float32))
 
 
 def _setup_packed_context(ctx, inputs, output):
-    qkv, heads, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale = inputs
+    qkv, heads, codes, key_tiles, query_tiles, table, kernel_table, dropout_p, scale, projection_bias = inputs
     out, lse, _, keep_bits = output
     ctx.save_for_backward(qkv, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table)
     ctx.heads, ctx.dropout_p, ctx.scale = heads, dropout_p, scale
+    ctx.bias_dtype = None if projection_bias is None else projection_bias.dtype
 
 
 def _packed_backward(ctx, grad_out, grad_lse, grad_seed, grad_keep_bits):
     qkv, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table = ctx.saved_tensors
     table_gradient = table is not None and ctx.needs_input_grad[5]
-    grad_qkv, table_grad = torch.ops.megatron_pmlm.bucket_attention_packed_backward(
+    bias_gradient = ctx.bias_dtype is not None and ctx.needs_input_grad[9]
+    grad_qkv, table_grad, bias_grad = torch.ops.megatron_pmlm.bucket_attention_packed_backward(
         grad_out, qkv, ctx.heads, out, lse, keep_bits, codes, key_tiles, query_tiles, table, kernel_table,
-        ctx.dropout_p, ctx.scale, table_gradient)
+        ctx.dropout_p, ctx.scale, table_gradient, bias_gradient)
     return (grad_qkv, None, None, None, None, table_grad.to(table.dtype) if table_gradient else None, None, None,
-            None)
+            None, bias_grad.to(ctx.bias_dtype) if bias_gradient else None)
 
 
 bucket_attention_packed_forward.register_autograd(_packed_backward, setup_context=_setup_packed_context)
@@ -851,19 +906,37 @@ def bucket_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 def bucket_attention_packed(qkv: torch.Tensor, heads: int, inputs: BucketAttentionInputs, dropout_p: float = 0.0,
-                            scale: float | None = None) -> torch.Tensor:
+                            scale: float | None = None, projection_bias: torch.Tensor | None = None) -> torch.Tensor:
     """`bucket_attention` of the q, k, v a fused projection wrote side by side ([B, T, 3 x heads x
-    head_dim], `unpacked`), whose gradient comes back as one tensor of that shape."""
+    head_dim], `unpacked`), whose gradient comes back as one tensor of that shape. `projection_bias`
+    ([3 x heads x head_dim], `summed_bias`): the projection's bias, which `qkv` already holds (added
+    detached), given its gradient here, the column sums of qkv's gradient, from the backward kernels."""
     if not runs_on(qkv.device):
         raise ConfigError(device_problem(qkv.device))
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * heads) or qkv.stride(-1) != 1:
         raise ValueError(f"bucket_attention_packed: qkv must be [B, T, 3 x {heads} heads x head size] with a "
                          f"contiguous last dimension, got {tuple(qkv.shape)} strides {qkv.stride()}")
+    if projection_bias is not None and tuple(projection_bias.shape) != (qkv.shape[-1],):
+        raise ValueError(f"bucket_attention_packed: projection_bias must be [{qkv.shape[-1]}] (qkv's last "
+                         f"dimension), got {tuple(projection_bias.shape)}")
     head_dim = qkv.shape[-1] // (3 * heads)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
     return bucket_attention_packed_forward(qkv, heads, inputs.padded_codes, inputs.tiles.key_tiles,
                                            inputs.tiles.query_tiles, inputs.table, inputs.kernel_table,
-                                           float(dropout_p), float(scale))[0]
+                                           float(dropout_p), float(scale), projection_bias)[0]
+
+
+def summed_bias(linears) -> torch.Tensor | None:
+    """The stacked biases of a fused Q, K, V projection (`nn.Linear`s, biases trained, not partitioned
+    by ZeRO-3) when their gradient is to come from the kernels (`PROJECTION_BIAS_SUMS`, training with
+    gradients), else None (autograd's way: megatron-core's layers keep theirs)."""
+    if not (PROJECTION_BIAS_SUMS and torch.is_grad_enabled()):
+        return None
+    biases = [getattr(linear, "bias", None) for linear in linears]
+    if not all(type(linear) is torch.nn.Linear and bias is not None and bias.requires_grad
+               and not hasattr(bias, "ds_id") for linear, bias in zip(linears, biases)):
+        return None
+    return torch.cat(biases)
 
 
 @contextlib.contextmanager
@@ -886,6 +959,12 @@ def dq_over_tiles(enabled: bool):
     """dQ from dS by our kernel over the listed tiles (`DQ_OVER_TILES`) or by cuBLAS inside the block:
     how the attention tool times both."""
     return _module_setting("DQ_OVER_TILES", enabled)
+
+
+def projection_bias_sums(enabled: bool):
+    """The fused projection's bias gradient from the kernels (`PROJECTION_BIAS_SUMS`) or from autograd
+    inside the block."""
+    return _module_setting("PROJECTION_BIAS_SUMS", enabled)
 
 
 def dense_bias(enabled: bool):

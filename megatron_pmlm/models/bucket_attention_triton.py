@@ -24,6 +24,10 @@ tiles on real data) is skipped: each program walks a list of the tiles it has wo
   asked, dS (the bias's gradient; 0 in skipped tiles).
 - `attention_backward_query_kernel`: one program per (sequence x head, block of queries), over its
   listed blocks of keys: dQ.
+- `attention_query_grad_from_scores_kernel`: dQ from dS over the forward's listed tiles.
+
+With BIAS_SUMS the dK, dV and dQ kernels also write their accumulators' column sums, from which the
+fused Q, K, V projection's bias gradient is summed (`bucket_attention.PROJECTION_BIAS_SUMS`).
 """
 
 from __future__ import annotations
@@ -104,6 +108,26 @@ def row_sum(x, INTERPRETED: tl.constexpr):
     if INTERPRETED:
         return tl.reduce(x, 1, tl.standard._sum_combine)
     return tl.sum(x, 1)
+
+
+@device_function
+def column_sum(x, INTERPRETED: tl.constexpr):
+    """tl.sum(x, 0) of fp32 x; in Triton's interpreter its reduction called directly, as `row_max`'s."""
+    if INTERPRETED:
+        return tl.reduce(x, 0, tl.standard._sum_combine)
+    return tl.sum(x, 0)
+
+
+@device_function
+def store_bias_sums(sums_ptr, grad, sequence, head, block, sums_stride_b, sums_stride_block, dims,
+                    HEAD_DIM: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The column sums of this program's [rows, head size] gradient accumulator (fp32, before its
+    rounding to the gradient's dtype), at [sequence, block, head] of a [B, blocks, ..., heads, head
+    size] buffer: summed over sequences and blocks they are the projection bias's gradient for this
+    head (`bucket_attention`'s PROJECTION_BIAS_SUMS). Rows past the sequence hold 0 (nothing sees
+    them), so the sums need no mask; once per program, after its loop."""
+    tl.store(sums_ptr + sequence * sums_stride_b + block * sums_stride_block + head * HEAD_DIM + dims,
+             column_sum(grad, INTERPRETED))
 
 
 @device_function
@@ -321,17 +345,17 @@ def attention_backward_delta_kernel(out_ptr, do_ptr, lse_ptr, delta_ptr, lse2_pt
 @triton.jit
 def attention_backward_key_value_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, query_tiles_ptr, table_ptr, bits_ptr, lse2_ptr, delta_ptr,
-        dk_ptr, dv_ptr, ds_ptr,
+        dk_ptr, dv_ptr, ds_ptr, sums_ptr,
         heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dk_stride_b, dk_stride_h, dk_stride_t, dv_stride_b, dv_stride_h, dv_stride_t,
         ds_stride_b, ds_stride_h, ds_stride_t,
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, stats_stride_bh,
-        bits_stride_bh, bits_stride_t, scale, keep_scale,
+        bits_stride_bh, bits_stride_t, sums_stride_b, sums_stride_block, sums_stride_part, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TRANSPOSED: tl.constexpr,
         DENSE: tl.constexpr, DROPOUT: tl.constexpr, WRITE_DS: tl.constexpr, ZERO_SKIPPED: tl.constexpr,
-        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        BIAS_SUMS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """TRANSPOSED: each tile computed as keys x queries (S^T = K Q^T), as FlashAttention-2's backward
     does, for the tensor cores that read both operands from shared memory (SM 9.0's wgmma): K and V,
     this program's own, are the left operands, staged once; P^T and dS^T come out of one product in
@@ -342,7 +366,8 @@ def attention_backward_key_value_kernel(
     left operands in registers: K and V held so for the whole loop spill with dropout. `codes_ptr`:
     the codes as the tile reads them ([keys, queries] when TRANSPOSED: `padded_codes`' transpose);
     the statistics and the dS rows are padded to whole tiles (no mask in the loop). ZERO_SKIPPED: dS
-    written as 0 in the tiles skipped too, for a reader of every tile (dQ's cuBLAS GEMM)."""
+    written as 0 in the tiles skipped too, for a reader of every tile (dQ's cuBLAS GEMM). BIAS_SUMS:
+    dK's and dV's column sums too, [B, key blocks, 2, heads, head size] (`store_bias_sums`)."""
     sequence_head, sequence, head, block, cols = program_tile(heads, keys, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     tiles = query_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
@@ -403,6 +428,11 @@ def attention_backward_key_value_kernel(
     dk *= scale
     if DROPOUT:
         dv *= keep_scale
+    if BIAS_SUMS:
+        store_bias_sums(sums_ptr, dk, sequence, head, block, sums_stride_b, sums_stride_block, dims, HEAD_DIM,
+                        INTERPRETED)
+        store_bias_sums(sums_ptr + sums_stride_part, dv, sequence, head, block, sums_stride_b, sums_stride_block,
+                        dims, HEAD_DIM, INTERPRETED)
     store_rows(dk_ptr, dk, sequence, head, dk_stride_b, dk_stride_h, dk_stride_t, cols, dims, keys)
     store_rows(dv_ptr, dv, sequence, head, dv_stride_b, dv_stride_h, dv_stride_t, cols, dims, keys)
 
@@ -410,14 +440,16 @@ def attention_backward_key_value_kernel(
 @triton.jit
 def attention_backward_query_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, codes_ptr, key_tiles_ptr, table_ptr, bits_ptr, lse2_ptr, delta_ptr, dq_ptr,
-        heads, queries, keys,
+        sums_ptr, heads, queries, keys,
         q_stride_b, q_stride_h, q_stride_t, k_stride_b, k_stride_h, k_stride_t,
         v_stride_b, v_stride_h, v_stride_t, do_stride_b, do_stride_h, do_stride_t,
         dq_stride_b, dq_stride_h, dq_stride_t,
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, stats_stride_bh,
-        bits_stride_bh, bits_stride_t, scale, keep_scale,
+        bits_stride_bh, bits_stride_t, sums_stride_b, sums_stride_block, scale, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
-        DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        DROPOUT: tl.constexpr, BIAS_SUMS: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """dQ, recomputing each listed tile's scores, softmax, kept bits and dP; BIAS_SUMS: its column
+    sums too, [B, query blocks, heads, head size] (`store_bias_sums`)."""
     sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     q = rows_of(q_ptr, sequence, head, q_stride_b, q_stride_h, q_stride_t, rows, dims, queries)
@@ -446,20 +478,24 @@ def attention_backward_query_kernel(
             ds = p * (dp - delta[:, None])
         dq += mm(ds.to(k.dtype), k, PRECISION, INTERPRETED)
     dq *= scale
+    if BIAS_SUMS:
+        store_bias_sums(sums_ptr, dq, sequence, head, block, sums_stride_b, sums_stride_block, dims, HEAD_DIM,
+                        INTERPRETED)
     store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
 
 
 @triton.jit
 def attention_query_grad_from_scores_kernel(
-        ds_ptr, k_ptr, dq_ptr, key_tiles_ptr, heads, queries, keys,
+        ds_ptr, k_ptr, dq_ptr, key_tiles_ptr, sums_ptr, heads, queries, keys,
         ds_stride_b, ds_stride_h, ds_stride_t, k_stride_b, k_stride_h, k_stride_t,
-        dq_stride_b, dq_stride_h, dq_stride_t, tiles_stride_b, tiles_stride_t, scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-        INTERPRETED: tl.constexpr):
+        dq_stride_b, dq_stride_h, dq_stride_t, tiles_stride_b, tiles_stride_t, sums_stride_b, sums_stride_block, scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BIAS_SUMS: tl.constexpr,
+        PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """dq = scale x dS @ K over the tiles a block of queries lists (`key_tiles`, the forward's): the
     GEMM `_query_grad_from_scores` runs, reading only the tiles that hold a pair that is seen (the
     others' dS is 0, and need not be written). dS as the key/value pass stored it (the inputs' dtype),
-    read up to the queries and keys only (past them the buffer holds what no pass wrote)."""
+    read up to the queries and keys only (past them the buffer holds what no pass wrote). BIAS_SUMS:
+    dQ's column sums too (`store_bias_sums`)."""
     sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     tiles = key_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
@@ -472,6 +508,9 @@ def attention_query_grad_from_scores_kernel(
         k = rows_of(k_ptr, sequence, head, k_stride_b, k_stride_h, k_stride_t, cols, dims, keys)
         dq += mm(ds, k, PRECISION, INTERPRETED)
     dq *= scale
+    if BIAS_SUMS:
+        store_bias_sums(sums_ptr, dq, sequence, head, block, sums_stride_b, sums_stride_block, dims, HEAD_DIM,
+                        INTERPRETED)
     store_rows(dq_ptr, dq, sequence, head, dq_stride_b, dq_stride_h, dq_stride_t, rows, dims, queries)
 
 

@@ -124,11 +124,16 @@ class BertSelfAttention(nn.Module):
         """`attention`: the dense additive bias (sdpa), a FlexAttentionMask (flex) or the
         BucketAttentionInputs (triton), see `attention_inputs`."""
         dropout_p = self.dropout_p if self.training else 0.0
-        packed = (fused_column_output(hidden, (self.query, self.key, self.value))
-                  if isinstance(attention, BucketAttentionInputs) and cache is None and self.fuse_projections
-                  else None)
+        packed = projection_bias = None
+        if isinstance(attention, BucketAttentionInputs) and cache is None and self.fuse_projections:
+            linears = (self.query, self.key, self.value)
+            # the bias added detached where the kernels sum its gradient (bucket_attention.PROJECTION_BIAS_SUMS)
+            projection_bias = bucket_attention.summed_bias(linears)
+            packed = fused_column_output(hidden, linears,
+                                         None if projection_bias is None else projection_bias.detach())
         if packed is not None:  # triton reads q, k, v from the one GEMM's output, writes their gradient as one
-            context = bucket_attention.bucket_attention_packed(packed, self.heads_per_partition, attention, dropout_p)
+            context = bucket_attention.bucket_attention_packed(packed, self.heads_per_partition, attention, dropout_p,
+                                                               projection_bias=projection_bias)
         else:
             query, key, value = self._project(hidden, self.query, self.key, self.value)
             if cache is not None:
@@ -426,7 +431,7 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
         problem = flex_capability_problem(device_type)
     elif config.attention_backend == "triton":
         problem = (bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM
-                   or bucket_attention.DQ_PROBLEM or bucket_attention.BIAS_PROBLEM
+                   or bucket_attention.DQ_PROBLEM or bucket_attention.BIAS_PROBLEM or bucket_attention.QKV_BIAS_PROBLEM
                    or bucket_attention.KEY_VALUE_PROBLEM or launch_tuning.TUNING_PROBLEM
                    or (bucket_attention.device_problem(torch.device(device_type)) if device_type else None))
     if problem:

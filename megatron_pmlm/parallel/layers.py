@@ -373,14 +373,17 @@ def fused_column_linear(input_: torch.Tensor, linears: Sequence[nn.Module]) -> t
     return output.split([linear.weight.shape[0] for linear in linears], dim=-1)
 
 
-def fused_column_output(input_: torch.Tensor, linears: Sequence[nn.Module]) -> torch.Tensor | None:
+def fused_column_output(input_: torch.Tensor, linears: Sequence[nn.Module],
+                        bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """`fused_column_linear`'s one GEMM, its output unsplit ([..., the linears' outputs side by side]),
     for a consumer that reads it whole and returns its gradient whole (the triton attention's packed
-    q, k, v: no concatenation of three gradients); None where the linears cannot be fused."""
+    q, k, v: no concatenation of three gradients); None where the linears cannot be fused. `bias`:
+    added instead of the linears' biases stacked (the caller's: detached, when their gradient reaches
+    them another way)."""
     if not _can_fuse(linears):
         return None
     weight = torch.cat([linear.weight for linear in linears])
-    bias = torch.cat([linear.bias for linear in linears])
+    bias = torch.cat([linear.bias for linear in linears]) if bias is None else bias
     first = linears[0]
     if isinstance(first, nn.Linear):
         return F.linear(input_, weight, bias)
