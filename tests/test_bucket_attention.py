@@ -187,10 +187,11 @@ for dtype in (torch.float32, torch.bfloat16):
 report["dq_from_scores"] = dq_report
 report["dq_default"] = ba.DQ_FROM_SCORES
 report["packed_grad_shape"] = list(got[1].shape)
-torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention_packed.default,
-                      (qkv.clone().requires_grad_(), 3, ba.padded_codes(codes), *ba.tile_lists(codes), table,
-                       ba.kernel_table(table, k.device), 0.0, 0.25),
-                      test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+for projection_bias in (None, torch.randn(qkv.shape[-1], requires_grad=True)):  # its gradient from the kernels' sums
+    torch.library.opcheck(torch.ops.megatron_pmlm.bucket_attention_packed.default,
+                          (qkv.clone().requires_grad_(), 3, ba.padded_codes(codes), *ba.tile_lists(codes), table,
+                           ba.kernel_table(table, k.device), 0.0, 0.25, projection_bias),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
 json.dump(report, sys.stdout)
 """
 
