@@ -86,13 +86,14 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
     triton variant is the same attention as sdpa, the table's gradient compared with sdpa's bias
     gradient reduced per bucket, launched as the model does and with other tiles (--triton-shapes),
     with dQ by its own kernel or from dS over the listed tiles, with the key/value pass's tiles as [queries, keys], and reading the
-    bias from its dense form; its dropout and
-    no-bias rows and sdpa's dropout row are timed only."""
+    bias from its dense form; its dropout rows (the bits drawn apart or by the forward), its
+    no-bias row and sdpa's dropout row are timed only."""
     out = tmp_path / "out.json"
     result = run_tool(
         "bench_attention_kernels.py", "--preset", "tiny", "--shapes", "32x2", "--variants",
         "sdpa,triton,sdpa-dropout,triton-dropout,triton-no-bias,triton-dq-kernel,triton-dq-tiles,"
-        "triton-dropout-dq-tiles,triton-kv-rows,triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias",
+        "triton-dropout-dq-tiles,triton-kv-rows,triton-dropout-kv-rows,triton-dense-bias,triton-dropout-dense-bias,"
+        "triton-dropout-in-forward",
         "--triton-shapes",
         "32x64w2s1/64x64w4s3", "--iterations", "1", "--warmup", "1", "--json", str(out),
         cwd=REPO_ROOT, env={"TRITON_INTERPRET": "1"})
@@ -106,7 +107,7 @@ def test_the_triton_backend_s_kernels_are_compared_with_sdpa_including_the_table
         assert rows[name]["same_attention"] and rows[name]["launch"] == launch, rows[name]
         assert rows[name]["relative_difference"]["grad_table"] < 1e-5, rows[name]
     for name in ("sdpa-dropout", "triton-dropout", "triton-no-bias", "triton-dropout-dq-tiles",
-                 "triton-dropout-kv-rows", "triton-dropout-dense-bias"):
+                 "triton-dropout-kv-rows", "triton-dropout-dense-bias", "triton-dropout-in-forward"):
         assert rows[name]["ms"] > 0 and "relative_difference" not in rows[name], rows[name]
 
 

@@ -520,7 +520,8 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
     """PMLM_TRITON_KERNEL_SHAPES=FORWARD/KEY_VALUE (how `make gpu-check` runs pretrain with the launch
     its attention table found fastest) sets both launches at import; a malformed value makes a
     triton model refuse to start, naming the variable (sdpa is not concerned); PMLM_TRITON_DQ,
-    PMLM_TRITON_BIAS, PMLM_TRITON_KEY_VALUE_TILES and PMLM_TRITON_QKV_BIAS_GRADIENT likewise. Two new interpreters show the values
+    PMLM_TRITON_BIAS, PMLM_TRITON_KEY_VALUE_TILES, PMLM_TRITON_QKV_BIAS_GRADIENT and
+    PMLM_TRITON_DROPOUT_BITS likewise. Two new interpreters show the values
     read at import (the alternatives, then malformed values: the defaults kept, the model refused);
     each value's reading and refusal are checked here with the functions the import calls."""
     from megatron_pmlm.models.accelerated import alternative_from_environment
@@ -529,22 +530,22 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
              "from megatron_pmlm.config import ConfigError, model_config_from_preset\n"
              "from megatron_pmlm.models.model import check_attention_backend\n"
              "print(ba.FORWARD_SHAPE, ba.KEY_VALUE_SHAPE, ba.DQ_FROM_SCORES, ba.DENSE_BIAS, ba.KEY_VALUE_TRANSPOSED,\n"
-             "      ba.PROJECTION_BIAS_SUMS)\n"
+             "      ba.PROJECTION_BIAS_SUMS, ba.DROPOUT_BITS_APART)\n"
              "config = model_config_from_preset('tiny', attention_backend='triton')\n"
              "check_attention_backend(dataclasses.replace(config, attention_backend='sdpa'))\n"
              "try:\n    check_attention_backend(config)\nexcept ConfigError as error:\n    print('refused:', error)\n")
     variables = (bucket_attention.KERNEL_SHAPES_ENV, bucket_attention.DQ_ENV, bucket_attention.BIAS_ENV,
-                 bucket_attention.KEY_VALUE_ENV, bucket_attention.QKV_BIAS_ENV)
+                 bucket_attention.KEY_VALUE_ENV, bucket_attention.QKV_BIAS_ENV, bucket_attention.DROPOUT_BITS_ENV)
     outputs = []
-    for values in (("32x64w8s3/128x128w4s1", "kernel", "dense", "rows", "autograd"),
-                   ("64x64/64x64w4s3", "GEMM", "bf16", "keys", "sums")):
+    for values in (("32x64w8s3/128x128w4s1", "kernel", "dense", "rows", "autograd", "forward"),
+                   ("64x64/64x64w4s3", "GEMM", "bf16", "keys", "sums", "inline")):
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), **dict(zip(variables, values))}
         result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
                                 timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         outputs.append(result.stdout.splitlines())
-    assert outputs[0] == ["32x64w8s3 128x128w4s1 False True False False"], outputs[0]
-    assert outputs[1] == ["64x64w4s1 64x64w4s1 True False None True",
+    assert outputs[0] == ["32x64w8s3 128x128w4s1 False True False False False"], outputs[0]
+    assert outputs[1] == ["64x64w4s1 64x64w4s1 True False None True True",
                           "refused: PMLM_TRITON_KERNEL_SHAPES: kernel shape '64x64': give QUERIESxKEYSwWARPSsSTAGES, "
                           "e.g. 128x64w8s3 (a register cap after it: 64x64w4s1r168)"], outputs[1]
 
@@ -570,11 +571,14 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
             bucket_attention.parse_kernel_shapes(f"64x64w4s1{cap}/64x64w4s1")
     # PMLM_TRITON_DQ: gemm (the default) or kernel; PMLM_TRITON_BIAS: table (the default) or dense;
     # PMLM_TRITON_KEY_VALUE_TILES: auto (the default) or rows; PMLM_TRITON_QKV_BIAS_GRADIENT: kernel (the
-    # default) or autograd; anything else refused the same way
+    # default) or autograd; PMLM_TRITON_DROPOUT_BITS: apart (the default) or forward; anything else refused
+    # the same way
     for variable, default_value, alternative, wrong in ((bucket_attention.DQ_ENV, "gemm", "kernel", "GEMM"),
                                                         (bucket_attention.BIAS_ENV, "table", "dense", "bf16"),
                                                         (bucket_attention.KEY_VALUE_ENV, "auto", "rows", "keys"),
-                                                        (bucket_attention.QKV_BIAS_ENV, "kernel", "autograd", "sums")):
+                                                        (bucket_attention.QKV_BIAS_ENV, "kernel", "autograd", "sums"),
+                                                        (bucket_attention.DROPOUT_BITS_ENV, "apart", "forward",
+                                                         "inline")):
         for value, expected in ((alternative, (True, None)), (default_value, (False, None)),
                                 (wrong, (False, f"{variable}={wrong!r}: give {default_value} (the default) or "
                                                 f"{alternative}"))):
@@ -585,7 +589,8 @@ def test_the_kernels_launch_as_the_environment_says_and_a_bad_value_is_refused(m
     for name, problem in (("LAUNCH_PROBLEM", dk_problem), ("DQ_PROBLEM", "PMLM_TRITON_DQ='GEMM': give gemm"),
                           ("BIAS_PROBLEM", "PMLM_TRITON_BIAS='bf16': give table"),
                           ("KEY_VALUE_PROBLEM", "PMLM_TRITON_KEY_VALUE_TILES='keys': give auto"),
-                          ("QKV_BIAS_PROBLEM", "PMLM_TRITON_QKV_BIAS_GRADIENT='sums': give kernel")):
+                          ("QKV_BIAS_PROBLEM", "PMLM_TRITON_QKV_BIAS_GRADIENT='sums': give kernel"),
+                          ("DROPOUT_BITS_PROBLEM", "PMLM_TRITON_DROPOUT_BITS='inline': give apart")):
         with monkeypatch.context() as patch:
             patch.setattr(bucket_attention, name, problem)
             check_attention_backend(dataclasses.replace(config, attention_backend="sdpa"))  # sdpa not concerned
@@ -747,9 +752,12 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     registers: ~73 KB a tile through LDS/STS/LDSM/STSM, 101.5 as [queries, keys]), and the forward
     unpacks its kept pairs from their bytes (6 barriers a tile, 12 when the booleans were joined).
     Read at 2 pipeline stages, the launch these figures were established at: the default's one
-    stage (faster on an H100) has Triton load synchronously, with more barriers a tile."""
+    stage (faster on an H100) has Triton load synchronously, with more barriers a tile. The forward
+    drawing its dropout (`--dropout-bits forward`) against the forward reading the bits their own
+    kernel drew (the default, `bucket_attention.DROPOUT_BITS_APART`): fewer registers (more programs
+    an SM) and fewer instructions a tile; the bits' kernel spills nothing."""
     report = kernel_code("--kernels", "attention forward,attention dK dV dS,attention dQ", "--launch",
-                         "64x64w4s2/64x64w4s2")
+                         "64x64w4s2/64x64w4s2", "--dropout-bits", "forward")
     loops = {row["kernel"]: row["loop_instructions"] for row in report["kernels"]}
     assert loops["attention forward"] <= 1100 and loops["attention dK dV dS"] <= 1000, loops
     assert loops["attention dQ"] <= 800, loops
@@ -762,6 +770,15 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     plain = kernel_code("--kernels", "attention forward", "--dropout", "0")
     assert report["dropout"] == 0.1 and plain["dropout"] == 0.0, (report["dropout"], plain["dropout"])
     assert plain["kernels"][0]["loop_instructions"] < loops["attention forward"] - 200, plain
+    # the dropout's bits drawn apart (the default) at the default launch: the forward reads them
+    apart = {row["kernel"]: row for row in kernel_code("--kernels", "attention forward,attention dropout bits",
+                                                       "--width", "176")["kernels"]}
+    drawing = kernel_code("--kernels", "attention forward", "--width", "176", "--dropout-bits", "forward")["kernels"][0]
+    forward, bits = apart["attention forward"], apart["attention dropout bits"]
+    assert forward["registers"] < drawing["registers"] and forward["programs_per_sm"] > drawing["programs_per_sm"], \
+        (forward, drawing)
+    assert forward["loop_instructions"] < drawing["loop_instructions"] - 150 and forward["spilled_bytes"] == 0, forward
+    assert bits["spilled_bytes"] == 0 and 0 < bits["loop_instructions"] <= 400, bits
     refused = run_tool("bench_kernel_code.py", "--dropout", "1", timeout=120)
     assert refused.returncode == 2 and "--dropout 1.0: give a probability in [0, 1)" in refused.stderr, refused.stderr
     # --launch: another launch as gpu-check times it (8 warps, 128 queries a tile)
@@ -782,10 +799,11 @@ def test_the_kernels_loops_issue_few_instructions_per_tile():
     refused = run_tool("bench_kernel_code.py", "--launch", "64x64w4s2/32x128w4s3", timeout=120)
     assert refused.returncode == 2 and ("--launch: kernel shape 32x128w4s3 for dK, dV, dS: its blocks of queries "
                                         "must be 64 or 128") in refused.stderr, refused.stderr
-    # a register cap (ptxas's .maxnreg): the default forward at seq 128's width holds 211 registers a thread,
-    # two programs an SM; capped at 168, three, with no spill
-    (uncapped,) = kernel_code("--kernels", "attention forward", "--width", "176")["kernels"]
-    capped = kernel_code("--kernels", "attention forward", "--width", "176", "--launch", "64x64w4s1r168/64x64w4s1")
+    # a register cap (ptxas's .maxnreg): the forward drawing its dropout at seq 128's width holds 211 registers
+    # a thread, two programs an SM; capped at 168, three, with no spill
+    uncapped = drawing  # the forward drawing its dropout, at seq 128's width
+    capped = kernel_code("--kernels", "attention forward", "--width", "176", "--launch", "64x64w4s1r168/64x64w4s1",
+                         "--dropout-bits", "forward")
     (forward,) = capped["kernels"]
     assert capped["launch"] == "64x64w4s1r168/64x64w4s1", capped["launch"]
     assert uncapped["registers"] > 168 and uncapped["programs_per_sm"] == 2, uncapped
@@ -915,20 +933,30 @@ def test_dq_over_the_listed_tiles_equals_the_gemm_and_reads_no_unwritten_score_g
         assert result["dq"] <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, result)
 
 
-PROJECTION_BIAS = r"""
-import itertools, json, sys
+SKIPPED_TILES_LAYOUT = r"""
+import json, sys
 import torch
 from megatron_pmlm.models import bucket_attention as ba
 
+
+def layout_codes(batch, length, bins, generator):
+    # the codes of a layout with tiles to skip, as PMLM's and padding make them (length > 128)
+    allowed = torch.rand(batch, length, length, generator=generator) > 0.3
+    allowed[:, :64, 64:128] = False  # whole tiles nobody sees: context queries, pseudo tokens' keys
+    allowed[:, 128:] = False  # a block of padded queries
+    allowed[1, :, 128:] = False  # a block of keys nobody sees
+    allowed[0, 5] = False  # a row that sees no key
+    return ba.attention_codes(torch.randint(0, bins, (batch, length, length), dtype=torch.uint8,
+                                            generator=generator), allowed)
+"""
+
+
+PROJECTION_BIAS = SKIPPED_TILES_LAYOUT + r"""
+import itertools
+
 batch, heads, length, head_dim, bins = 2, 2, 150, 16, 8
 generator = torch.Generator().manual_seed(7)
-allowed = torch.rand(batch, length, length, generator=generator) > 0.3
-allowed[:, :64, 64:128] = False  # whole tiles nobody sees: context queries, pseudo tokens' keys
-allowed[:, 128:] = False  # a block of padded queries
-allowed[1, :, 128:] = False  # a block of keys nobody sees
-allowed[0, 5] = False  # a row that sees no key
-codes = ba.attention_codes(torch.randint(0, bins, (batch, length, length), dtype=torch.uint8, generator=generator),
-                           allowed)
+codes = layout_codes(batch, length, bins, generator)
 table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
 scale = head_dim ** -0.5
 
@@ -1000,6 +1028,57 @@ def test_the_kernels_sum_the_qkv_bias_gradient_as_autograd_does():
             assert result["kernels"] <= 1e-6 and result["autograd"] <= 1e-6, (case, result)
         else:  # bf16's roundings (dS, dQ, the gradient's): no more than one more than autograd's
             assert result["kernels"] <= min(2.0 ** -6, result["autograd"] + 2.0 ** -9), (case, result)
+
+
+DROPOUT_BITS = SKIPPED_TILES_LAYOUT + r"""
+batch, heads, length, head_dim, bins = 2, 3, 150, 16, 8
+generator = torch.Generator().manual_seed(13)
+codes = layout_codes(batch, length, bins, generator)
+table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
+computed = (codes != ba.BLOCKED)[:, None].expand(batch, heads, length, length)
+shape = ba.KernelShape
+report = {}
+for tiles, dtype, with_grads in [((64, 64), torch.float32, True), ((64, 64), torch.bfloat16, False),
+                                 ((128, 64), torch.float32, False), ((32, 128), torch.bfloat16, False)]:
+    with ba.kernel_shapes(shape(*tiles, 4, 1), shape(64, 64, 4, 1)):
+        inputs = ba.kernel_inputs(codes, table)
+        q, k, v = (torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype).requires_grad_()
+                   for _ in range(3))
+        grad = torch.randn(batch, heads, length, head_dim, generator=generator).to(dtype)
+        found = []
+        for apart in (True, False):
+            with ba.dropout_bits_apart(apart):
+                torch.manual_seed(1)
+                out, lse, seed, bits = ba.bucket_attention_forward(q, k, v, inputs.padded_codes, *inputs.tiles, table,
+                                                                   inputs.kernel_table, 0.1, head_dim ** -0.5)
+                grads = torch.autograd.grad(out, (q, k, v, table), grad) if with_grads else ()
+            found.append((out, lse, seed, ba.stored_keep_mask(bits, length, length)[computed], grads))
+        (out, lse, seed, kept, grads), (out_f, lse_f, seed_f, kept_f, grads_f) = found
+        drawn = ba.dropout_keep_mask(seed, batch, heads, length, length, 0.1)[computed]
+        report[f"{tiles} {dtype}"] = {
+            "same": torch.equal(out, out_f) and torch.equal(lse, lse_f) and torch.equal(seed, seed_f),
+            "same_bits": torch.equal(kept, kept_f), "bits_are_the_draws": torch.equal(kept, drawn),
+            "same_gradients": all(torch.equal(a, b) for a, b in zip(grads, grads_f)), "gradients": len(grads),
+            "dropped": float(1 - kept.float().mean())}
+json.dump({"cases": report, "default": ba.DROPOUT_BITS_APART}, sys.stdout)
+"""
+
+
+@needs_triton
+def test_dropout_bits_drawn_before_the_forward_are_the_ones_it_drew():
+    """PMLM_TRITON_DROPOUT_BITS=apart (the default): `attention_dropout_bits_kernel` draws the kept
+    pairs of the tiles the forward lists and the forward reads them: the same output, log-sum-exp
+    and seed bit for bit as the forward drawing them (`forward`), the same bits where a pair is
+    computed (those of the kernels' own draws, `dropout_keep_mask`), the same gradients; with the
+    forward's tiles 64 x 64, 128 x 64 and 32 x 128, in fp32 and bf16, over skipped tiles and a padded
+    block."""
+    report = run_interpreted(DROPOUT_BITS)
+    assert report["default"] is True
+    assert len(report["cases"]) == 4
+    for case, result in report["cases"].items():
+        assert result["same"] and result["same_bits"] and result["bits_are_the_draws"], (case, result)
+        assert result["same_gradients"] and 0.05 < result["dropped"] < 0.15, (case, result)
+    assert report["cases"]["(64, 64) torch.float32"]["gradients"] == 4
 
 
 def test_dq_from_the_score_gradient_is_written_into_the_packed_gradient_without_copies():

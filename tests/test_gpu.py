@@ -451,7 +451,7 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
     hidden states, loss and gradients (the relative-bias table's included) as sdpa's in fp32; its
     bf16 kernels within twice PyTorch's own bf16 error (or 4 bf16 roundings) of a float64 reference on a real layout; with
     dropout, the kept fraction of the 16-bit threshold; the fused projection's bias gradient from the
-    kernels' sums against float64's."""
+    kernels' sums against float64's; the dropout's bits drawn before the forward or by it, the same."""
     from megatron_pmlm.models import bucket_attention
 
     if not bucket_attention.TRITON_INSTALLED:
@@ -535,6 +535,17 @@ def test_the_triton_backend_equals_sdpa_in_outputs_and_every_gradient(gpu_corpus
             (bias_grad,) = torch.autograd.grad(out, bias, grad)
         error = ((bias_grad.double() - exact_grad.sum((0, 1))) / exact_grad.abs().sum((0, 1)).clamp(min=1e-30))
         assert float(error.abs().max()) <= 2.0 ** -6, (over_tiles, float(error.abs().max()))
+    # The dropout's bits drawn by their own kernel before the forward (the default) or by the forward
+    # (PMLM_TRITON_DROPOUT_BITS=forward): this GPU's code for both gives the same output and bits
+    found = []
+    for apart in (True, False):
+        with bucket_attention.dropout_bits_apart(apart):
+            torch.cuda.manual_seed(7)
+            out, lse, _, bits = bucket_attention.bucket_attention_forward(
+                q.detach(), k.detach(), v.detach(), inputs.padded_codes, *inputs.tiles, table, inputs.kernel_table,
+                0.1, 0.125)
+        found.append((out, lse, bucket_attention.stored_keep_mask(bits, width, width)[computed]))
+    assert all(torch.equal(a, b) for a, b in zip(*found))
 
 
 @pytest.mark.skipif(not flex_supported(), reason="the triton backend needs compute capability >= 8.0")

@@ -60,7 +60,11 @@ attention alone, per variant:
   bias from a dense [B, heads, 2, P, P] copy in the inputs' dtype, built once per micro batch
   (`bucket_attention.DENSE_BIAS`; built before the timing, as the model builds it once for all its
   layers) instead of gathering `table[head, code]` per pair: whether the gathers or the bytes cost
-  more (the first checked against sdpa, the second timed only).
+  more (the first checked against sdpa, the second timed only);
+- `triton-dropout-in-forward`: `triton-dropout` with the forward drawing the dropout itself (Philox in
+  its loop) instead of reading the bits a kernel of their own drew before it
+  (`bucket_attention.DROPOUT_BITS_APART`, PMLM_TRITON_DROPOUT_BITS=forward): which is faster (timed
+  only; both give the same bits).
 
 Beside them, per shape, the relative-bias table's gradient from sdpa's bias gradient: the one-hot
 GEMMs (`relative_bias.table_gradient` on the CPU) against the Triton kernel a GPU uses
@@ -97,13 +101,14 @@ from megatron_pmlm.files import OutputError, check_output, write_json_atomically
 VARIANTS = ("sdpa", "sdpa-bias-frozen", "sdpa-contiguous-bias", "sdpa-cudnn", "sdpa-split", "flex-dense-bias",
             "flex-table", "triton", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "flash-no-bias",
             "triton-no-bias", "triton-dq-kernel", "triton-dq-tiles", "triton-dropout-dq-tiles", "triton-kv-rows",
-            "triton-dropout-kv-rows", "triton-dense-bias", "triton-dropout-dense-bias")
+            "triton-dropout-kv-rows", "triton-dense-bias", "triton-dropout-dense-bias", "triton-dropout-in-forward")
 REFERENCE = "sdpa"
 PROBES = ("sdpa-cudnn",)
 """Variants that ask whether a kernel takes our inputs at all: one that cannot run them (torch
 refuses the backend) or computes something else is reported, not counted as the tool's failure."""
 TIMED_ONLY = ("flash-no-bias", "sdpa-dropout", "sdpa-split-dropout", "triton-dropout", "triton-no-bias",
-              "triton-dropout-dq-tiles", "triton-dropout-kv-rows", "triton-dropout-dense-bias")
+              "triton-dropout-dq-tiles", "triton-dropout-kv-rows", "triton-dropout-dense-bias",
+              "triton-dropout-in-forward")
 """Variants not compared with sdpa: another attention (no bias), or random (dropout)."""
 RECIPE_ATTENTION_DROPOUT = 0.1
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -304,6 +309,7 @@ def measure(shape: tuple[int, int], preset: str, variants: list[str], device: to
                     else bucket_attention.dq_over_tiles(True) if name.endswith("-dq-tiles")
                     else bucket_attention.key_value_tiles(False) if name.endswith("-kv-rows")
                     else bucket_attention.dense_bias(True) if name in ("triton-dense-bias", "triton-dropout-dense-bias")
+                    else bucket_attention.dropout_bits_apart(False) if name == "triton-dropout-in-forward"
                     else contextlib.nullcontext())
         chosen_before = set(launch_tuning.chosen_launches())
         try:

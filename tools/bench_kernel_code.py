@@ -49,14 +49,15 @@ def recipe_attention_dropout() -> float:
 
 
 def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = None,
-                 transposed: bool = True, dense: bool = False) -> list[dict]:
+                 transposed: bool = True, dense: bool = False, bits_apart: bool = True) -> list[dict]:
     """(name, kernel, constexprs, launch options, integer arguments, bytes a hot-loop iteration reads)
     of each kernel, as the code launches it at layout width `width` (bucket_sums.py's tile and vector
     loads, bucket_attention.py's default shapes and buffers; batch 1), with attention dropout
     `dropout`; the attention kernels launched as `launch` (forward and dQ shape, dK dV dS shape;
     default: bucket_attention's defaults), the dK dV dS kernel's tiles `transposed` or not
     (`bucket_attention.key_value_transposed`), the bias gathered from the table or read `dense`
-    (`bucket_attention.DENSE_BIAS`)."""
+    (`bucket_attention.DENSE_BIAS`), the dropout's bits drawn by their own kernel before the forward
+    (`bits_apart`) or in the forward (`bucket_attention.DROPOUT_BITS_APART`)."""
     from megatron_pmlm.models import bucket_attention, bucket_sums, bucket_attention_triton, bucket_sums_triton
 
     size = {"*bf16": 2, "*fp16": 2, "*fp32": 4}[dtype]
@@ -92,6 +93,7 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
         return dict(tiles_stride_b=query_blocks * (1 + key_blocks), tiles_stride_t=1 + key_blocks)
     attention = dict(HEAD_DIM=head_dim, DROPOUT=threshold > 0, PRECISION="tf32", INTERPRETED=False, DENSE=dense)
     bias_sums = dict(BIAS_SUMS=True)  # the backward's, in training: the Q, K, V bias gradient's column sums too
+    bits_drawn = bool(threshold) and bits_apart  # the forward reads the bits their own kernel drew
     bias_type = {"table_ptr": dtype} if dense else {}  # the dense bias in the inputs' dtype
     return [
         {"name": "bucket_sums", "kernel": bucket_sums_triton.bucket_sums_kernel,
@@ -109,11 +111,19 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
          # the gradient of every head for the tile's pairs, and the pairs' buckets
          "loop_bytes": bucket_sums.ROWS * bucket_sums.KEYS_BLOCK * (HEADS * size + 1)},
         {"name": "attention forward", "kernel": bucket_attention_triton.attention_forward_kernel,
-         "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys),
+         "constexprs": dict(attention, BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys,
+                            BITS_DRAWN=bits_drawn),
          "options": forward.launch_options(), "pointer_types": bias_type,
          "arguments": dict(attention_arguments, **tiles(forward, key_value)),
-         # a tile of keys and values, and the tile's codes
-         "loop_bytes": forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys},
+         # a tile of keys and values, and the tile's codes (and its kept pairs' bits, read)
+         "loop_bytes": (forward.block_keys * head_dim * size * 2 + forward.block_queries * forward.block_keys
+                        + (forward.block_queries * forward.block_keys // 8 if bits_drawn else 0))},
+        {"name": "attention dropout bits", "kernel": bucket_attention_triton.attention_dropout_bits_kernel,
+         "constexprs": dict(BLOCK_M=forward.block_queries, BLOCK_N=forward.block_keys, INTERPRETED=False),
+         "options": {"num_warps": bucket_attention.DROPOUT_BITS_WARPS, "num_stages": 1},
+         "arguments": dict(attention_arguments, **tiles(forward, key_value)),
+         # the tile's bits, written
+         "loop_bytes": forward.block_queries * forward.block_keys // 8},
         {"name": "attention dK dV dS", "kernel": bucket_attention_triton.attention_backward_key_value_kernel,
          "constexprs": dict(attention, **bias_sums, BLOCK_M=key_value.block_queries, BLOCK_N=key_value.block_keys,
                             TRANSPOSED=transposed, WRITE_DS=True, ZERO_SKIPPED=True),
@@ -255,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capability", type=int, default=90, help="the GPU's compute capability x 10 (80: A100)")
     parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16", help="the data's dtype")
     parser.add_argument("--kernels", default="", help="comma-separated names (default: all): "
-                        "bucket_sums, attention forward, attention dK dV dS, attention dQ, attention dQ from dS")
+                        "bucket_sums, attention forward, attention dropout bits, attention dK dV dS, attention dQ, "
+                        "attention dQ from dS")
     parser.add_argument("--width", type=int, default=674,
                         help="the layout width T the launch is modelled at (674: seq 512's; 176: seq 128's)")
     parser.add_argument("--dropout", type=float, default=None,
@@ -269,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bias", choices=("table", "dense"), default="table",
                         help="the attention kernels gather table[head, code] per pair, or read the dense bias "
                         "(bucket_attention.DENSE_BIAS)")
+    parser.add_argument("--dropout-bits", choices=("apart", "forward"), default="apart",
+                        help="the attention dropout's kept pairs drawn by their own kernel before the forward, "
+                        "which reads them, or by the forward (bucket_attention.DROPOUT_BITS_APART)")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     launch = None
@@ -302,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
                                                        launch[1] if launch else bucket_attention.KEY_VALUE_SHAPE)
         args.key_value_tiles = "transposed" if transposed else "rows"
     specs = kernel_specs("*" + args.dtype, args.width, args.dropout, launch, args.key_value_tiles == "transposed",
-                         args.bias == "dense")
+                         args.bias == "dense", args.dropout_bits == "apart")
+    if not args.dropout:
+        specs = [spec for spec in specs if spec["name"] != "attention dropout bits"]  # nothing to draw
 
     args.launch = "/".join(map(str, launch or (bucket_attention.DEFAULT_FORWARD_SHAPE,
                                                bucket_attention.DEFAULT_KEY_VALUE_SHAPE)))
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             write_json_atomically(args.json, {"capability": args.capability, "dtype": args.dtype,
                                               "width": args.width, "dropout": args.dropout, "launch": args.launch,
                                               "key_value_tiles": args.key_value_tiles, "bias": args.bias,
+                                              "dropout_bits": args.dropout_bits,
                                               "kernels": rows}, indent=1)
     return 0
 
@@ -326,7 +343,8 @@ def report(args: argparse.Namespace, rows: list[dict]) -> None:
     """The figures as a markdown table (standard output; standard error under --json -)."""
     out = sys.stdout
     print(f"SM {args.capability / 10:.1f}, {args.dtype}, layout width {args.width}, attention dropout {args.dropout}, "
-          f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}, bias {args.bias}: instructions "
+          f"attention launch {args.launch}, dK dV dS tiles {args.key_value_tiles}, bias {args.bias}, dropout bits "
+          f"{args.dropout_bits}: instructions "
           "of each kernel's "
           "hot loop (one iteration = one tile)", file=out)
     print("| kernel | warps | registers | spilled B | shared KiB | programs an SM | loop instructions | KB a tile "

@@ -10,11 +10,12 @@ BLOCKED where the rule forbids the pair), 1 byte a pair for all heads, and the k
 
 - no bias is built, read per layer, or kept (the dense bf16 bias is 2 x heads bytes a pair, read
   forward and backward in every layer);
-- attention dropout is drawn in the forward kernel (Philox, 16 bits a draw, so the probability is
-  rounded to a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are scaled by the exact
-  inverse of the kept fraction), which also writes the kept pairs as bits (1/8 byte a pair and
-  head) for the backward to read: drawing again would cost both backward passes more Philox
-  arithmetic than matrix products;
+- attention dropout is drawn by a kernel of its own before the forward (Philox, 16 bits a draw, so
+  the probability is rounded to a multiple of 1/65536: 0.1 runs as 6554/65536; the kept values are
+  scaled by the exact inverse of the kept fraction), as bits (1/8 byte a pair and head) that the
+  forward and both backward passes read: drawn in the forward, Philox's arithmetic set its
+  registers (`DROPOUT_BITS_APART`), and drawing again would cost the backward passes more than
+  their matrix products;
 - a tile whose pairs are all BLOCKED is skipped: on real PMLM batches ~25% of
   the tiles (the context's queries never see the pseudo tokens, nobody sees padding), listed once
   per micro batch (`tile_lists`) and walked by every layer's kernels;
@@ -167,6 +168,8 @@ HEAD_DIMS = (16, 32, 64, 128)
 ROWSUM_BLOCK = 64
 """Query rows per program of the backward's rowsum(dO * O) kernel (a pass over O and dO alone)."""
 ROWSUM_WARPS = 4
+DROPOUT_BITS_WARPS = 4
+"""Warps a program of the dropout bits' kernel (a block of queries' listed tiles, Philox and stores only)."""
 DQ_ENV = "PMLM_TRITON_DQ"
 """`kernel`: compute dQ with its own kernel (recomputing the scores, their softmax and dP tile by
 tile) also where the backward writes dS; by default (`gemm`) dQ = scale x dS @ K there, a batched
@@ -220,6 +223,23 @@ cuBLAS. The same sums up to the order of their fp32 additions, and taken before 
 a dQ kernel's) rounding to the inputs' dtype. Read at import; `projection_bias_sums` switches it.
 QKV_BIAS_PROBLEM: what is wrong with QKV_BIAS_ENV (the model refuses to start, as for
 LAUNCH_PROBLEM)."""
+
+DROPOUT_BITS_ENV = "PMLM_TRITON_DROPOUT_BITS"
+"""`forward`: the forward kernel draws the attention dropout's kept pairs itself (Philox in its loop)
+and stores them for the backward; `apart` (the default): a kernel of their own draws them before
+the forward (`DROPOUT_BITS_APART`)."""
+_DRAWN_IN_FORWARD, DROPOUT_BITS_PROBLEM = alternative_from_environment(DROPOUT_BITS_ENV, "apart", "forward")
+DROPOUT_BITS_APART = not _DRAWN_IN_FORWARD
+"""With attention dropout, `attention_dropout_bits_kernel` draws the kept pairs' bits of the tiles the
+forward computes, and the forward reads them as the backward kernels do: the same bits (the same
+Philox calls, stored where the forward stored them), so the same outputs and gradients. Philox's
+integer arithmetic set the forward's registers (204 a thread at the default launch on SM 9.0: two
+programs an SM) and a fifth of its loop's instructions; reading the bits it takes 128 registers
+(four programs an SM, as without dropout) and 781 instructions a tile instead of 998
+(`tools/bench_kernel_code.py`), for a kernel that issues the draws at full occupancy and writes 1/8
+byte a pair and head. Read at import; `dropout_bits_apart` switches it (the attention tool's
+`triton-dropout-in-forward`). DROPOUT_BITS_PROBLEM: what is wrong with DROPOUT_BITS_ENV (the model
+refuses to start, as for LAUNCH_PROBLEM)."""
 
 KEY_VALUE_ENV = "PMLM_TRITON_KEY_VALUE_TILES"
 """`rows`: the dK, dV, dS kernel computes [queries, keys] tiles on every GPU; `auto` (the default):
@@ -532,8 +552,9 @@ def bucket_attention_forward(query: torch.Tensor, key: torch.Tensor, value: torc
 
 def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_table, dropout_p: float, scale: float
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel's launch for either op (q, k, v apart or views of one packed tensor)."""
-    from .bucket_attention_triton import attention_forward_kernel
+    """The forward kernel's launch for either op (q, k, v apart or views of one packed tensor), after
+    the dropout bits' kernel where it draws them (`DROPOUT_BITS_APART`)."""
+    from .bucket_attention_triton import attention_dropout_bits_kernel, attention_forward_kernel
 
     _check(query, key, value, codes, key_tiles, query_tiles, table, kernel_table)
     batch, heads, queries, head_dim = query.shape
@@ -549,11 +570,17 @@ def _forward(query, key, value, codes, key_tiles, query_tiles, table, kernel_tab
     shape = FORWARD_SHAPE
     programs = (batch * heads, _blocks(queries, shape.block_queries))
     grid = (math.prod(programs),)  # the blocks of a (sequence, head) numbered together: `program_tile`
+    bits_drawn = bool(threshold) and DROPOUT_BITS_APART
     if batch * heads and queries:
+        if bits_drawn:  # the kept pairs of the tiles the forward computes, drawn before it
+            _launch(attention_dropout_bits_kernel, grid, seed, key_tiles, keep_bits, heads, queries,
+                    key_tiles.stride(0), key_tiles.stride(1), *bits_strides, threshold, BLOCK_M=shape.block_queries,
+                    BLOCK_N=shape.block_keys, INTERPRETED=INTERPRETED, num_warps=DROPOUT_BITS_WARPS)
         forward_codes, *forward_strides = _codes_args(codes, False)
         table_arg, *table_strides, dense = _table_args(kernel_table, False)
         constants = dict(HEAD_DIM=head_dim, BLOCK_M=shape.block_queries, BLOCK_N=shape.block_keys, DENSE=dense,
-                         DROPOUT=threshold > 0, PRECISION=_precision(query.dtype), INTERPRETED=INTERPRETED)
+                         DROPOUT=threshold > 0, BITS_DRAWN=bits_drawn, PRECISION=_precision(query.dtype),
+                         INTERPRETED=INTERPRETED)
 
         def launch(launch_shape: KernelShape):
             return _launch(attention_forward_kernel, grid,
@@ -965,6 +992,12 @@ def projection_bias_sums(enabled: bool):
     """The fused projection's bias gradient from the kernels (`PROJECTION_BIAS_SUMS`) or from autograd
     inside the block."""
     return _module_setting("PROJECTION_BIAS_SUMS", enabled)
+
+
+def dropout_bits_apart(enabled: bool):
+    """The attention dropout's bits drawn by their own kernel before the forward (`DROPOUT_BITS_APART`)
+    or by the forward itself inside the block: how the attention tool times both."""
+    return _module_setting("DROPOUT_BITS_APART", enabled)
 
 
 def dense_bias(enabled: bool):

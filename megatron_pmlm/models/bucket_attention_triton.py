@@ -4,19 +4,21 @@ Flash attention (online softmax, nothing [T, T] kept between the passes) whose a
 per tile from a uint8 code per query-key pair: the pair's relative-distance bucket, whose bias is
 `table[head, bucket]`, or BLOCKED where the attention rule forbids the pair (-inf). The softmax
 runs in base 2 (`exp2`, the kernel table holding the bias times log2 e). Attention dropout is drawn
-in the forward kernel from Philox, keyed by a seed tensor and the pair's row and group; each Philox
-call gives 128 bits, cut into eight 16-bit draws for eight keys a thread of the tensor cores'
-layout holds, so a tile needs one call per eight pairs. The
-forward also writes what it kept as bits (1/8 byte a pair and head), which both backward kernels
-read instead of drawing again: Philox's ten rounds (~60 integer instructions a call, at half the
-rate of float arithmetic) would cost each pass more than its matrix products. A tile whose
+from Philox, keyed by a seed tensor and the pair's row and group; each Philox call gives 128 bits,
+cut into eight 16-bit draws for eight keys a thread of the tensor cores' layout holds, so a tile
+needs one call per eight pairs. The draws are kept as bits (1/8 byte a pair and head), drawn by a
+kernel of their own before the forward (by default) or by the forward itself, and every pass reads
+them instead of drawing again: Philox's rounds (~60 integer instructions a call, at half the rate of
+float arithmetic) would cost each pass more than its matrix products. A tile whose
 pairs are all BLOCKED (PMLM's context rows against the pseudo tokens' keys, padding: ~25% of the
 tiles on real data) is skipped: each program walks a list of the tiles it has work in
 (`bucket_attention.tile_lists`).
 
 - `attention_forward_kernel`: one program per (sequence x head, block of queries), over its listed
   blocks of keys; writes the output, each row's log-sum-exp (+inf for a row that sees no key: its
-  output is 0) and, with dropout, the kept pairs' bits.
+  output is 0) and, with dropout, the kept pairs' bits (or reads them, BITS_DRAWN).
+- `attention_dropout_bits_kernel`: the kept pairs' bits of the same tiles, drawn before the forward
+  (`bucket_attention.DROPOUT_BITS_APART`).
 - `attention_backward_delta_kernel`: rowsum(dO * O) and the base-2 log-sum-exp per query, padded,
   for both backward kernels.
 - `attention_backward_key_value_kernel`: one program per (sequence x head, block of keys), over its
@@ -146,7 +148,16 @@ def computed_once(x, INTERPRETED: tl.constexpr):
 def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  INTERPRETED: tl.constexpr):
     """([BLOCK_M, BLOCK_N] booleans: which pairs (rows, column_start + j) dropout keeps, the same as
-    [BLOCK_M, BLOCK_N / 8] uint8 bytes: `stored_keep`'s layout). A pair is kept when its 16-bit
+    [BLOCK_M, BLOCK_N / 8] uint8 bytes: `stored_keep`'s layout), drawn by `kept_bytes`."""
+    packed = kept_bytes(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N, INTERPRETED)
+    return unpacked_keep(packed, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
+
+
+@device_function
+def kept_bytes(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               INTERPRETED: tl.constexpr):
+    """[BLOCK_M, BLOCK_N / 8] int32 bytes: bit k of byte 8 x block + c set where dropout keeps the pair
+    (rows, key 64 x block + 8k + c). A pair is kept when its 16-bit
     draw is >= threshold (the drop probability x 65536). One Philox call (counter: the group, the
     row, the sequence and head) draws the 8 pairs of a group: in each block of 64 keys, group c
     (0-7) holds keys c, c + 8, ..., c + 56, its draw k the key 8k + c and bit k of byte 8 x block + c.
@@ -168,9 +179,8 @@ def dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M: tl
     k2, k3 = (r1 << 16) >= high, r1 >= high
     k4, k5 = (r2 << 16) >= high, r2 >= high
     k6, k7 = (r3 << 16) >= high, r3 >= high
-    packed = (k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
-              | (k4.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k6.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
-    return unpacked_keep(packed, BLOCK_M, BLOCK_N), packed.to(tl.uint8)
+    return (k0.to(tl.int32) | (k1.to(tl.int32) << 1) | (k2.to(tl.int32) << 2) | (k3.to(tl.int32) << 3)
+            | (k4.to(tl.int32) << 4) | (k5.to(tl.int32) << 5) | (k6.to(tl.int32) << 6) | (k7.to(tl.int32) << 7))
 
 
 @device_function
@@ -277,7 +287,9 @@ def attention_forward_kernel(
         code_stride_b, code_stride_t, tiles_stride_b, tiles_stride_t, table_stride_b, table_stride_h, lse_stride_bh,
         bits_stride_bh, bits_stride_t, scale, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
-        DROPOUT: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+        DROPOUT: tl.constexpr, BITS_DRAWN: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """BITS_DRAWN: with dropout, the kept pairs read from the bits `attention_dropout_bits_kernel`
+    wrote for these tiles; otherwise drawn here (and stored for the backward)."""
     sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
     dims = tl.arange(0, HEAD_DIM)
     row_valid = rows < queries
@@ -286,7 +298,7 @@ def attention_forward_kernel(
     codes_base = codes_ptr + sequence * code_stride_b
     table_row = table_offset(sequence, head, table_stride_b, table_stride_h, DENSE)
     seed = 0
-    if DROPOUT:
+    if DROPOUT and not BITS_DRAWN:
         seed = tl.load(seed_ptr)
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     running_sum = tl.full((BLOCK_M,), 0, dtype=tl.float32)
@@ -303,7 +315,11 @@ def attention_forward_kernel(
         p = exp2(scores - safe_max[:, None], INTERPRETED)
         correction = exp2(running_max - safe_max, INTERPRETED)
         running_sum = running_sum * correction + row_sum(p, INTERPRETED)
-        if DROPOUT:
+        if DROPOUT and BITS_DRAWN:  # the bits drawn beforehand for this tile
+            keep = stored_keep(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t,
+                               BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        elif DROPOUT:
             keep, packed = dropout_keep(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N,
                                         INTERPRETED)
             p = tl.where(keep, p, 0.0)  # the kept terms; 1 / (1 - dropout) applied to the output once
@@ -318,6 +334,25 @@ def attention_forward_kernel(
     lse = tl.where(seen, (running_max + tl.log2(tl.where(seen, running_sum, 1.0))) * LN2, float("inf"))  # natural log
     store_rows(out_ptr, out, sequence, head, o_stride_b, o_stride_h, o_stride_t, rows, dims, queries)
     tl.store(lse_ptr + sequence_head.to(tl.int64) * lse_stride_bh + rows, lse, mask=row_valid)
+
+
+@triton.jit
+def attention_dropout_bits_kernel(seed_ptr, key_tiles_ptr, bits_ptr, heads, queries, tiles_stride_b, tiles_stride_t,
+                                  bits_stride_bh, bits_stride_t, threshold, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The kept pairs' bits of the tiles a block of queries lists (`key_tiles`), as the forward kernel
+    draws them (`kept_bytes`: the same bytes, stored where it stores them), for a forward that reads
+    them (BITS_DRAWN): Philox's integer arithmetic here, at a kernel's full occupancy, and not in the
+    forward's loop, whose registers it set (204 against 128 a thread: two programs an SM, not four,
+    `tools/bench_kernel_code.py`)."""
+    sequence_head, sequence, head, block, rows = program_tile(heads, queries, BLOCK_M)
+    tiles = key_tiles_ptr + sequence * tiles_stride_b + block * tiles_stride_t
+    seed = tl.load(seed_ptr)
+    for tile in range(0, tl.load(tiles)):
+        column_start = tl.load(tiles + 1 + tile) * BLOCK_N
+        packed = kept_bytes(seed, sequence_head, rows, column_start, threshold, BLOCK_M, BLOCK_N, INTERPRETED)
+        tl.store(bits_address(bits_ptr, sequence_head, rows, column_start, bits_stride_bh, bits_stride_t, BLOCK_N),
+                 packed.to(tl.uint8))
 
 
 @triton.jit

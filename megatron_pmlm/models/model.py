@@ -432,6 +432,7 @@ def check_attention_backend(config: ModelConfig, device_type: str | None = None)
     elif config.attention_backend == "triton":
         problem = (bucket_attention.head_dim_problem(config.head_dim) or bucket_attention.LAUNCH_PROBLEM
                    or bucket_attention.DQ_PROBLEM or bucket_attention.BIAS_PROBLEM or bucket_attention.QKV_BIAS_PROBLEM
+                   or bucket_attention.DROPOUT_BITS_PROBLEM
                    or bucket_attention.KEY_VALUE_PROBLEM or launch_tuning.TUNING_PROBLEM
                    or (bucket_attention.device_problem(torch.device(device_type)) if device_type else None))
     if problem:
