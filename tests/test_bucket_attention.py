@@ -899,8 +899,8 @@ shape = ba.KernelShape
 same, taller, wider = (shape(64, 64, 4, 1), shape(64, 64, 4, 1)), (shape(128, 64, 4, 1), shape(64, 64, 4, 1)), \
     (shape(32, 128, 4, 1), shape(64, 64, 4, 1))
 report = {}
-for shapes, dtype, dropout in [(same, torch.float32, 0.0), (same, torch.float32, 0.1), (same, torch.bfloat16, 0.0),
-                               (same, torch.bfloat16, 0.1), (taller, torch.bfloat16, 0.1), (wider, torch.float32, 0.0)]:
+for shapes, dtype, dropout in [(same, torch.float32, 0.0), (same, torch.float32, 0.1), (same, torch.bfloat16, 0.1),
+                               (taller, torch.bfloat16, 0.1), (wider, torch.float32, 0.0)]:
     by_gemm, over_tiles = gradients(dtype, dropout, shapes, False), gradients(dtype, dropout, shapes, True)
     report[f"{shapes[0]}/{shapes[1]} {dtype} {dropout}"] = {
         "finite": all(bool(torch.isfinite(g).all()) for g in by_gemm + over_tiles),
@@ -927,7 +927,7 @@ def test_dq_over_the_listed_tiles_equals_the_gemm_and_reads_no_unwritten_score_g
     (PMLM_TRITON_DQ=kernel), where the zeros are left out too."""
     report = run_interpreted(DQ_OVER_TILES)
     assert report["default"] is False, "cuBLAS stays dQ's default until a GPU times the kernel"
-    assert len(report["cases"]) == 7
+    assert len(report["cases"]) == 6
     for case, result in report["cases"].items():
         assert result["finite"] and result["dk_dv_table_same_bits"], (case, result)
         assert result["dq"] <= (1e-6 if "float32" in case else 2 * 2.0 ** -8), (case, result)
@@ -1031,7 +1031,7 @@ def test_the_kernels_sum_the_qkv_bias_gradient_as_autograd_does():
 
 
 DROPOUT_BITS = SKIPPED_TILES_LAYOUT + r"""
-batch, heads, length, head_dim, bins = 2, 3, 150, 16, 8
+batch, heads, length, head_dim, bins = 2, 2, 150, 16, 8
 generator = torch.Generator().manual_seed(13)
 codes = layout_codes(batch, length, bins, generator)
 table = (torch.randn(heads, bins, generator=generator) * 2).requires_grad_()
