@@ -83,7 +83,8 @@ def kernel_specs(dtype: str, width: int, dropout: float, launch: tuple | None = 
         stats_stride_bh=tiled,  # the backward's padded per-row statistics
         ds_stride_b=H * ds_rows * ds_row, ds_stride_h=ds_rows * ds_row, ds_stride_t=ds_row,
         # the Q, K, V bias gradient's column sums (bucket_attention.PROJECTION_BIAS_SUMS): [B, blocks, parts, H, D]
-        sums_stride_b=-(-T // 64) * 2 * H * head_dim, sums_stride_block=2 * H * head_dim, sums_stride_part=H * head_dim,
+        sums_stride_b=-(-T // key_value.block_keys) * 2 * H * head_dim, sums_stride_block=2 * H * head_dim,
+        sums_stride_part=H * head_dim,
         **{f"{name}_stride_{axis}": value for name in ("q", "k", "v") for axis, value in zip("bht", qkv)},
         **{f"{name}_stride_{axis}": value for name in ("o", "do", "dq", "dk", "dv")
            for axis, value in zip("bht", heads_last)})

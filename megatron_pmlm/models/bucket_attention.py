@@ -220,9 +220,8 @@ accumulators' columns once a program after its loop (no work in the loop), a dQ 
 in the backward op. Compiled, Inductor's reduction that read the whole packed gradient again (3 of
 the ~46 activations a layer its kernels move, tools/bench_layer_graph.py) goes, 2 of them with dQ by
 cuBLAS. The same sums up to the order of their fp32 additions, and taken before dK's and dV's (and
-a dQ kernel's) rounding to the inputs' dtype. Read at import; `projection_bias_sums` switches it.
-QKV_BIAS_PROBLEM: what is wrong with QKV_BIAS_ENV (the model refuses to start, as for
-LAUNCH_PROBLEM)."""
+a dQ kernel's) rounding to the inputs' dtype. Read at import. QKV_BIAS_PROBLEM: what is wrong
+with QKV_BIAS_ENV (the model refuses to start, as for LAUNCH_PROBLEM)."""
 
 DROPOUT_BITS_ENV = "PMLM_TRITON_DROPOUT_BITS"
 """`forward`: the forward kernel draws the attention dropout's kept pairs itself (Philox in its loop)
@@ -986,12 +985,6 @@ def dq_over_tiles(enabled: bool):
     """dQ from dS by our kernel over the listed tiles (`DQ_OVER_TILES`) or by cuBLAS inside the block:
     how the attention tool times both."""
     return _module_setting("DQ_OVER_TILES", enabled)
-
-
-def projection_bias_sums(enabled: bool):
-    """The fused projection's bias gradient from the kernels (`PROJECTION_BIAS_SUMS`) or from autograd
-    inside the block."""
-    return _module_setting("PROJECTION_BIAS_SUMS", enabled)
 
 
 def dropout_bits_apart(enabled: bool):
