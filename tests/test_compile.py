@@ -699,11 +699,14 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
     GELU's backward is our kernel, which sums the FFN bias gradient (no Inductor kernel reads it again);
     the attention kernels sum the Q, K, V bias gradient (no Inductor reduction of the packed gradient);
     the residual sums saved rather than recomputed move fewer bytes than the partitioner's choice;
+    with --gemm-templates the GEMMs are Inductor's Triton templates, the forward's GELU fused into one, and
+    the layer's bytes, GEMMs included, fewer than with cuBLAS's;
     the process's torch.cuda answers as before once the schedule is made."""
     tool = ["bench_layer_graph.py", "--preset", "tiny", "--width", "32", "--micro-batch-size", "4"]
     reports = {}
     for name, flags, env in (("0.1", ["--dropout", "0.1", "--instructions"], None), ("0", ["--dropout", "0"], None),
                              ("recomputed", ["--dropout", "0.1", "--recompute-residual-sums"], None),
+                             ("templates", ["--dropout", "0.1", "--gemm-templates"], None),
                              # both former ways in one run: Inductor's dropout draws, autograd's Q, K, V bias sums
                              ("inductor drawn", ["--dropout", "0.1"], {"PMLM_HIDDEN_DROPOUT": "torch",
                                                                        "PMLM_TRITON_QKV_BIAS_GRADIENT": "autograd"})):
@@ -713,6 +716,21 @@ def test_the_layer_graph_tool_schedules_the_compiled_layer_for_a_gpu(tmp_path):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         reports[name] = json.loads(result.stdout)  # --json -: the figures alone on standard output
     report, plain, recomputed, inductor_drawn = (reports[name] for name in ("0.1", "0", "recomputed", "inductor drawn"))
+    # --gemm-templates (as TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 where templates win): the layer's 12 GEMMs are
+    # cuBLAS calls by default and Inductor's Triton templates there, the forward's bias + GELU fused into the
+    # FFN GEMMs (no GELU kernel of its own), fewer bytes in all
+    templates = reports["templates"]
+    assert sum(graph["gemms"] for graph in report["graphs"].values()) == 12, report["graphs"]
+    assert not any(node["kind"] == "gemm" for graph in report["graphs"].values() for node in graph["nodes"])
+    assert sum(graph["gemms"] for graph in templates["graphs"].values()) == 12, templates["graphs"]
+    assert templates["graphs"]["forward"]["gemm_templates"] == 4, templates["graphs"]["forward"]["nodes"]
+    forward_nodes = templates["graphs"]["forward"]["nodes"]
+    # (the second FFN GEMM may take GELU into its prologue too, recomputing it from the pre-activation)
+    assert {node["kind"] for node in forward_nodes if "erf" in node["ops"]} == {"gemm"}, forward_nodes
+    assert templates["memory_bound_activations_per_layer"] < report["memory_bound_activations_per_layer"] - 5, \
+        (templates["memory_bound_activations_per_layer"], report["memory_bound_activations_per_layer"])
+    with_gemms = [run["memory_bound_activations_per_layer"] + run["gemm_activations_per_layer"] for run in (report, templates)]
+    assert with_gemms[1] < with_gemms[0], with_gemms
     # the residual sums saved (models.model.RESIDUAL_SUMS_SAVED): one more activation written forward,
     # the backward's recomputation of the attention block's sum (and its fp32 round trip) gone
     assert report["residual_sums_saved"] and not recomputed["residual_sums_saved"]

@@ -6,6 +6,7 @@ each one reads and writes.
     python tools/bench_layer_graph.py [--preset base] [--width 176] [--micro-batch-size 256] [--json FILE]
     python tools/bench_layer_graph.py --width 176 --micro-batch-size 256 --trace gpu-check/.../x.pretrain.trace.json
     python tools/bench_layer_graph.py --instructions
+    python tools/bench_layer_graph.py --gemm-templates       # the GEMMs as Inductor's Triton templates, epilogues fused
 
 Why: on the H100s `make gpu-check` ran, Inductor's fused elementwise kernels (GELU, the residual,
 dropout and LayerNorm, the bias gradients) took ~21 ms of pretrain's ~86 ms compiled step at seq 128 x
@@ -27,6 +28,12 @@ With `--trace`, a GPU step's Chrome trace at the same shape gives each of these 
 `--instructions`, each kernel is also compiled for SM 9.0 (Triton's compiler and cuobjdump, still no
 GPU) and its SASS instructions an element give an issue floor beside the bytes' floor: a kernel whose
 instructions take longer than its bytes is slow for its arithmetic (Inductor's dropout draws were).
+With `--gemm-templates`, the layer's GEMMs are Inductor's Triton templates instead of cuBLAS calls, as
+`TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1` makes them where its autotuner times a template faster (every
+template is given the same time here, cuBLAS a longer one: which template's launch wins does not
+matter to the bytes), with the elementwise work Inductor fuses into them (`benchmark_epilogue_fusion`
+off: fused where its heuristics allow): what that mode could save of the fused kernels' bytes, before a
+GPU says whether the templates keep cuBLAS's speed.
 Figures: docs/benchmarks.md, "The compiled layer's kernels on a GPU".
 """
 
@@ -274,13 +281,54 @@ def _describe(node, kernel_names: dict[str, str]) -> dict:
         if ops[0] in OUR_MEMORY_BOUND_KERNELS:
             kind, kernel_names = "ours", {node.get_name(): OUR_MEMORY_BOUND_KERNELS[ops[0]]}
     else:
-        kind = "none" if isinstance(node, NopKernelSchedulerNode) else "triton"
+        kind = "none" if isinstance(node, NopKernelSchedulerNode) else "gemm" if node.is_template() else "triton"
         targets = {origin.target for sub in node.get_nodes() for origin in getattr(sub.node, "origins", ())
                    if origin.op == "call_function"}
         ops = sorted({getattr(target, "__name__", str(target)).split(".")[0] for target in targets})
     kernels = sorted({kernel_names[part.get_name()] for part in node.get_nodes() if part.get_name() in kernel_names})
+    # a GEMM template with what it fused: Inductor's own count leaves out the buffers its prologue and main
+    # loop read (it counted 0.2 activations for a weight gradient reading 5): every buffer it reads or writes
+    moved = _buffer_bytes(node) if kind == "gemm" else int(node.get_read_write_buffers_sizes())
     return {"node": node.get_name(), "kind": kind, "kernel": ", ".join(kernels) or ops[0], "ops": ops,
-            "bytes": int(node.get_read_write_buffers_sizes())}
+            "bytes": moved}
+
+
+def _buffer_bytes(node) -> int:
+    """The bytes of every buffer a scheduled node reads or writes, each once (an epilogue that reads the
+    template's output in place counts it once)."""
+    from torch._inductor.virtualized import V
+
+    total = 0
+    for name in sorted({dependency.name for dependency in (*node.read_writes.reads, *node.read_writes.writes)}):
+        buffer = V.graph.try_get_buffer(name)
+        if buffer is None:
+            continue
+        total += int(torch.Size(int(size) for size in buffer.get_size()).numel()) * buffer.get_dtype().itemsize
+    return total
+
+
+GEMM_EXTERNS = {"mm", "addmm", "bmm", "baddbmm", "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+                "SubgraphBuffer"}
+"""Extern calls that are GEMMs, counted beside the templates as the layer's GEMM bytes: cuBLAS calls, and a
+GEMM the autotuner split along its long reduction dimension (`SubgraphBuffer`: decompose-k, a choice
+that is not a template)."""
+GEMM_TEMPLATE_SETTINGS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "TRITON",
+                          "benchmark_epilogue_fusion": False}
+"""`--gemm-templates`: every GEMM one of Inductor's Triton templates, epilogues fused where Inductor's
+heuristics allow (no timing of the fusion: there is no GPU)."""
+
+
+@contextlib.contextmanager
+def templates_timed_alike():
+    """Inductor's autotuner answered without a device: every template choice the same time, any extern
+    (cuBLAS) choice a longer one."""
+    from torch._inductor import select_algorithm
+
+    def benchmark(self, choices, *args, **kwargs):
+        return {choice: 2.0 if isinstance(choice, select_algorithm.ExternKernelCaller) else 1.0 for choice in choices}
+
+    with unittest.mock.patch.object(select_algorithm.AlgorithmSelectorCache, "benchmark", benchmark):
+        yield
 
 
 H100_SXM_ISSUE = (132, 4, 1.98e9)
@@ -454,37 +502,48 @@ def parse_settings(texts: list[str]) -> tuple[dict, dict]:
 
 
 def layer_report(preset: str, batch: int, width: int, dropout: float | None, bandwidth_tbps: float,
-                 settings: list[str] | None = None, residual_sums_saved: bool = True, instructions: bool = False) -> dict:
+                 settings: list[str] | None = None, residual_sums_saved: bool = True, instructions: bool = False,
+                 gemm_templates: bool = False) -> dict:
     """Both graphs' schedules with their totals (see the module docstring), under `settings`
     (`parse_settings`) and `residual_sums_saved` (`capture_layer_graphs`); with `instructions`, each
     fused kernel's SASS instructions an element and its issue floor beside its bytes' floor
-    (`kernel_instructions`)."""
+    (`kernel_instructions`); with `gemm_templates`, the GEMMs as Inductor's Triton templates
+    (GEMM_TEMPLATE_SETTINGS, `templates_timed_alike`)."""
     import torch._inductor.config as inductor_config
 
     inductor_settings, functorch_settings = parse_settings(settings or [])
+    if gemm_templates:
+        inductor_settings = {**GEMM_TEMPLATE_SETTINGS, **inductor_settings}
     graphs, config = capture_layer_graphs(preset, batch, width, dropout, functorch_settings, residual_sums_saved)
     activation = batch * width * config.hidden_size * 2  # one [tokens, hidden] bf16 tensor
     report = {"preset": preset, "micro_batch_size": batch, "width": width, "hidden_size": config.hidden_size,
               "num_layers": config.num_layers, "dropout": config.hidden_dropout, "activation_bytes": activation,
               "bandwidth_tbps": bandwidth_tbps, "settings": list(settings or []),
-              "residual_sums_saved": residual_sums_saved, "graphs": {}}
+              "residual_sums_saved": residual_sums_saved, "gemm_templates": gemm_templates, "graphs": {}}
     codes = []
-    with fake_cuda_device(), inductor_config.patch(inductor_settings):
+    with fake_cuda_device(), inductor_config.patch(inductor_settings), \
+            (templates_timed_alike() if gemm_templates else contextlib.nullcontext()):
         for name, (graph, inputs, kwargs) in zip(("forward", "backward"), graphs):
             nodes, code = schedule_for_cuda(graph, inputs, kwargs)
             codes.append(code)
             nodes = [node for node in nodes if node["kind"] != "none"]
             fused = sum(node["bytes"] for node in nodes if node["kind"] == "triton")
             ours = sum(node["bytes"] for node in nodes if node["kind"] == "ours")
+            gemms = [node for node in nodes if node["kind"] == "gemm"
+                     or (node["kind"] == "extern" and node["ops"][0] in GEMM_EXTERNS)]
             report["graphs"][name] = {
                 "nodes": nodes, "triton_launches": code.count(".run("),
                 "our_kernels": sum(1 for node in nodes if node["kind"] == "ours"),
                 "extern_calls": sum(1 for node in nodes if node["kind"] == "extern"),
+                "gemm_templates": sum(1 for node in nodes if node["kind"] == "gemm"),
                 "triton_bytes": fused, "our_bytes": ours,
                 "extern_bytes": sum(node["bytes"] for node in nodes if node["kind"] == "extern"),
+                # cuBLAS calls and templates alike: their operands, outputs and what a template fused
+                "gemm_bytes": sum(node["bytes"] for node in gemms), "gemms": len(gemms),
                 "memory_bound_activations": (fused + ours) / activation}
     moved = sum(graph["triton_bytes"] + graph["our_bytes"] for graph in report["graphs"].values())
     report["memory_bound_activations_per_layer"] = moved / activation
+    report["gemm_activations_per_layer"] = sum(graph["gemm_bytes"] for graph in report["graphs"].values()) / activation
     report["memory_bound_floor_ms_per_step"] = moved * config.num_layers / (bandwidth_tbps * 1e12) * 1e3
     if instructions:
         # the kernels moving at least 1% of an activation (seeds, concatenations of weights: not worth compiling)
@@ -540,7 +599,8 @@ def trace_bandwidth(report: dict, trace_path: str) -> dict:
 def print_report(report: dict) -> None:
     print(f"{report['preset']} layer, micro batch {report['micro_batch_size']} x width {report['width']}, dropout "
           f"{report['dropout']}{', ' + ', '.join(report['settings']) if report['settings'] else ''}"
-          f"{'' if report['residual_sums_saved'] else ', residual sums recomputed'}: "
+          f"{'' if report['residual_sums_saved'] else ', residual sums recomputed'}"
+          f"{', GEMMs as Triton templates' if report['gemm_templates'] else ''}: "
           f"one activation = {report['activation_bytes'] / 1e6:.1f} MB")
     for name, graph in report["graphs"].items():
         print(f"\n{name}: {graph['triton_launches']} Triton launches of Inductor's, {graph['our_kernels']} of ours, "
@@ -560,6 +620,10 @@ def print_report(report: dict) -> None:
     print(f"\nmemory-bound kernels: {report['memory_bound_activations_per_layer']:.2f} activations a layer; x "
           f"{report['num_layers']} layers at {report['bandwidth_tbps']} TB/s: {report['memory_bound_floor_ms_per_step']:.2f} "
           f"ms a step at least")
+    gemms = sum(graph["gemms"] for graph in report["graphs"].values())
+    print(f"GEMMs ({gemms}, {'Triton templates with what they fused' if report['gemm_templates'] else 'cuBLAS'}): their "
+          f"operands and outputs {report['gemm_activations_per_layer']:.2f} activations a layer; with the memory-bound "
+          f"kernels {report['memory_bound_activations_per_layer'] + report['gemm_activations_per_layer']:.2f}")
     if "issue_rate" in report:
         rate = report["issue_rate"]
         slower = sorted({node["kernel"] for graph in report["graphs"].values() for node in graph["nodes"]
@@ -603,6 +667,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="also compile each fused kernel moving >= 1%% of an activation for SM 9.0 (Triton's compiler "
                         "and cuobjdump, no GPU): SASS instructions an element, and the time issuing them takes at least "
                         "beside the bytes' floor")
+    parser.add_argument("--gemm-templates", action="store_true",
+                        help="the GEMMs as Inductor's Triton templates with the elementwise work it fuses into them "
+                        "(as TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 where a template times faster than cuBLAS): what that "
+                        "mode could save of the fused kernels' bytes")
     parser.add_argument("--json", help="also write the figures to this file ('-': standard output)")
     args = parser.parse_args(argv)
     from megatron_pmlm.config import PRESETS
@@ -633,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
     with logs_to_stderr(args.json):
         report = layer_report(args.preset, args.micro_batch_size, args.width, args.dropout, args.bandwidth,
                               args.config, residual_sums_saved=not args.recompute_residual_sums,
-                              instructions=args.instructions)
+                              instructions=args.instructions, gemm_templates=args.gemm_templates)
         if args.trace:
             try:
                 report["trace"] = trace_bandwidth(report, args.trace)
