@@ -82,15 +82,17 @@ bias and its gradient against FlexAttention with the dense bias, the model's fle
 seq 512, where attention weighs most (~60 TFLOP/s on the first H100s: 20% of the compiled step at
 seq 128, more at 512); after the eager rows at the large micro batches, before the compiled ones."""
 TRITON_KERNEL_SHAPES = ("64x64w4s1/64x64w4s1,64x64w4s2/64x64w4s2,64x64w4s2/64x64w4s1,64x64w4s1/64x64w4s2,"
-                        "128x64w8s1/64x64w4s1,64x64w4s1r168/64x64w4s1,64x64w4s1r168/64x64w4s1r168")
+                        "128x64w8s1r128/64x64w4s1,64x64w4s1/64x64w8s1r128,64x64w4s1/64x64w4s1r168")
 """The triton backend's kernels launched as given beside the `triton` row (whose launch the tuner
 chooses: models/launch_tuning.py), as `bench_attention_kernels.py --triton-shapes` rows: forward and
 dQ / dK, dV, dS (tiles queries x keys, warps, pipeline stages): the base launch untuned (64x64w4s1
 for all three, the fastest on the seventh run's H100), two stages for both passes (the former
 default: 4.90 ms a layer at seq 512 x 64 there against 3.27 with one) and for either, 128 queries a
-tile with 8 warps for the forward, and the forward (then both passes) capped at 168 registers a
-thread (three programs an SM instead of two: no spill in the forward, 64 bytes in the key/value
-pass; `tools/bench_kernel_code.py`); the fastest that is the same attention launches the triton
+tile with 8 warps for the forward (capped at 128 registers a thread: two programs an SM, 16 bytes
+spilled), the key/value pass with 8 warps capped at 128 registers (two programs of 8 warps an SM
+where the default runs two of 4: ptxas gives a thread ~220 registers whatever the warps; 144 bytes
+spilled) and with 4 capped at 168 (three programs an SM, 72 bytes spilled; the tuner also tries this
+cap, not other warps); `tools/bench_kernel_code.py`. The fastest that is the same attention launches the triton
 rows after it (`fastest_triton_launch`; the tuned row: the rows tune), and a GPU where a given
 launch beats the tuned one says which to offer the tuner."""
 ATTENTION_PRIORITY = 0.55
