@@ -57,16 +57,24 @@ def test_plan_times_the_real_path_once_per_shape_at_the_preferred_precision():
     assert [gpu_check.bench_name(s, "base") for s in large if s["traced"]] == [
         "base-seq128-bf16-sdpa", "base-seq128-bf16-sdpa-compile-mb256"]  # the compiled step sized to the card too
     assert len(large) == 14 and [spec["priority"] for spec in large] == sorted(spec["priority"] for spec in large)
-    # pretrain's step accumulating micro batches (as a run of the paper's global batch does), after the
-    # compiled large-batch rows, before the compiled rows at the first shapes.
+    # pretrain's step accumulating micro batches (as a run of the paper's global batch does: 15 of 64 at
+    # seq 512 on 8 GPUs), as the goal rows run (compiled, the kernel backend), after the compiled
+    # large-batch rows, before the compiled rows at the first shapes.
     accumulated = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
                                        large_batches=gpu_check.LARGE_BATCH_SHAPES,
-                                       accumulation=gpu_check.ACCUMULATION_SHAPES)
-    assert [gpu_check.bench_name(spec, "base") for spec in accumulated][5:7] == [
-        "base-seq512-bf16-sdpa-compile-mb64", "base-seq128-bf16-sdpa-ga8"]
-    (row,) = [spec for spec in accumulated if spec.get("name_suffix") == "-ga8"]
+                                       accumulation=gpu_check.ACCUMULATION_SHAPES, kernel_backends=("triton",))
+    assert [gpu_check.bench_name(spec, "base") for spec in accumulated][8:12] == [
+        "base-seq128-bf16-triton-compile-mb256", "base-seq512-bf16-triton-compile-mb64",
+        "base-seq512-bf16-triton-compile-mb64-ga15", "base-seq128-bf16-sdpa-compile"]
+    (row,) = [spec for spec in accumulated if spec.get("name_suffix") == "-mb64-ga15"]
     assert (row["micro_batch"], row["flags"], row["real"], row["traced"], gpu_check.minimum_seconds(row)) == (
-        64, ["--deepspeed", "--gradient-accumulation-steps", "8"], True, False, gpu_check.MIN_REAL_STEP_SECONDS)
+        64, [*gpu_check.COMPILE_FLAGS, "--gradient-accumulation-steps", "15"], True, False,
+        gpu_check.MIN_COMPILE_STEP_SECONDS)
+    # without a kernel backend or bench_train's --compile: sdpa, eager
+    (row,) = [spec for spec in gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=False,
+                                                    accumulation=gpu_check.ACCUMULATION_SHAPES) if "-ga" in spec.get("name_suffix", "")]
+    assert gpu_check.bench_name(row, "base") == "base-seq512-bf16-sdpa-mb64-ga15"
+    assert row["flags"] == ["--deepspeed", "--gradient-accumulation-steps", "15"]
     # The triton backend's pretrain step at the large micro batches, right after sdpa's there.
     kernels = gpu_check.bench_plan(gpu_check.BENCH_SHAPES, ("bf16",), ("sdpa",), "bf16", compile_rows=True,
                                    large_batches=gpu_check.LARGE_BATCH_SHAPES, kernel_backends=("triton",))

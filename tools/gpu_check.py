@@ -67,12 +67,15 @@ batch, eager and compiled: those used 6-7 GB of an H200 (the paper's micro batch
 32 GB V100), and a step's fixed host cost (launches, DeepSpeed's per-parameter Python) weighs less
 in a larger one, as in a run sized to the card (on one H100: 18 GB at these). Peak memory is in the
 row."""
-ACCUMULATION_SHAPES = ((128, 64, 8),)
-"""(sequence length, micro batch, micro batches a step) of pretrain's step once more, eager, with
-gradient accumulation: a run of the paper's global batch takes several micro batches an optimizer
-step (7,680 sequences: 15 micro batches of 64 on 8 GPUs), and DeepSpeed's ZeRO-1 reduction and
-optimizer step, ~11 ms of the 46 ms step at seq 128 x 64 on one H100, come once per step. Its MFU
-is the per-micro-batch figure such a run sees; the K = 1 rows stay the worst case."""
+ACCUMULATION_SHAPES = ((512, 64, 15),)
+"""(sequence length, micro batch, micro batches a step) of pretrain's step once more, with gradient
+accumulation, as the goal rows run it (compiled, with the kernel backend where it runs: triton):
+a run of the paper's global batch takes several micro batches an optimizer step (7,680 sequences of
+512: 15 micro batches of 64 on each of 8 GPUs), and DeepSpeed's ZeRO-1 reduction and optimizer step
+(flatten, copies back, the step, the bf16 copy: ~11 ms of the 46 ms step at seq 128 x 64 on one
+H100, most of it host time with little GPU work under it) come once per step, not once per micro
+batch. Its MFU is the per-micro-batch figure such a run sees (less its all-reduce); the rows of one
+micro batch a step stay the worst case."""
 COMPILE_FLAGS = ("--compile", "--deepspeed", "--skip-host-proxy")
 """bench_train's flags of a `--compile` row: the bare model and pretrain's step compiled; without the
 host proxy, whose shape (micro batch 1, seq 16) would be one more compilation (30-90 s of the lease)."""
@@ -278,7 +281,8 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
     Face; the trace at seq 128, or at the first shape without one) per shape; then pretrain's step
     at each of `large_batches` (named with its micro batch), eager, then compiled where bench_train
     has --compile (traced at the traced length); then pretrain's step with the gradient accumulation
-    of each of `accumulation` (seq, micro batch, k; eager, named `-ga<k>`); then the --compile row per
+    of each of `accumulation` (seq, micro batch, k; named `-mb<micro batch>-ga<k>`; compiled where
+    bench_train has --compile, with the first of `kernel_backends` if any: the goal rows' step); then the --compile row per
     shape (pretrain's step compiled too); then the other backends at the preferred precision; then the
     other precisions. Each of `kernel_backends` (triton) times pretrain's step at the large micro
     batches, eager right after sdpa's eager rows there, compiled (and traced, at every length) right
@@ -320,11 +324,13 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
                              # triton runs (auto), whose kernels say where its time goes
                              "traced": kind == "compile", "name_suffix": f"-mb{micro_batch}",
                              "priority": 0.6 if kind == "eager" else 1.1})
-    for seq_length, micro_batch, steps in accumulation:
-        plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred, "backend": "sdpa",
-                     "kind": "eager", "real": True,
-                     "flags": ["--deepspeed", "--gradient-accumulation-steps", str(steps)], "traced": False,
-                     "name_suffix": f"-ga{steps}", "priority": 1.25})
+    for seq_length, micro_batch, steps in accumulation:  # as the goal rows: compiled, the kernel backend
+        kind = "compile" if compile_rows else "eager"
+        plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
+                     "backend": kernel_backends[0] if kernel_backends else "sdpa", "kind": kind, "real": True,
+                     "flags": [*(COMPILE_FLAGS if kind == "compile" else ["--deepspeed"]),
+                               "--gradient-accumulation-steps", str(steps)], "traced": False,
+                     "name_suffix": f"-mb{micro_batch}-ga{steps}", "priority": 1.25})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
 
