@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from pmlm_testing import REPO_ROOT, run_module
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 import bench_train  # noqa: E402
+import gpu_check  # noqa: E402
 
 from megatron_pmlm.models.layout import IGNORE_INDEX, MASKED, PSEUDO  # noqa: E402
 
@@ -125,10 +127,40 @@ def test_the_device_timeline_counts_overlapping_kernels_once_and_the_gaps_as_idl
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps({"traceEvents": events}))
     assert bench_train.device_timeline(str(trace)) == {"span_ms": 0.025, "busy_ms": 0.017, "idle_ms": 0.008,
-                                                        "kernels": 3}
+                                                        "kernels": 3, "ms_by_kind": {"other": 0.017,
+                                                                                     "copies and fills": 0.005}}
     trace.write_text(json.dumps({"traceEvents": events[3:]}))
     assert bench_train.device_timeline(str(trace)) is None
     assert bench_train.companion_trace_path("/o/base.trace.json", "pretrain") == "/o/base.pretrain.trace.json"
+
+
+def test_the_device_timeline_sums_the_kernels_time_by_kind(tmp_path):
+    """Where a busy step's GPU time goes: kernels named as an H100 trace names them (cuBLAS's, our Triton
+    kernels', Inductor's, torch's attention and optimizer, NCCL's), summed by kind, largest first."""
+    names = {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMMs", "nvjet_tst_128x256_64x4_1x2_h_bz_TNT":
+        "GEMMs", "triton_tem_fused_addmm_gelu_t_view_6": "GEMMs",
+        "attention_backward_key_value_kernel": "attention, ours", "bucket_sums_kernel": "attention, ours",
+        "attention_dropout_bits_kernel": "attention, ours",
+        "gelu_backward_kernel": "other Triton kernels of ours", "dropout_keep_bits_kernel": "other Triton kernels of ours",
+        "triton_per_fused_native_layer_norm_backward_3": "Inductor's fused kernels",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionKernel)": "attention, torch's",
+        "void multi_tensor_apply_kernel<FusedAdamMathFunctor>": "optimizer",
+        "ncclDevKernel_AllReduce_Sum_bf16_RING_LL": "communication",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other"}
+    assert {name: bench_train.kernel_kind(name) for name in names} == names
+    assert bench_train.kernel_kind("Memcpy DtoD (Device -> Device)", "gpu_memcpy") == "copies and fills"
+    events = [{"ph": "X", "cat": "kernel", "name": name, "ts": 10 * index, "dur": index + 1}
+              for index, name in enumerate(names)]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    kinds = bench_train.device_timeline(str(trace))["ms_by_kind"]
+    expected: dict[str, float] = {}
+    for index, kind in enumerate(names.values()):
+        expected[kind] = expected.get(kind, 0.0) + (index + 1) / 1e3
+    assert kinds == pytest.approx(expected) and list(kinds.values()) == sorted(kinds.values(), reverse=True)
+    line = gpu_check._timeline(bench_train.device_timeline(str(trace)))
+    assert f"Kernel time by kind: {next(iter(kinds))} {next(iter(kinds.values())):.1f} ms" in line, line
 
 
 def test_pretrain_s_step_is_timed_and_signals_keep_their_meaning(pretraining_samples, tmp_path):

@@ -598,19 +598,52 @@ def profile_step(step, device: torch.device, trace_path: str, top: int = 20) -> 
 
 DEVICE_EVENT_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 """Chrome-trace categories of work on the GPU (torch.profiler's export)."""
+KERNEL_KINDS = (
+    ("attention, ours", ("attention_", "bucket_sums_kernel", "dense_bias_kernel", "dropout_keep_kernel")),
+    ("other Triton kernels of ours", ("gelu_backward_kernel", "dropout_keep_bits_kernel")),
+    ("GEMMs", ("triton_tem_", "gemm", "xmma", "nvjet", "cublas", "sm90_", "sm80_", "ampere_")),
+    ("Inductor's fused kernels", ("triton_",)),
+    ("attention, torch's", ("fmha", "flash", "attention")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("communication", ("nccl",)),
+)
+"""A GPU kernel's kind by its name (the first kind one of whose fragments its lowercased name contains;
+those beginning `triton_`, Inductor's kernel names, it must begin with): our attention kernels (models/
+bucket_attention_triton.py, bucket_sums_triton.py), our other Triton kernels (the FFN's GELU backward,
+hidden dropout's bits), GEMMs (cuBLAS and CUTLASS, Inductor's GEMM templates), Inductor's fused
+elementwise and reduction kernels, torch's own attention (SDPA's fused kernels), DeepSpeed's and torch's
+optimizer steps, NCCL; copies and fills by their trace category; the rest "other" (torch's eager
+elementwise, index and embedding kernels)."""
+
+
+def kernel_kind(name: str, category: str = "kernel") -> str:
+    """`KERNEL_KINDS`' kind of one GPU event of a Chrome trace."""
+    if category in ("gpu_memcpy", "gpu_memset"):
+        return "copies and fills"
+    lowered = name.lower()
+    for kind, fragments in KERNEL_KINDS:
+        if any(lowered.startswith(fragment) if fragment.startswith("triton_") else fragment in lowered
+               for fragment in fragments):
+            return kind
+    return "other"
 
 
 def device_timeline(trace_path: str) -> dict | None:
     """From a traced step's Chrome trace: the span from its first GPU kernel to its last, the time
     the GPU was busy in it (the union of kernel intervals, streams overlapping) and the rest, idle,
-    where it waited for the host to launch the next kernel. None without GPU events (a CPU trace).
-    A step mostly idle is bound by the host's launches; one mostly busy, by its kernels."""
+    where it waited for the host to launch the next kernel; and the kernels' time by kind
+    (`kernel_kind`, ms, largest first: where a busy step's time goes). None without GPU events (a
+    CPU trace). A step mostly idle is bound by the host's launches; one mostly busy, by its kernels."""
     events = json.loads(Path(trace_path).read_text())
     events = events.get("traceEvents", []) if isinstance(events, dict) else events
-    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
-                       if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES)
+    device_events = [e for e in events if e.get("ph") == "X" and e.get("cat") in DEVICE_EVENT_CATEGORIES]
+    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device_events)
     if not intervals:
         return None
+    by_kind: dict[str, float] = {}
+    for event in device_events:
+        kind = kernel_kind(str(event.get("name", "")), event["cat"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + float(event.get("dur", 0)) / 1e3
     busy, (current_start, current_end) = 0.0, intervals[0]
     for start, end in intervals[1:]:
         if start > current_end:
@@ -621,7 +654,7 @@ def device_timeline(trace_path: str) -> dict | None:
     busy += current_end - current_start
     span = current_end - intervals[0][0]  # the last merged run ends last
     return {"span_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-            "kernels": len(intervals)}
+            "kernels": len(intervals), "ms_by_kind": dict(sorted(by_kind.items(), key=lambda item: -item[1]))}
 
 
 def companion_trace_path(trace_path: str, what: str) -> str:

@@ -587,9 +587,13 @@ def _timeline(timeline: dict | None) -> str:
     """One line: how much of the traced step the GPU was busy (bench_train.device_timeline)."""
     if not timeline:
         return "GPU timeline: none (no GPU events in this trace)."
-    return (f"GPU timeline: {timeline['kernels']:,} kernels over {timeline['span_ms']:.1f} ms, busy "
+    line = (f"GPU timeline: {timeline['kernels']:,} kernels over {timeline['span_ms']:.1f} ms, busy "
             f"{timeline['busy_ms']:.1f} ms, idle {timeline['idle_ms']:.1f} ms "
             f"({timeline['idle_ms'] / max(timeline['span_ms'], 1e-9):.0%}: waiting for the host's launches).")
+    kinds = timeline.get("ms_by_kind")  # reports written before the breakdown lack it
+    if kinds:
+        line += " Kernel time by kind: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in kinds.items()) + "."
+    return line
 
 
 def environment_settings(environ=None) -> dict[str, str]:
