@@ -272,6 +272,11 @@ def bench_has_compile() -> bool:
     return "--compile" in result.stdout
 
 
+def pretrain_step_flags(kind: str) -> list[str]:
+    """bench_train's flags for a row that times pretrain's step, eager or compiled."""
+    return list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"]
+
+
 def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], preferred: str,
                compile_rows: bool, large_batches: Sequence[tuple[int, int]] = (),
                accumulation: Sequence[tuple[int, int, int]] = (),
@@ -307,7 +312,7 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
         for kind in ("eager", "compile") if compile_rows else ("eager",):
             plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                          "backend": "sdpa", "kind": kind, "real": True,
-                         "flags": list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"],
+                         "flags": pretrain_step_flags(kind),
                          # the compiled step traced too, at the traced length: where a step sized to the
                          # card spends its time once the host is hidden
                          "traced": kind == "compile" and seq_length == traced_length,
@@ -319,7 +324,7 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
             for kind in ("eager", "compile") if compile_rows else ("eager",):
                 plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                              "backend": backend, "kind": kind, "real": True,
-                             "flags": list(COMPILE_FLAGS) if kind == "compile" else ["--deepspeed"],
+                             "flags": pretrain_step_flags(kind),
                              # compiled, traced at every length: the default path's step where
                              # triton runs (auto), whose kernels say where its time goes
                              "traced": kind == "compile", "name_suffix": f"-mb{micro_batch}",
@@ -328,8 +333,8 @@ def bench_plan(shapes, precisions: Sequence[str], backends: Sequence[str], prefe
         kind = "compile" if compile_rows else "eager"
         plan.append({"seq_length": seq_length, "micro_batch": micro_batch, "precision": preferred,
                      "backend": kernel_backends[0] if kernel_backends else "sdpa", "kind": kind, "real": True,
-                     "flags": [*(COMPILE_FLAGS if kind == "compile" else ["--deepspeed"]),
-                               "--gradient-accumulation-steps", str(steps)], "traced": False,
+                     "flags": [*pretrain_step_flags(kind), "--gradient-accumulation-steps", str(steps)],
+                     "traced": False,
                      "name_suffix": f"-mb{micro_batch}-ga{steps}", "priority": 1.25})
     return sorted(plan, key=lambda spec: spec["priority"])  # stable: shapes keep their order in a group
 
